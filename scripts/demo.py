@@ -6,26 +6,39 @@ with the stock fairseq CLIs, decode the test set with beam search and print a re
 Every arch gets the same model size and the same update budget (``--max-update``), so the table
 compares architectures, not budgets. Derived rows (a converted checkpoint, a fine-tune) start from
 the checkpoint of the row they name in ``DEMO[arch]["from"]``.
+
+Rows run two at a time on two cores (``--jobs``; each fairseq process gets one thread: two
+one-thread trainings do ~1.6x the updates of one two-thread training here), so every row's words/s
+is measured next to one other running row. Each row's commands are fingerprinted in
+``work/demo/ARCH/row.json``; a later ``make demo`` with an identical row (same commands, same
+parent row) reuses its checkpoint and scores instead of retraining (``--rerun`` retrains).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
 
-# one model size for every MT arch: d 128, ffn 512, 4 heads, 2+2 layers, shared embeddings
+# one model size for every MT arch: d 128, ffn 512, 4 heads, 2+2 layers, shared embeddings.
+# Tuned for a short CPU budget on this corpus (measured, docs/demo_results.md): residual dropout 0
+# (a 2-epoch run underfits; 0.1 cost ~3 valid ppl at 1,500 updates), Adam lr 2e-3 with post-norm
+# (1e-3 and 4e-3 were clearly worse, pre-norm at 3e-3 slightly worse).
 COMMON = ("--encoder-embed-dim 128 --encoder-ffn-embed-dim 512 --encoder-attention-heads 4 "
           "--encoder-layers 2 --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 "
           "--decoder-attention-heads 4 --decoder-layers 2 --share-all-embeddings "
-          "--dropout 0.1 --attention-dropout 0.1 --weight-decay 0.0001 "
+          "--dropout 0.0 --attention-dropout 0.1 --weight-decay 0.0001 "
           "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 "
           "--optimizer adam --adam-betas (0.9,0.98) --lr 0.002 --lr-scheduler inverse_sqrt "
           "--warmup-updates 300 --clip-norm 1.0 --max-tokens 1024 --max-source-positions 256 "
@@ -49,12 +62,17 @@ DEMO = {
     "transformer_pkm": {"flags": "--pkm-n-keys 128 --pkm-k-dim 64 --pkm-heads 4 --pkm-knn 16 "
                                  "--optimizer pkm_adam --pkm-values-lr 0.005",
                         "notes": "product-key memory, 16,384 slots, sparse value updates"},
-    "transformer_collab": {"flags": "--collab-key-dim 64",
-                           "notes": "collaborative heads from scratch, D~k 64 (half of 128)"},
+    "transformer_collab": {"flags": "--collab-key-dim 128",
+                           "notes": "collaborative heads from scratch, D~k 128 (= H d_k at this size)"},
+    "transformer_collab64": {"arch": "transformer_collab", "flags": "--collab-key-dim 64",
+                             "notes": "collaborative heads from scratch, D~k 64 (half)"},
     # derived rows: re-parametrise the vanilla checkpoint (CP decomposition), then fine-tune it
     "collab_convert64": {"from": "transformer", "notes": "vanilla converted to D~k 64, no fine-tune",
                          "convert": "{repo}/scripts/collab_reparametrize.py {src} {out} "
                                     "--key-dim 64 --quiet"},
+    "collab_convert32": {"from": "transformer", "notes": "vanilla converted to D~k 32, no fine-tune",
+                         "convert": "{repo}/scripts/collab_reparametrize.py {src} {out} "
+                                    "--key-dim 32 --quiet"},
     "collab_convert64_ft": {"arch": "transformer_collab", "from": "collab_convert64",
                             "flags": "--collab-key-dim 64 --lr 0.0005 --warmup-updates 50",
                             "max_update": 300, "notes": "converted D~k 64 + 300 fine-tune updates"},
@@ -70,32 +88,61 @@ LM_DEMO = {
     "all_attention_lm": {"flags": "--persistent-memory-size 512 --no-layer-spans",
                          "notes": "All-Attention: persistent memory, no FFN"},
 }
-DEFAULT_LM_ARCHS = list(LM_DEMO)
+DEFAULT_LM_ARCHS = ["adaptive_span_lm_small"]  # all_attention_lm via LM_ARCHS
 
-# the baseline plus one representative of each method
-DEFAULT_ARCHS = ["transformer", "transformer_synth_random", "transformer_aop", "transformer_collab",
-                 "collab_convert64", "transformer_pkm"]
+# the baseline plus one representative of each method (collab: from scratch, converted from the
+# vanilla checkpoint, and that conversion fine-tuned); derived rows follow the row they start from
+DEFAULT_ARCHS = ["transformer", "transformer_pkm", "transformer_synth_random", "transformer_aop",
+                 "transformer_collab", "collab_convert64", "collab_convert64_ft"]
+DEFAULT_MAX_UPDATE = 1500
 
 
-def sh(cmd, log_path, echo=True):
-    """Run a command, stream its output (fairseq's progress) and keep a copy in log_path."""
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+_PRINT = threading.Lock()
+_PROCS = set()  # running subprocesses, terminated if another job fails
+
+
+def say(tag, msg):
+    with _PRINT:
+        print(f"[{tag}] {msg}" if tag else msg, flush=True)
+
+
+def progress(line):
+    """A short progress line from fairseq's json log line (or the line itself)."""
+    try:
+        stats = json.loads(line[line.index("{"):])
+    except ValueError:
+        return line.rstrip()[-150:]
+    keys = ("num_updates", "loss", "valid_loss", "valid_ppl", "valid_bpc", "ppl", "bpc", "wps",
+            "valid_num_updates")
+    kind = "valid" if "valid_loss" in stats else "train"
+    return kind + " " + " ".join(f"{k.replace('valid_', '')} {stats[k]}" for k in keys
+                                 if k in stats)
+
+
+def sh(cmd, log_path, tag, threads, echo=True):
+    """Run a command with ``threads`` intra-op threads, stream fairseq's progress lines (prefixed
+    with the row name: rows run side by side) and keep the whole output in log_path."""
+    say(tag, "$ " + " ".join(shlex.quote(c) for c in cmd))
     lines = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")  # fairseq's progress must stream, not buffer
+    # fairseq's progress must stream, not buffer
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
     with open(log_path, "w") as log, subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env=env) as p:
-        for line in p.stdout:
-            log.write(line)
-            lines.append(line.rstrip("\n"))
-            if echo and ("train_inner" in line or "| valid |" in line or "valid on" in line
-                         or "epoch" in line and "done training" in line or "Error" in line
-                         or "error" in line):
-                print("    " + line.rstrip()[-160:], flush=True)
-        p.wait()
+        _PROCS.add(p)
+        try:
+            for line in p.stdout:
+                log.write(line)
+                lines.append(line.rstrip("\n"))
+                if echo and ("train_inner" in line or "| valid |" in line or "Error" in line
+                             or "error" in line or "done training" in line):
+                    say(tag, progress(line))
+            p.wait()
+        finally:
+            _PROCS.discard(p)
     if p.returncode != 0:
         tail = "\n".join(lines[-30:])
-        raise SystemExit(f"command failed (exit {p.returncode}), see {log_path}:\n{tail}")
+        raise SystemExit(f"[{tag}] command failed (exit {p.returncode}), see {log_path}:\n{tail}")
     return lines
 
 
@@ -104,22 +151,32 @@ def fairseq_bin(name):
     return path if os.path.exists(path) else name
 
 
-def train(arch, spec, data, out, max_update, seed):
-    save = os.path.join(out, arch, "checkpoints")
-    os.makedirs(save, exist_ok=True)
-    train_arch = spec.get("arch", arch)
-    cmd = [fairseq_bin("fairseq-train"), data, "--user-dir", USER_DIR, "--arch", train_arch,
-           "--task", "translation", "--save-dir", save, "--max-update", str(max_update),
-           "--seed", str(seed), "--log-format", "json", "--log-interval", "100",
-           "--no-epoch-checkpoints", "--keep-last-epochs", "1", "--num-workers", "0", "--cpu",
-           "--validate-interval-updates", str(max_update)]
+def train_cmd(arch, spec, data, save, max_update, seed, restore=None):
+    cmd = [fairseq_bin("fairseq-train"), data, "--user-dir", USER_DIR, "--arch",
+           spec.get("arch", arch), "--task", "translation", "--save-dir", save,
+           "--max-update", str(max_update), "--seed", str(seed), "--log-format", "json",
+           "--log-interval", "100", "--no-epoch-checkpoints", "--keep-last-epochs", "1",
+           "--num-workers", "0", "--cpu", "--validate-interval-updates", str(max_update)]
     cmd += shlex.split(COMMON) + shlex.split(spec.get("flags", ""))
-    if "from" in spec:  # fine-tune a derived checkpoint
-        cmd += ["--restore-file", spec["restore"], "--reset-optimizer", "--reset-dataloader",
+    if restore:  # fine-tune a derived checkpoint: fresh optimizer, schedule and data order
+        cmd += ["--restore-file", restore, "--reset-optimizer", "--reset-dataloader",
                 "--reset-meters", "--reset-lr-scheduler"]
-    t0 = time.time()
-    lines = sh(cmd, os.path.join(out, arch, "train.log"))
-    return os.path.join(save, "checkpoint_last.pt"), time.time() - t0, lines
+    return cmd
+
+
+def lm_cmd(arch, spec, save, max_update, seed):
+    cmd = [fairseq_bin("fairseq-train"), LM_DATA, "--user-dir", USER_DIR, "--arch", arch, "--cpu",
+           "--save-dir", save, "--max-update", str(max_update), "--seed", str(seed),
+           "--log-format", "json", "--log-interval", "100", "--num-workers", "0",
+           "--no-epoch-checkpoints", "--validate-interval-updates", str(max_update)]
+    return cmd + shlex.split(LM_COMMON) + shlex.split(spec.get("flags", ""))
+
+
+def generate_cmd(ckpt, data, beam):
+    return [fairseq_bin("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", ckpt,
+            "--gen-subset", "test", "--beam", str(beam), "--batch-size", "64",
+            "--remove-bpe", "sentencepiece", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10",
+            "--required-batch-size-multiple", "1"]
 
 
 def parse_train(lines):
@@ -133,14 +190,11 @@ def parse_train(lines):
     return params, wps
 
 
-def evaluate(ckpt, data, out_dir, beam, threads):
+def score(lines, data, out_dir):
+    """sacrebleu BLEU/chrF of fairseq-generate's D- lines against its T- lines; every test
+    sentence must have been translated (nothing silently skipped)."""
     import sacrebleu
 
-    lines = sh([fairseq_bin("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", ckpt,
-                "--gen-subset", "test", "--beam", str(beam), "--batch-size", "64",
-                "--remove-bpe", "sentencepiece", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10",
-                "--required-batch-size-multiple", "1"],
-               os.path.join(out_dir, "generate.log"), echo=False)
     hyps, refs = {}, {}
     for line in lines:
         if line.startswith("D-"):
@@ -158,9 +212,8 @@ def evaluate(ckpt, data, out_dir, beam, threads):
     ref = [refs[i] for i in ids]
     with open(os.path.join(out_dir, "test.hyp"), "w") as f:
         f.write("\n".join(sys_out) + "\n")
-    bleu = sacrebleu.corpus_bleu(sys_out, [ref]).score
-    chrf = sacrebleu.corpus_chrf(sys_out, [ref]).score
-    return bleu, chrf, len(ids)
+    return (sacrebleu.corpus_bleu(sys_out, [ref]).score, sacrebleu.corpus_chrf(sys_out, [ref]).score,
+            len(ids))
 
 
 def _test_size(data):
@@ -168,27 +221,122 @@ def _test_size(data):
     idx = os.path.join(data, "test.de-en.de.idx")
     if not os.path.exists(idx):
         return None
+    import logging
+
     from fairseq.data import data_utils
 
+    logging.getLogger("fairseq.data.data_utils").setLevel(logging.WARNING)
     return len(data_utils.load_indexed_dataset(idx[:-4], None))
 
 
-def train_lm(arch, spec, out, max_update, seed):
-    """Short character-LM run; returns (params, tokens/s, valid bpc, seconds)."""
-    save = os.path.join(out, arch, "checkpoints")
-    os.makedirs(save, exist_ok=True)
-    cmd = [fairseq_bin("fairseq-train"), LM_DATA, "--user-dir", USER_DIR, "--arch", arch, "--cpu",
-           "--save-dir", save, "--max-update", str(max_update), "--seed", str(seed),
-           "--log-format", "json", "--log-interval", "100", "--num-workers", "0",
-           "--no-epoch-checkpoints", "--validate-interval-updates", str(max_update)]
-    cmd += shlex.split(LM_COMMON) + shlex.split(spec.get("flags", ""))
-    t0 = time.time()
-    lines = sh(cmd, os.path.join(out, arch, "train.log"))
-    params, wps = parse_train(lines)
-    bpc = [float(json.loads(l[l.index("{"):])["valid_bpc"]) for l in lines if '"valid_bpc"' in l]
-    if not bpc:
-        raise SystemExit(f"no valid bpc in {out}/{arch}/train.log")
-    return params, wps, bpc[-1], time.time() - t0
+class Row:
+    """One table row: train (or convert, or fine-tune) then decode and score. ``key`` fingerprints
+    every command of the row and of the row it derives from, so an identical earlier run is
+    reused instead of retrained (``--rerun`` forces a fresh one)."""
+
+    def __init__(self, name, spec, a, lm=False):
+        self.name, self.spec, self.a, self.lm = name, dict(spec), a, lm
+        self.dir = os.path.join(a.out, name)
+        self.save = os.path.join(self.dir, "checkpoints")
+        self.parent = spec.get("from")
+
+    def commands(self, parent):
+        a, spec = self.a, self.spec
+        if self.lm:
+            return [lm_cmd(self.name, spec, self.save, a.lm_max_update, a.seed)], None
+        if "convert" in spec:
+            ckpt = os.path.join(self.dir, "converted.pt")
+            conv = [sys.executable] + [c.format(src=parent.ckpt, out=ckpt, repo=REPO)
+                                       for c in shlex.split(spec["convert"])]
+            return [conv, generate_cmd(ckpt, a.data, a.beam)], ckpt
+        ckpt = os.path.join(self.save, "checkpoint_last.pt")
+        train = train_cmd(self.name, spec, a.data, self.save, spec.get("max_update", a.max_update),
+                          a.seed, restore=parent.ckpt if parent else None)
+        return [train, generate_cmd(ckpt, a.data, a.beam)], ckpt
+
+    def prepare(self, parent):
+        self.cmds, self.ckpt = self.commands(parent)
+        blob = json.dumps([self.cmds, parent.key if parent else None])
+        self.key = hashlib.sha1(blob.encode()).hexdigest()
+
+    def cached(self):
+        try:
+            with open(os.path.join(self.dir, "row.json")) as f:
+                old = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if old.get("key") != self.key or (self.ckpt and not os.path.exists(self.ckpt)):
+            return None
+        return old["row"]
+
+    def run(self, threads):
+        shutil.rmtree(self.dir, ignore_errors=True)  # else fairseq-train resumes an old run
+        os.makedirs(self.save)
+        row = {"arch": self.name, "notes": self.spec.get("notes", "")}
+        t0 = time.time()
+        lines = sh(self.cmds[0], os.path.join(self.dir, "convert.log" if "convert" in self.spec
+                                              else "train.log"), self.name, threads)
+        row["train_s"] = time.time() - t0
+        if "convert" in self.spec:
+            row["params"] = next((int(m.group(1).replace(",", "")) for m in
+                                  (re.search(r"converted model params: ([\d,]+)", x) for x in lines)
+                                  if m), None)
+        else:
+            row["params"], row["wps"] = parse_train(lines)
+        if self.lm:
+            bpc = [float(json.loads(x[x.index("{"):])["valid_bpc"]) for x in lines
+                   if '"valid_bpc"' in x]
+            if not bpc:
+                raise SystemExit(f"[{self.name}] no valid bpc in {self.dir}/train.log")
+            row["bpc"] = bpc[-1]
+            say(self.name, f"--> valid bpc {row['bpc']:.3f}")
+        else:
+            t0 = time.time()
+            gen = sh(self.cmds[1], os.path.join(self.dir, "generate.log"), self.name, threads,
+                     echo=False)
+            row["generate_s"] = time.time() - t0
+            row["bleu"], row["chrf"], n = score(gen, self.a.data, self.dir)
+            say(self.name, f"--> BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f} on {n} test "
+                           "sentences")
+        with open(os.path.join(self.dir, "row.json"), "w") as f:
+            json.dump({"key": self.key, "row": row, "commands": self.cmds}, f, indent=1)
+        return row
+
+
+def run_rows(rows, jobs, threads, rerun):
+    """Run the rows ``jobs`` at a time (a derived row waits for the row it starts from); each
+    job's processes get ``threads`` intra-op threads. Returns {name: result row}."""
+    by_name = {r.name: r for r in rows}
+    pending, running, done, reused = list(rows), {}, {}, []
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as ex:
+            while pending or running:
+                for r in list(pending):
+                    if len(running) >= jobs:
+                        break
+                    if r.parent and r.parent not in done:
+                        continue
+                    pending.remove(r)
+                    r.prepare(by_name[r.parent] if r.parent else None)
+                    old = None if rerun else r.cached()
+                    if old is not None:
+                        say(r.name, f"reusing the results of an identical earlier run "
+                                    f"({r.dir}/row.json; --rerun retrains)")
+                        done[r.name] = old
+                        reused.append(r.name)
+                        continue
+                    say(r.name, "started")
+                    running[ex.submit(r.run, threads)] = r
+                if not running:
+                    continue
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    done[running.pop(fut).name] = fut.result()  # a failed row raises here
+    except BaseException:
+        for p in list(_PROCS):  # do not leave the other row's fairseq-train behind
+            p.terminate()
+        raise
+    return done, reused
 
 
 def format_table(rows):
@@ -202,6 +350,22 @@ def format_table(rows):
     return "\n".join(out) + "\n"
 
 
+def format_lm_table(rows, updates):
+    out = [f"Character LMs (gensim Wikipedia extract, enwik8 format, {updates} updates):", "",
+           "| arch | params | train tokens/s | train s | valid bpc | notes |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append("| {arch} | {params} | {wps} | {secs:.0f} | {bpc:.3f} | {notes} |".format(
+            arch=r["arch"], params=f"{r['params']:,}" if r.get("params") else "",
+            wps=f"{r['wps']:.0f}" if r.get("wps") else "", secs=r["train_s"], bpc=r["bpc"],
+            notes=r.get("notes", "")))
+    return "\n".join(out) + "\n"
+
+
+def split_names(text):
+    return [x for x in re.split(r"[,\s]+", text or "") if x and x != "none"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,92 +373,69 @@ def main():
                    help=f"space/comma separated; known: {', '.join(DEMO)} (default: %(default)s)")
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
     p.add_argument("--out", default=os.path.join(REPO, "work/demo"))
-    p.add_argument("--max-update", type=int, default=600, help="updates per arch (default %(default)s)")
+    p.add_argument("--max-update", type=int, default=DEFAULT_MAX_UPDATE,
+                   help="updates per MT arch (default %(default)s)")
     p.add_argument("--lm-archs", default=" ".join(DEFAULT_LM_ARCHS),
-                   help=f"character LMs (known: {', '.join(LM_DEMO)}; '' = none; default: %(default)s)")
+                   help=f"character LMs (known: {', '.join(LM_DEMO)}; 'none' = no LM rows; "
+                        "default: %(default)s)")
     p.add_argument("--lm-max-update", type=int, default=500)
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=None,
+                   help="rows trained side by side (default: 2 when OMP_NUM_THREADS >= 2, else 1); "
+                        "each gets OMP_NUM_THREADS / jobs threads. On 2 cores two 1-thread jobs "
+                        "do ~1.6x the work of one 2-thread job")
+    p.add_argument("--rerun", action="store_true",
+                   help="retrain every row even if an identical earlier run is in --out")
     p.add_argument("--results", default=os.path.join(REPO, "docs/demo_results.md"),
-                   help="markdown table written here (default %(default)s)")
+                   help="markdown table written here ('' = none; default %(default)s)")
     a = p.parse_args()
-    archs = [x for x in re.split(r"[,\s]+", a.archs) if x]
-    lm_archs = [x for x in re.split(r"[,\s]+", a.lm_archs) if x]
+    archs, lm_archs = split_names(a.archs), split_names(a.lm_archs)
     unknown = [x for x in archs if x not in DEMO] + [x for x in lm_archs if x not in LM_DEMO]
     if unknown:
-        raise SystemExit(f"unknown demo arch(s) {unknown}; choose from: {', '.join(DEMO)}")
+        raise SystemExit(f"unknown demo arch(s) {unknown}; choose from: {', '.join(DEMO)} "
+                         f"(MT) and {', '.join(LM_DEMO)} (--lm-archs)")
+    for x in archs:
+        parent = DEMO[x].get("from")
+        if parent and parent not in archs[:archs.index(x)]:
+            raise SystemExit(f"{x} starts from the checkpoint of {parent}: put {parent} before it "
+                             f"in --archs")
     if lm_archs and not os.path.exists(os.path.join(LM_DATA, "dict.txt")):
         raise SystemExit(f"no binarised character data in {LM_DATA}: run "
                          "`make data` (scripts/prepare_enwik8.py --gensim) first")
-    if not os.path.exists(os.path.join(a.data, "dict.de.txt")):
+    if archs and not os.path.exists(os.path.join(a.data, "dict.de.txt")):
         raise SystemExit(f"no binarised corpus in {a.data} (dict.de.txt missing): run "
                          "`make data` (scripts/prepare_libreoffice.py) first")
-    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "2")))
+    jobs = a.jobs or (2 if threads >= 2 else 1)
+    if jobs < 1:
+        raise SystemExit(f"--jobs {jobs}: must be a positive number of rows run side by side")
+    per_job = max(1, threads // jobs)
     os.makedirs(a.out, exist_ok=True)
-    rows, ckpts = [], {}
+    rows = [Row(x, DEMO[x], a) for x in archs] + [Row(x, LM_DEMO[x], a, lm=True) for x in lm_archs]
     t_start = time.time()
-    for arch in archs:
-        spec = dict(DEMO[arch])
-        print(f"\n=== {arch} ===", flush=True)
-        out_dir = os.path.join(a.out, arch)
-        os.makedirs(out_dir, exist_ok=True)
-        row = {"arch": arch, "notes": spec.get("notes", ""), "train_s": 0.0}
-        if "convert" in spec:  # a derived checkpoint, e.g. collaborative re-parametrisation
-            src = ckpts.get(spec["from"])
-            if src is None:
-                raise SystemExit(f"{arch} converts the checkpoint of {spec['from']}: "
-                                 f"put {spec['from']} before it in --archs")
-            ckpt = os.path.join(out_dir, "converted.pt")
-            t0 = time.time()
-            lines = sh([sys.executable] + [c.format(src=src, out=ckpt, data=a.data, repo=REPO)
-                                           for c in shlex.split(spec["convert"])],
-                       os.path.join(out_dir, "convert.log"))
-            row["train_s"] = time.time() - t0
-            row["params"] = None
-            for line in lines:
-                m = re.search(r"params[: ]+([\d,]+)", line)
-                if m:
-                    row["params"] = int(m.group(1).replace(",", ""))
-        else:
-            if "from" in spec:
-                src = ckpts.get(spec["from"])
-                if src is None:
-                    raise SystemExit(f"{arch} fine-tunes {spec['from']}: put it before {arch}")
-                spec["restore"] = src
-            ckpt, secs, lines = train(arch, spec, a.data, a.out,
-                                      spec.get("max_update", a.max_update), a.seed)
-            row["params"], row["wps"] = parse_train(lines)
-            row["train_s"] = secs
-        ckpts[arch] = ckpt
-        row["bleu"], row["chrf"], n = evaluate(ckpt, a.data, out_dir, a.beam, threads)
-        print(f"--> {arch}: BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f} on {n} test sentences",
-              flush=True)
-        rows.append(row)
-    table = format_table(rows)
-    lm_rows = []
-    for arch in lm_archs:
-        print(f"\n=== {arch} (character LM) ===", flush=True)
-        params, wps, bpc, secs = train_lm(arch, LM_DEMO[arch], a.out, a.lm_max_update, a.seed)
-        print(f"--> {arch}: valid bpc {bpc:.3f}", flush=True)
-        lm_rows.append(f"| {arch} | {params:,} | {wps:.0f} | {secs:.0f} | {bpc:.3f} | "
-                       f"{LM_DEMO[arch]['notes']} |" if params and wps else
-                       f"| {arch} | | | {secs:.0f} | {bpc:.3f} | {LM_DEMO[arch]['notes']} |")
-    if lm_rows:
-        table += ("\nCharacter LMs (gensim Wikipedia extract, enwik8 format, "
-                  f"{a.lm_max_update} updates):\n\n| arch | params | train tokens/s | train s | "
-                  "valid bpc | notes |\n|---|---|---|---|---|---|\n" + "\n".join(lm_rows) + "\n")
-    print("\n" + table)
+    done, reused = run_rows(rows, jobs, per_job, a.rerun)
+    total = time.time() - t_start
+    mt = [done[x] for x in archs]
+    table = format_table(mt) if mt else ""
+    if lm_archs:
+        table += ("\n" if table else "") + format_lm_table([done[x] for x in lm_archs],
+                                                           a.lm_max_update)
+    setting = (f"--max-update {a.max_update}, beam {a.beam}, {jobs} row(s) side by side with "
+               f"OMP_NUM_THREADS={per_job} each")
+    footer = f"\nTotal {total:.0f} s ({setting})."
+    if reused:
+        footer += (f" Reused from an earlier identical run (their times are from that run): "
+                   f"{', '.join(reused)}.")
+    print("\n" + table + footer)
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump([done[x] for x in archs + lm_archs], f, indent=1)
     if a.results:
         with open(a.results, "w") as f:
             f.write("# Offline demo results (LibreOffice help de->en, test split)\n\n")
-            f.write(f"Command: `make demo ARCHS=\"{' '.join(archs)}\"` "
-                    f"LM_ARCHS=\"{' '.join(lm_archs)}\" (--max-update {a.max_update}, beam {a.beam}, "
-                    f"OMP_NUM_THREADS={threads}); "
-                    f"total {time.time() - t_start:.0f} s on this machine.\n\n")
-            f.write(table)
+            f.write(f"Command: `make demo ARCHS=\"{' '.join(archs)}\" "
+                    f"LM_ARCHS=\"{' '.join(lm_archs) or 'none'}\"`.\n\n")
+            f.write(table + footer + "\n")
         print(f"table written to {a.results}")
 
 
