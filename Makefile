@@ -8,7 +8,8 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.attnzoo-installed
 THREADS ?= 2
-# demo: which archs, and the per-arch budget (updates); see scripts/demo.py --help
+# demo: which rows (ARCHS, LM_ARCHS; LM_ARCHS=none for no LM row) and any other option
+# (DEMO_ARGS, e.g. "--max-update 3000 --rerun"); see scripts/demo.py --help and docs/demo.md
 ARCHS   ?=
 LM_ARCHS ?=
 DEMO_ARGS ?=

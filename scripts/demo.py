@@ -76,6 +76,10 @@ DEMO = {
     "collab_convert64_ft": {"arch": "transformer_collab", "from": "collab_convert64",
                             "flags": "--collab-key-dim 64 --lr 0.0005 --warmup-updates 50",
                             "max_update": 300, "notes": "converted D~k 64 + 300 fine-tune updates"},
+    # control for the fine-tune row: the vanilla model given the same 300 extra updates
+    "transformer_cont300": {"arch": "transformer", "from": "transformer",
+                            "flags": "--lr 0.0005 --warmup-updates 50", "max_update": 300,
+                            "notes": "vanilla + the same 300 updates (control for the fine-tune)"},
 }
 # character LMs on the gensim Wikipedia extract (enwik8 format): a short run each, valid bpc
 LM_DATA = os.path.join(REPO, "data/wiki-gensim/bin")
