@@ -345,27 +345,27 @@ def run_rows(rows, jobs, threads, rerun):
     return done, reused
 
 
+def _count(r, key, spec):
+    return format(r[key], spec) if r.get(key) else ""
+
+
 def format_table(rows):
-    head = ["arch", "params", "train words/s", "train s", "BLEU", "chrF", "notes"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        out.append("| {arch} | {params} | {wps} | {secs} | {bleu} | {chrf} | {notes} |".format(
-            arch=r["arch"], params=f"{r['params']:,}" if r.get("params") else "",
-            wps=f"{r['wps']:.0f}" if r.get("wps") else "", secs=f"{r['train_s']:.0f}",
-            bleu=f"{r['bleu']:.2f}", chrf=f"{r['chrf']:.2f}", notes=r.get("notes", "")))
-    return "\n".join(out) + "\n"
+    from benchlib import format_table as markdown
+
+    return markdown([{"arch": r["arch"], "params": _count(r, "params", ","),
+                      "train words/s": _count(r, "wps", ".0f"), "train s": f"{r['train_s']:.0f}",
+                      "BLEU": f"{r['bleu']:.2f}", "chrF": f"{r['chrf']:.2f}",
+                      "notes": r.get("notes", "")} for r in rows])
 
 
 def format_lm_table(rows, updates):
-    out = [f"Character LMs (gensim Wikipedia extract, enwik8 format, {updates} updates):", "",
-           "| arch | params | train tokens/s | train s | valid bpc | notes |",
-           "|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append("| {arch} | {params} | {wps} | {secs:.0f} | {bpc:.3f} | {notes} |".format(
-            arch=r["arch"], params=f"{r['params']:,}" if r.get("params") else "",
-            wps=f"{r['wps']:.0f}" if r.get("wps") else "", secs=r["train_s"], bpc=r["bpc"],
-            notes=r.get("notes", "")))
-    return "\n".join(out) + "\n"
+    from benchlib import format_table as markdown
+
+    return (f"Character LMs (gensim Wikipedia extract, enwik8 format, {updates} updates):\n\n"
+            + markdown([{"arch": r["arch"], "params": _count(r, "params", ","),
+                         "train tokens/s": _count(r, "wps", ".0f"),
+                         "train s": f"{r['train_s']:.0f}", "valid bpc": f"{r['bpc']:.3f}",
+                         "notes": r.get("notes", "")} for r in rows]))
 
 
 def split_names(text):
