@@ -8,7 +8,7 @@ compares architectures, not budgets. Derived rows (a converted checkpoint, a fin
 the checkpoint of the row they name in ``DEMO[arch]["from"]``.
 
 Rows run two at a time on two cores (``--jobs``; each fairseq process gets one thread: two
-one-thread trainings do ~1.6x the updates of one two-thread training here), so every row's words/s
+one-thread trainings do ~1.55x the work of one two-thread training here (docs/demo.md)), so every row's words/s
 is measured next to one other running row. Each row's commands are fingerprinted in
 ``work/demo/ARCH/row.json``; a later ``make demo`` with an identical row (same commands, same
 parent row) reuses its checkpoint and scores instead of retraining (``--rerun`` retrains).
@@ -390,7 +390,7 @@ def main():
     p.add_argument("--jobs", type=int, default=None,
                    help="rows trained side by side (default: 2 when OMP_NUM_THREADS >= 2, else 1); "
                         "each gets OMP_NUM_THREADS / jobs threads. On 2 cores two 1-thread jobs "
-                        "do ~1.6x the work of one 2-thread job")
+                        "do ~1.55x the work of one 2-thread job")
     p.add_argument("--rerun", action="store_true",
                    help="retrain every row even if an identical earlier run is in --out")
     p.add_argument("--results", default=os.path.join(REPO, "docs/demo_results.md"),
