@@ -8,8 +8,8 @@ compares architectures, not budgets. Derived rows (a converted checkpoint, a fin
 the checkpoint of the row they name in ``DEMO[arch]["from"]``.
 
 Rows run two at a time on two cores (``--jobs``; each fairseq process gets one thread: two
-one-thread trainings do ~1.55x the work of one two-thread training here (docs/demo.md)), so every row's words/s
-is measured next to one other running row. Each row's commands are fingerprinted in
+one-thread trainings do ~1.55x the work of one two-thread training here, docs/demo.md), so every
+row's words/s is measured next to one other running row. Each row's commands are fingerprinted in
 ``work/demo/ARCH/row.json``; a later ``make demo`` with an identical row (same commands, same
 parent row) reuses its checkpoint and scores instead of retraining (``--rerun`` retrains).
 """
