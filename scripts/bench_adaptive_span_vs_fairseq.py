@@ -56,7 +56,8 @@ def fairseq_cli(name: str):
 
 def commands(a):
     """The two (three) training commands, without --max-update / --save-dir."""
-    common = [a.data, "--cpu", "--tokens-per-sample", str(a.block), "--batch-size", str(a.batch),
+    common = [a.data] + (["--cpu"] if a.device == "cpu" else []) + list(a.extra) + [
+              "--tokens-per-sample", str(a.block), "--batch-size", str(a.batch),
               "--lr", str(a.lr), "--lr-scheduler", "fixed", "--warmup-updates", str(a.warmup),
               "--seed", "1", "--num-workers", "0", "--disable-validation",
               "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "10"]
@@ -87,7 +88,8 @@ def eval_command(name, a, ckpt):
         extra = ["--user-dir", fairseq_example_dir(), "--task", "truncated_bptt_lm"]
     else:
         extra = ["--user-dir", os.path.join(REPO, "fairseq_attnzoo"), "--task", "attnzoo_stream_lm"]
-    return fairseq_cli("eval_lm") + [a.data, "--path", ckpt, "--cpu", "--gen-subset",
+    return fairseq_cli("eval_lm") + [a.data, "--path", ckpt] + (
+        ["--cpu"] if a.device == "cpu" else []) + ["--gen-subset",
             a.subset, "--batch-size", str(a.eval_batch), "--tokens-per-sample", str(a.block),
             "--num-workers", "0"] + extra
 
@@ -115,6 +117,10 @@ def main():
     p.add_argument("--data", default=os.path.join(REPO, "data/wiki-gensim/bin"))
     p.add_argument("--work", default="/tmp/attnzoo-adaptive-span-vs-fairseq")
     p.add_argument("--updates", type=int, default=1000)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (default; 1 thread per run, see --threads) or cuda")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="more fairseq-train flags for every run, e.g. --extra=--fp16")
     p.add_argument("--segments", type=int, default=4, help="alternation segments")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)

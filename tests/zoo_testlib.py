@@ -97,6 +97,52 @@ def build(arch: str, data: str, extra: Optional[List[str]] = None, seed: int = 1
     return args, task, model, criterion
 
 
+# ---- the sweep's batch and decoding helpers (shared by test_sweep and test_precision) ----------
+
+def sweep_batch(task, args, split="train", n=8, seed=0):
+    task.load_dataset(split)
+    itr = task.get_batch_iterator(
+        dataset=task.dataset(split), max_sentences=n, max_tokens=4096, seed=seed,
+        max_positions=None, ignore_invalid_inputs=True,
+    ).next_epoch_itr(shuffle=False)
+    # the first batch with padding (the tiny corpora have ragged lengths)
+    pad = task.source_dictionary.pad()
+    first = None
+    for sample in itr:
+        first = first or sample
+        tokens = sample["net_input"]["src_tokens"]
+        if tokens.eq(pad).any() and tokens.size(0) > 1:
+            return sample
+    # streaming tasks never pad: right-pad the tail of the first row ourselves
+    sample = first
+    for key in ("src_tokens", "prev_output_tokens"):
+        if key in sample["net_input"]:
+            sample["net_input"][key][0, -3:] = pad
+    sample["target"][0, -3:] = pad
+    sample["ntokens"] = int(sample["target"].ne(pad).sum())
+    return sample
+
+
+def lm_extra(arch):
+    return ["--sample-break-mode", "eos"] if model_class(arch).zoo_task == "language_modeling" else []
+
+
+def decode_steps(model, tokens, encoder_out, new_order=None, reorder_at=None):
+    """Token-by-token decoding with fairseq's incremental state; optionally reorder the beam."""
+    state = {}
+    outs = []
+    for t in range(tokens.size(1)):
+        if reorder_at is not None and t == reorder_at:
+            model.decoder.reorder_incremental_state_scripting(state, new_order)
+            if encoder_out is not None:
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+            tokens = tokens.index_select(0, new_order)
+            outs = [o.index_select(0, new_order) for o in outs]
+        out = model.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+        outs.append(out[:, -1:])
+    return torch.cat(outs, dim=1), tokens
+
+
 # ---- tiny data --------------------------------------------------------------------------------
 
 def make_parallel_text(root: str, n_train=160, n_valid=16, n_test=16, seed=0):

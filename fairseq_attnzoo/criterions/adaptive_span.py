@@ -9,8 +9,8 @@ bits per target token (bits per character on byte-level data such as enwik8), ``
 positions, ramp not included) and per layer ``span_avg_<i>`` / ``span_max_<i>``.
 
 Works with any model that contains :class:`~fairseq_attnzoo.modules.adaptive_span.AdaptiveMask`
-modules (and as plain cross-entropy with any other LM). In training mode it first clamps the spans
-into [0, S], so the clamp also happens after every optimizer step with tasks that have no hook.
+modules (and as plain cross-entropy with any other LM), with any task: the spans are kept in [0, S]
+by the optimizer step itself (``UnitIntervalParameter``, also on ``--fp16`` master copies).
 """
 
 import math
@@ -25,7 +25,7 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 
-from ..modules.adaptive_span import clamp_spans, layer_spans, span_penalty
+from ..modules.adaptive_span import layer_spans, span_penalty
 
 
 @dataclass
@@ -44,8 +44,6 @@ class AdaptiveSpanLoss(FairseqCriterion):
         self.log_layer_spans = not no_layer_spans
 
     def forward(self, model, sample, reduce=True):
-        if model.training:
-            clamp_spans(model)
         net_output = model(**sample["net_input"])
         lprobs = model.get_normalized_probs(net_output, log_probs=True)
         target = model.get_targets(sample, net_output)

@@ -281,11 +281,6 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
     def layer_spans(self) -> List[Tensor]:
         return layer_spans(self)
 
-    def set_num_updates(self, num_updates):
-        # runs before every training forward (FairseqTask.train_step): clamp the last step's update
-        clamp_spans(self)
-        super().set_num_updates(num_updates)
-
 
 ALL_ATTENTION = dict(decoder_ffn_embed_dim=0, decoder_layers=18, persistent_memory_size=1024,
                      adaptive_span_loss=1e-7)

@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import mask_value
+from .base import Float32Module, UnitIntervalParameter, float32_region, mask_value
 from .persistent_memory import PersistentMemory
 
 
@@ -105,8 +105,13 @@ def windows(x: Tensor, size: int, step: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # the span: mask, trimming, penalty
 # ---------------------------------------------------------------------------------------------
-class AdaptiveMask(nn.Module):
+class AdaptiveMask(Float32Module):
     """Learned spans of the heads of one layer and their soft mask m_z(x).
+
+    Reduced precision: the spans (and the dynamic-span predictor) stay float32 inside an fp16/bf16
+    model and z, the distances and the ramp are computed in float32 (autocast off), so the mask is
+    the float32 mask: in float16 distances above 2,048 are not all representable, and a bfloat16
+    span fraction near 5,000/8,192 rounds to a multiple of 32 positions -- the whole ramp.
 
     Args:
         num_heads: H
@@ -139,18 +144,20 @@ class AdaptiveMask(nn.Module):
             nn.init.constant_(self.span_proj.bias, math.log(p / (1 - p)))
             self.span = None  # (a plain attribute: fairseq lists None parameters as "shared")
         else:
-            # z / S per head, kept in [0, 1] by clamp_() after every optimizer step (reference
-            # scale: Adagrad's step size is per parameter, so this scale sets how fast spans move)
-            self.span = nn.Parameter(torch.full((num_heads,), float(init)))
+            # z / S per head, kept in [0, 1] after every optimizer step (a UnitIntervalParameter:
+            # see modules/base.py; reference scale: Adagrad's step size is per parameter, so this
+            # scale sets how fast spans move)
+            self.span = UnitIntervalParameter(torch.full((num_heads,), float(init)))
         self._last_z: Optional[Tensor] = None  # dynamic spans of the last forward (for the loss)
 
     # -- the span ----------------------------------------------------------------------------
     def spans(self, x: Optional[Tensor] = None) -> Tensor:
-        """z in positions: ``[H]``, or ``[B, H, M]`` for dynamic spans of queries ``x [B, M, C]``.
-        """
+        """z in positions, float32: ``[H]``, or ``[B, H, M]`` for dynamic spans of queries
+        ``x [B, M, C]``."""
         if not self.dynamic:
-            return self.span * self.max_span
-        z = self.max_span * torch.sigmoid(self.span_proj(x)).transpose(1, 2)
+            return self.span.float() * self.max_span
+        with float32_region(x.device):
+            z = self.max_span * torch.sigmoid(self.span_proj(x.float())).transpose(1, 2)
         self._last_z = z
         return z
 
@@ -172,16 +179,18 @@ class AdaptiveMask(nn.Module):
         return min(self.max_span, self.window(self.spans()) + buffer) - 1
 
     def log_mask(self, z: Tensor, span: int) -> Tensor:
-        """log m_z(x) for the distance-layout columns x = span-1, ..., 0.
+        """log m_z(x) for the distance-layout columns x = span-1, ..., 0, in float32 (whatever
+        the model's dtype: distances and spans need integer resolution up to S).
 
         ``[H, 1, span]`` for per-head spans, ``[B, H, M, span]`` for dynamic spans."""
-        x = torch.arange(span - 1, -1, -1, device=z.device, dtype=z.dtype)
-        # z is kept in [0, S] after every step; the clamp only guards the forward (m(0) = 1 always)
-        z = z.clamp(0, self.max_span)
-        z = z.view(-1, 1, 1) if z.dim() == 1 else z.unsqueeze(-1)
-        m = ((self.ramp + z - x) / self.ramp).clamp(0, 1)  # m_z(x) = clamp((R + z - x) / R, 0, 1)
-        tiny = torch.finfo(m.dtype).tiny
-        return torch.where(m > 0, m.clamp(min=tiny).log(), torch.full_like(m, float("-inf")))
+        with float32_region(z.device):
+            x = torch.arange(span - 1, -1, -1, device=z.device, dtype=torch.float32)
+            # z is kept in [0, S] after every step; the clamp only guards the forward (m(0) = 1)
+            z = z.float().clamp(0, self.max_span)
+            z = z.view(-1, 1, 1) if z.dim() == 1 else z.unsqueeze(-1)
+            m = ((self.ramp + z - x) / self.ramp).clamp(0, 1)  # m_z(x) = clamp((R+z-x)/R, 0, 1)
+            tiny = torch.finfo(m.dtype).tiny
+            return torch.where(m > 0, m.clamp(min=tiny).log(), torch.full_like(m, float("-inf")))
 
     # -- training helpers ----------------------------------------------------------------------
     def loss(self) -> Tensor:
@@ -190,13 +199,14 @@ class AdaptiveMask(nn.Module):
             if self._last_z is None:
                 return self.span_proj.bias.new_zeros(())
             return self.span_loss * self._last_z.mean()
-        return self.span_loss * self.max_span * self.span.mean()
+        return self.span_loss * self.max_span * self.span.float().mean()
 
     @torch.no_grad()
     def clamp_(self):
-        """Keep z in [0, S] (call after every optimizer step)."""
+        """Keep z in [0, S]. Optimizer steps do this by themselves (``UnitIntervalParameter``);
+        call it after editing spans by hand."""
         if not self.dynamic:
-            self.span.clamp_(0, 1)
+            self.span.project_()
 
     @torch.no_grad()
     def current_spans(self) -> Tensor:
@@ -331,9 +341,10 @@ class AdaptiveSpanAttention(nn.Module):
         v_win = windows(v, c + span - 1, c)
         q_win = q.view(b, q.size(1), n, c, q.size(-1))
         # s_tx = q_t p_{t-x} (relative position) + log m_z(t-x) (span) + q_t k_x (content, key
-        # layout -> distance layout); in place on the fresh matmul output
+        # layout -> distance layout); summed in float32 (the log-mask needs it; the softmax is
+        # float32 anyway), in place on the fresh matmul output
         pe = key_pe[:, :, self.max_span - span:].to(q.dtype)  # distances span-1 .. 0
-        logits = torch.matmul(q, pe.unsqueeze(0))
+        logits = torch.matmul(q, pe.unsqueeze(0)).float()
         log_m = self.mask.log_mask(z, span)
         if self.renorm:
             logits.add_(log_m)
@@ -345,14 +356,15 @@ class AdaptiveSpanAttention(nn.Module):
             logits = logits.masked_fill(pad[:, idx].unsqueeze(1), mask_value(logits.dtype))
         if self.persistent is not None:
             # one softmax over context + persistent slots; the span mask touched the context only
-            logits = torch.cat([logits, self.persistent.logits(q)], dim=-1)
-        probs = torch.softmax(logits.float(), dim=-1).type_as(q)
+            logits = torch.cat([logits, self.persistent.logits(q).float()], dim=-1)
+        probs = torch.softmax(logits, dim=-1)  # float32
         if not self.renorm:  # fairseq port: softmax over the trimmed window, then times m
             m_ctx = log_m.exp()
             if self.persistent is not None:
                 m_ctx = torch.cat([m_ctx.expand(*probs.shape[:-1], span),
                                    m_ctx.new_ones(*probs.shape[:-1], probs.size(-1) - span)], -1)
             probs = probs * m_ctx
+        probs = probs.to(q.dtype)
         probs = F.dropout(probs, p=self.dropout, training=self.training)
         ctx = probs[..., :span].reshape(b, q.size(1), n, c, span)
         out = torch.matmul(skew(ctx), v_win).reshape(q.shape)
@@ -419,29 +431,13 @@ def span_penalty(model: nn.Module) -> Optional[Tensor]:
     return torch.stack(losses).sum() if losses else None
 
 
-def clamp_spans(model: nn.Module, optimizer=None) -> int:
-    """Clamp every span into [0, S]; returns the number of span modules.
-
-    ``optimizer``: a fairseq optimizer; with ``--fp16`` its fp32 master copies (what the optimizer
-    really updates and copies back into the model) are clamped too."""
+def clamp_spans(model: nn.Module) -> int:
+    """Clamp every span into [0, S] by hand; returns the number of span modules. (Not needed after
+    optimizer steps: spans are ``UnitIntervalParameter``s, projected by every step -- on fairseq's
+    fp32 master copies too, see :mod:`fairseq_attnzoo.optim.constraints`.)"""
     masks = list(span_masks(model))
     for m in masks:
         m.clamp_()
-    fp16, fp32 = getattr(optimizer, "fp16_params", None), getattr(optimizer, "fp32_params", None)
-    if fp16 is not None and fp32 is not None:
-        spans = {id(m.span) for m in masks if m.span is not None}
-        with torch.no_grad():
-            if isinstance(fp32, dict):  # flattened: one buffer per device, params in order
-                for flat in fp32.values():
-                    offset = 0
-                    for p in fp16:
-                        if id(p) in spans:
-                            flat.data[offset: offset + p.numel()].clamp_(0, 1)
-                        offset += p.numel()
-            else:
-                for p, p32 in zip(fp16, fp32):
-                    if id(p) in spans:
-                        p32.data.clamp_(0, 1)
     return len(masks)
 
 

@@ -11,6 +11,13 @@ Everything that is easy to get subtly wrong is written here once:
   (fairseq's own helper), and reordered along the batch dimension for beam search.
 * **Positions**: pad-aware absolute positions (left-padded sources get the same positions as
   unpadded ones), for methods that index tables by position (Synthesizer).
+* **Reduced precision** (``--fp16``, ``--bf16``, ``--amp``): softmax normalisers in fp32
+  (:func:`fp32_softmax`, as ``fairseq.utils.softmax``), masks applied by ``masked_fill`` (never added
+  twice, so an fp16 logit cannot overflow to -inf), autocast switched off where a quantity needs
+  float32 resolution (:func:`float32_region`), modules whose parameters/buffers must stay float32
+  inside a half model (:class:`Float32Module`, like fairseq's ``Fp32BatchNorm``), and parameters
+  with a box constraint (:class:`BoundedParameter`) projected after every optimizer step on the
+  tensors the optimizer really updates.
 
 A subclass of :class:`ZooAttention` keeps fairseq's ``MultiheadAttention`` call signature, so it
 drops into fairseq's transformer layers, and implements only :meth:`ZooAttention.compute`.
@@ -19,14 +26,17 @@ This file imports torch only (fairseq's incremental-state helper is used when fa
 an equivalent stand-in otherwise), so the modules work and test without fairseq.
 """
 
+import contextlib
 import math
 import uuid
-from typing import Dict, Optional
+import weakref
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 try:  # fairseq's helper, so our state lives in fairseq's incremental_state exactly like its MHA's
     from fairseq.incremental_decoding_utils import FairseqIncrementalState
@@ -49,11 +59,110 @@ except ImportError:  # pragma: no cover - torch-only use
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
+#: the reduced-precision floating types (model.half(), model.bfloat16(), autocast)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 def mask_value(dtype: torch.dtype) -> float:
-    """Finite "minus infinity" for additive masks: large enough to zero a softmax weight, small
-    enough that a fully masked row stays finite (uniform) instead of NaN."""
+    """Finite "minus infinity" for masks: large enough to zero a softmax weight, small enough that
+    a fully masked row stays finite (uniform) instead of NaN. Apply it with ``masked_fill`` (or add
+    it once to finite logits): two of them added together overflow to -inf."""
     return torch.finfo(dtype).min
+
+
+# ---- reduced precision ---------------------------------------------------------------------------
+def fp32_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """softmax computed in float32 and cast back to ``x``'s dtype (``fairseq.utils.softmax``): the
+    normaliser of an fp16/bf16 row loses the small weights otherwise."""
+    return torch.softmax(x, dim=dim, dtype=torch.float32).to(x.dtype)
+
+
+def float32_region(device) -> contextlib.AbstractContextManager:
+    """A region computed in float32 even under ``torch.autocast`` (``--amp``): autocast is switched
+    off, so float32 inputs give float32 results (cast half inputs with ``.float()``)."""
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda", "xpu", "mps"):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, enabled=False)
+
+
+class Float32Module(nn.Module):
+    """A module whose parameters and buffers stay float32 when the model is cast to fp16/bf16
+    (``model.half()``, ``model.to(torch.bfloat16)``: what fairseq's ``--fp16``/``--bf16`` do), as
+    fairseq's ``Fp32BatchNorm``/``Fp32LayerNorm``. For quantities whose resolution matters more than
+    their memory: learned spans (a bfloat16 span near 5,000 rounds to a multiple of 32 positions),
+    batch-norm statistics. The module's forward casts its inputs with ``.float()`` and its outputs
+    back. Device moves apply as usual; the float32 values are never rounded through half."""
+
+    def _apply(self, fn, recurse=True):
+        def keep_float32(t: Tensor) -> Tensor:
+            out = fn(t)
+            if t.dtype == torch.float32 and out.dtype in HALF_DTYPES:
+                return t.to(device=out.device)  # from the original: no round trip through half
+            return out
+
+        return super()._apply(keep_float32, recurse)
+
+
+class BoundedParameter(nn.Parameter):
+    """A parameter kept inside [``low``, ``high``] (projected gradient descent): it is clamped after
+    every optimizer step, by a global optimizer step hook (any ``torch.optim`` optimizer, hence
+    fp32, ``--amp`` and ``--memory-efficient-fp16``/``bf16`` training) and, under fairseq's
+    ``FP16Optimizer`` (``--fp16``/``--bf16``), on its fp32 master copy before that is copied into
+    the model (:mod:`fairseq_attnzoo.optim.constraints`). Subclass it to set the bounds; deep copies
+    keep the class, state dicts hold plain tensors."""
+
+    low: float = -math.inf
+    high: float = math.inf
+
+    def __new__(cls, data: Optional[Tensor] = None, requires_grad: bool = True):
+        return super().__new__(cls, data, requires_grad)
+
+    @classmethod
+    def project_tensor_(cls, t: Tensor) -> Tensor:
+        """Clamp ``t`` (this parameter, or a master copy / slice of it) into the bounds, in place."""
+        with torch.no_grad():
+            return t.clamp_(cls.low, cls.high)
+
+    def project_(self) -> "BoundedParameter":
+        self.project_tensor_(self.data)
+        return self
+
+
+class UnitIntervalParameter(BoundedParameter):
+    """A parameter kept in [0, 1] (e.g. an adaptive span as a fraction of the maximum span)."""
+
+    low, high = 0.0, 1.0
+
+
+def project_bounded_(params: Iterable[Tensor]) -> int:
+    """Clamp every :class:`BoundedParameter` among ``params`` into its bounds; returns how many."""
+    n = 0
+    for p in params:
+        if isinstance(p, BoundedParameter):
+            p.project_()
+            n += 1
+    return n
+
+
+_BOUNDED_BY_OPTIMIZER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _project_after_step(optimizer, args, kwargs):
+    """Global ``torch.optim`` step post-hook: project the bounded parameters this optimizer
+    updates (cached per optimizer; recomputed when its parameter groups change)."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _BOUNDED_BY_OPTIMIZER.get(optimizer)
+    if cached is None or cached[0] != count:
+        bounded = [p for g in optimizer.param_groups for p in g["params"]
+                   if isinstance(p, BoundedParameter)]
+        cached = (count, bounded)
+        _BOUNDED_BY_OPTIMIZER[optimizer] = cached
+    for p in cached[1]:
+        p.project_()
+
+
+register_optimizer_step_post_hook(_project_after_step)
 
 
 def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=None) -> Tensor:
@@ -169,9 +278,12 @@ class AttnContext:
         """softmax(q kᵀ·scale + extra + mask) v with dropout, via the fused SDPA kernel.
 
         q ``[B, H, Tq, dk]``, k ``[B, H, Tk, dk]``, v ``[B, H, Tk, dv]`` -> ``[B, H, Tq, dv]``."""
-        bias = self.bias(k.size(-2), q.dtype, q.device)
-        if extra_logits is not None:
-            bias = extra_logits if bias is None else extra_logits + bias
+        if extra_logits is None:
+            bias = self.bias(k.size(-2), q.dtype, q.device)
+        else:  # masked_fill, not a second addition: an fp16 logit + mask would overflow to -inf
+            blocked = self.blocked(k.size(-2), q.device)
+            bias = extra_logits if blocked is None else torch.where(
+                blocked, mask_value(extra_logits.dtype), extra_logits)
         p = self.module.dropout if self.module.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=scale)
 
@@ -182,7 +294,7 @@ class AttnContext:
         blocked = self.blocked(logits.size(-1), logits.device)
         if blocked is not None:
             logits = logits.masked_fill(blocked, mask_value(logits.dtype))
-        probs = torch.softmax(logits.float(), dim=-1).type_as(logits)
+        probs = fp32_softmax(logits)
         probs = F.dropout(probs, p=self.module.dropout, training=self.module.training)
         return torch.matmul(probs, v)
 

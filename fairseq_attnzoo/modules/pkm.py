@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import ZooFeedForward
+from .base import Float32Module, ZooFeedForward, float32_region
 
 #: ``param_group`` tag of the value tables (fairseq's convention for per-group optimizer
 #: settings; FP16Optimizer copies it onto its fp32 parameters). ``pkm_adam`` looks for it.
@@ -129,6 +129,16 @@ def usage_stats(counts: Tensor) -> Tuple[float, float]:
     return float((counts > 0).sum()) / n, float((z * (z * n).log()).sum())
 
 
+class Float32BatchNorm1d(Float32Module, nn.BatchNorm1d):
+    """BatchNorm1d whose statistics, parameters and running averages stay float32 inside an
+    fp16/bf16 model (as fairseq's ``Fp32BatchNorm``); input and output keep the caller's dtype.
+    Same state-dict keys as ``nn.BatchNorm1d``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with float32_region(x.device):
+            return super().forward(x.float()).to(x.dtype)
+
+
 class ProductKeyMemory(ZooFeedForward):
     """Product-key memory layer: ``forward(x [T, B, d], padding_mask [B, T]) -> [T, B, d_out]``."""
 
@@ -152,7 +162,7 @@ class ProductKeyMemory(ZooFeedForward):
             input_dropout, query_dropout, value_dropout)
 
         self.query_proj = nn.Linear(input_dim, heads * k_dim)  # q(x)
-        self.query_bn = nn.BatchNorm1d(heads * k_dim) if query_batchnorm else None
+        self.query_bn = Float32BatchNorm1d(heads * k_dim) if query_batchnorm else None
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, k_dim // 2))  # C, C' per head
         self.values = nn.EmbeddingBag(self.size, v_dim, mode="sum", sparse=sparse)
         self.values.weight.param_group = VALUES_GROUP
@@ -188,8 +198,9 @@ class ProductKeyMemory(ZooFeedForward):
         if self.query_bn is not None:
             if self.training and q.size(0) < 2:  # batch statistics need two tokens
                 bn = self.query_bn
-                q = F.batch_norm(q, bn.running_mean, bn.running_var, bn.weight, bn.bias,
-                                 False, 0.0, bn.eps)
+                with float32_region(q.device):
+                    q = F.batch_norm(q.float(), bn.running_mean, bn.running_var, bn.weight,
+                                     bn.bias, False, 0.0, bn.eps).to(q.dtype)
             else:
                 q = self.query_bn(q)
         q = F.dropout(q, self.query_dropout, self.training)
@@ -198,9 +209,12 @@ class ProductKeyMemory(ZooFeedForward):
     def lookup(self, query: Tensor) -> Tuple[Tensor, Tensor]:
         """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn]."""
         half = self.k_dim // 2
-        scores, indices = product_topk(query[..., :half], query[..., half:],
-                                       self.keys[:, 0], self.keys[:, 1], self.knn)
-        weights = torch.softmax(scores.float(), dim=-1).type_as(scores)  # over each head's k
+        # scores and the top-k in float32: in fp16/bf16 near-equal scores tie or swap ranks
+        with float32_region(query.device):
+            query, keys = query.float(), self.keys.float()
+            scores, indices = product_topk(query[..., :half], query[..., half:],
+                                           keys[:, 0], keys[:, 1], self.knn)
+            weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
         n = query.size(1)
         return (weights.transpose(0, 1).reshape(n, self.heads * self.knn),
                 indices.transpose(0, 1).reshape(n, self.heads * self.knn))

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import AttnContext, ZooAttention, mask_value
+from .base import AttnContext, ZooAttention, fp32_softmax, mask_value
 
 #: the logit synthesizers; several of them make a mixture
 COMPONENTS = ("dense", "random", "factorized_dense", "factorized_random", "vanilla")
@@ -203,7 +203,7 @@ class SynthesizerAttention(ZooAttention):
             qpos = kpos[:, -tq:]
         cols = min(k_len, self.max_len)
         if len(self.components) > 1:
-            alpha = torch.softmax(self.mix_logits, dim=0).to(x_q.dtype)
+            alpha = torch.softmax(self.mix_logits.float(), dim=0).to(x_q.dtype)
         dots, tables = [], []
         for i, name in enumerate(self.components):
             w = alpha[i] if len(self.components) > 1 else None
@@ -277,7 +277,7 @@ class SynthesizerAttention(ZooAttention):
         shared = logits.size(0) == 1 and dropout == 0.0
         if not shared:
             logits = logits.expand(bsz, self.num_heads, tq, tk)
-        probs = torch.softmax(logits.float(), dim=-1).type_as(logits)
+        probs = fp32_softmax(logits)
         if self.keep_attention:
             self.last_attention = probs.detach().expand(bsz, self.num_heads, tq, tk)
         if shared:

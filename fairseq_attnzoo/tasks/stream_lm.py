@@ -14,8 +14,7 @@ predicted.
 a model that knows them (the adaptive-span LM) keeps one cache per stream group; others ignore
 them. Validation and ``fairseq-eval-lm`` read their split the same way from block 0 with fresh
 caches (eval-lm: ``--batch-size`` sets the number of streams; the reference evaluates with 8, which
-leaves few tokens without context). After every optimizer step the task clamps learned spans into
-range.
+leaves few tokens without context).
 
 Generation (``fairseq-interactive``, ``SequenceGenerator``) is fairseq's language-modelling path.
 """
@@ -35,7 +34,6 @@ from fairseq.data import FairseqDataset, data_utils, iterators
 from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
-from ..modules.adaptive_span import clamp_spans
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +182,3 @@ class StreamLanguageModelingTask(LanguageModelingTask):
             shard_id=shard_id, num_workers=num_workers, data_buffer_size=data_buffer_size,
         ).next_epoch_itr(shuffle=False)
 
-    def optimizer_step(self, optimizer, model, update_num):
-        super().optimizer_step(optimizer, model, update_num)
-        # z in [0, S] after every step (also fp16 master copies)
-        clamp_spans(model, optimizer)

@@ -1,0 +1,64 @@
+"""Parameter constraints under fairseq's mixed-precision optimizers.
+
+A :class:`~fairseq_attnzoo.modules.base.BoundedParameter` (e.g. an adaptive span) is projected into
+its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
+in which the optimizer updates the model's own parameters: fp32, ``--amp`` (``AMPOptimizer``: fp32
+parameters) and ``--memory-efficient-fp16``/``--memory-efficient-bf16`` (the optimizer steps the
+half parameters directly).
+
+Under ``--fp16``/``--bf16`` fairseq's ``FP16Optimizer`` steps **fp32 master copies** (a list, or
+one flat buffer per device) and then copies them into the half model in
+``_sync_fp32_params_to_fp16``. Clamping the half model alone is undone by that copy and lets the
+masters drift out of range (the span penalty pushes them below 0, and the span has to climb back).
+So the copy is wrapped, once, to project the masters of bounded parameters first -- the same
+projection on the tensors the optimizer really updates. Offsets follow fairseq's own layout
+(parameters that require gradients, grouped by ``device.index``, in order).
+"""
+
+from collections import defaultdict
+
+from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+
+from ..modules.base import BoundedParameter
+
+
+def project_masters_(fp16_params, fp32_params) -> int:
+    """Clamp the fp32 master copies of the bounded parameters among ``fp16_params``; returns how
+    many were projected. ``fp32_params``: FP16Optimizer's list, or its ``{device: flat buffer}``."""
+    n = 0
+    if isinstance(fp32_params, dict):  # flattened: one buffer per device, params in order
+        by_device = defaultdict(list)
+        for p in fp16_params:
+            if p.requires_grad:
+                by_device[p.device.index].append(p)
+        for device, flat in fp32_params.items():
+            offset = 0
+            for p in by_device[device]:
+                if isinstance(p, BoundedParameter):
+                    p.project_tensor_(flat.data[offset: offset + p.numel()])
+                    n += 1
+                offset += p.numel()
+    else:
+        for p, p32 in zip(fp16_params, fp32_params):
+            if isinstance(p, BoundedParameter):
+                p.project_tensor_(p32.data)
+                n += 1
+    return n
+
+
+def install():
+    """Wrap ``FP16Optimizer``'s master -> model copy (idempotent)."""
+    sync = _FP16OptimizerMixin._sync_fp32_params_to_fp16
+    if getattr(sync, "_attnzoo_projects", False):
+        return
+
+    def _sync_fp32_params_to_fp16(self):
+        project_masters_(self.fp16_params, self.fp32_params)
+        sync(self)
+
+    _sync_fp32_params_to_fp16._attnzoo_projects = True
+    _sync_fp32_params_to_fp16.__doc__ = sync.__doc__
+    _FP16OptimizerMixin._sync_fp32_params_to_fp16 = _sync_fp32_params_to_fp16
+
+
+install()

@@ -1,0 +1,295 @@
+"""Reduced precision: every registered arch in bfloat16, in float16 and under bfloat16 autocast.
+
+For each arch (tiny sizes, the sweep's padded batch) and precision, with the SAME weights as the
+float32 model:
+
+* eval forward + backward are finite, and the loss per token is within ``LOSS_TOL`` of the float32
+  loss (the difference is the dtype's rounding of weights and activations);
+* train-mode forward + backward (dropout, batch statistics) are finite;
+* incremental decoding matches the full forward in that precision within ``STEP_TOL`` (log-probs);
+* a beam search (fairseq's SequenceGenerator through the task) runs and returns finite scores.
+
+Then the method-specific checks the sweep cannot see at tiny sizes (adaptive-span masks at S 8192
+with spans above 4096), and the optimizer side: spans stay in range on the parameters the optimizer
+really updates under fairseq's FP16Optimizer (flat and per-parameter masters), with any task, and
+``fairseq-train --amp --cpu`` (AMPOptimizer) for one arch of each model family.
+"""
+
+import argparse
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+from zoo_testlib import (USER_DIR, build, decode_steps, is_lm, json_logs, lm_extra, model_class,
+                         run_cli, sweep_batch, tiny_flags, zoo_archs)
+
+ARCHS = zoo_archs()
+
+#: precision -> (model dtype, autocast dtype)
+PRECISIONS = {
+    "bf16": (torch.bfloat16, None),
+    "fp16": (torch.float16, None),
+    "autocast_bf16": (torch.float32, torch.bfloat16),
+}
+#: max |loss per token - fp32 loss per token| (nats); bf16 keeps 8 mantissa bits, fp16 11
+#: (measured maxima over all archs: bf16 0.0042, fp16 0.0005, autocast 0.0036)
+LOSS_TOL = {"bf16": 0.02, "fp16": 0.003, "autocast_bf16": 0.02}
+#: max |log p incremental - log p full| in the same precision (measured: bf16 0.033, fp16 0.0043,
+#: autocast 0.020 without a top-k memory)
+STEP_TOL = {"bf16": 0.1, "fp16": 0.02, "autocast_bf16": 0.1}
+#: the same for models with a top-k memory (PKM): a token decoded alone and in a batch differs by
+#: the rounding of its inputs, which can swap two near-equal keys in the top-k -- a discrete change
+#: of one of k = 4 reads at tiny sizes (measured up to 0.20); in float32 the sweep checks 1e-5
+STEP_TOL_TOPK = 0.5
+
+
+def _autocast(precision):
+    dtype = PRECISIONS[precision][1]
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast(
+        "cpu", enabled=False)
+
+
+def _cast(model, precision):
+    m = copy.deepcopy(model)
+    return m.to(PRECISIONS[precision][0])
+
+
+def _loss_per_token(model, criterion, sample):
+    loss, _, log = criterion(model, sample)
+    return loss.float() / log["ntokens"], loss
+
+
+def _finite_grads(model):
+    return [n for n, p in model.named_parameters()
+            if p.grad is not None and not torch.isfinite(
+                (p.grad.coalesce().values() if p.grad.is_sparse else p.grad).float()).all()]
+
+
+def _log_probs(model, out):
+    return torch.log_softmax(out.float(), dim=-1)
+
+
+def _generate(task, model, sample, arch):
+    gen_args = argparse.Namespace(beam=2, max_len_a=0, max_len_b=6, min_len=1, nbest=1,
+                                  unnormalized=False, lenpen=1.0, unkpen=0.0, temperature=1.0,
+                                  match_source_len=False, no_repeat_ngram_size=0, sampling=False)
+    generator = task.build_generator([model], gen_args)
+    net = sample["net_input"]
+    if is_lm(arch):  # a prompt of the first 3 ordinary tokens of every row (no eos/pad)
+        special = task.target_dictionary.nspecial
+        prompt = torch.stack([row[row >= special][:3] for row in net["src_tokens"]])
+        sample = {"id": sample["id"], "net_input": {
+            "src_tokens": prompt, "src_lengths": torch.full((prompt.size(0),), 3)}}
+    return task.inference_step(generator, [model], sample)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reduced_precision(arch, precision, data_for):
+    torch.manual_seed(0)
+    args, task, model, criterion = build(arch, data_for(arch), lm_extra(arch))
+    sample = sweep_batch(task, args)
+    model.eval()
+    with torch.no_grad():
+        ref, _ = _loss_per_token(model, criterion, sample)
+    m = _cast(model, precision)
+
+    # eval: same function up to rounding; backward finite
+    m.eval()
+    with _autocast(precision):
+        per_token, loss = _loss_per_token(m, criterion, sample)
+    assert torch.isfinite(loss), f"{arch} {precision}: non-finite loss"
+    diff = abs(float(per_token.detach()) - float(ref))
+    if os.environ.get("ZOO_PRECISION_LOG"):
+        with open(os.environ["ZOO_PRECISION_LOG"], "a") as f:
+            f.write(f"{arch} {precision} loss {diff:.5f}\n")
+    assert diff <= LOSS_TOL[precision], \
+        f"{arch} {precision}: loss/token {float(per_token):.4f} vs fp32 {float(ref):.4f}"
+    loss.backward()
+    assert not _finite_grads(m), f"{arch} {precision}: non-finite grads {_finite_grads(m)}"
+
+    # train mode (dropout, batch statistics)
+    m.train()
+    m.zero_grad(set_to_none=True)
+    with _autocast(precision):
+        _, loss = _loss_per_token(m, criterion, sample)
+    assert torch.isfinite(loss), f"{arch} {precision}: non-finite train loss"
+    loss.backward()
+    assert not _finite_grads(m), f"{arch} {precision}: non-finite train grads {_finite_grads(m)}"
+
+    # incremental decoding == full forward, in this precision
+    m.eval()
+    valid = sweep_batch(task, args, split="valid")
+    net = valid["net_input"]
+    pad = task.target_dictionary.pad()
+    with torch.no_grad(), _autocast(precision):
+        if is_lm(arch):
+            tokens, enc = net["src_tokens"], None
+        else:
+            tokens = net["prev_output_tokens"]
+            enc = m.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+        full = _log_probs(m, m.decoder(tokens, encoder_out=enc)[0])
+        step, _ = decode_steps(m, tokens, enc)
+        step = _log_probs(m, step)
+        keep = tokens.ne(pad).unsqueeze(-1)
+        d = ((full - step).abs() * keep).max().item()
+        if os.environ.get("ZOO_PRECISION_LOG"):
+            with open(os.environ["ZOO_PRECISION_LOG"], "a") as f:
+                f.write(f"{arch} {precision} step {d:.5f}\n")
+        topk = any(type(mod).__name__ == "ProductKeyMemory" for mod in m.modules())
+        tol = STEP_TOL_TOPK if topk and precision != "autocast_bf16" else STEP_TOL[precision]
+        assert d <= tol, f"{arch} {precision}: incremental vs full {d:.3g}"
+
+        # beam search
+        hyps = _generate(task, m, valid, arch)
+    assert len(hyps) == tokens.size(0)
+    scores = torch.stack([h[0]["score"].float() for h in hyps])
+    assert torch.isfinite(scores).all(), f"{arch} {precision}: beam scores {scores}"
+
+
+# ---- adaptive span: the mask at long range -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_adaptive_mask_equals_fp32_mask_at_long_spans(dtype, dynamic):
+    from fairseq_attnzoo.modules.adaptive_span import AdaptiveMask
+
+    S, R = 8192, 32
+    z = torch.tensor([5000.0, 4100.0, 8000.0, 6143.5])  # spans above 4096 (fp16: ulp 4 there)
+    mask = AdaptiveMask(4, S, R, dynamic=dynamic, embed_dim=8)
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        if dynamic:  # z_t = S sigmoid(v.x + b): v = 0, b = logit(z / S)
+            p = (z / S).double()
+            mask.span_proj.bias.copy_(torch.log(p / (1 - p)).float())
+        else:
+            mask.span.copy_(z / S)
+    low = copy.deepcopy(mask).to(dtype)
+    ref = mask.log_mask(mask.spans(x), S).exp()
+    got = low.log_mask(low.spans(x.to(dtype)), S).exp()
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() <= 1e-3
+    if not dynamic:
+        assert low.span.dtype == torch.float32  # the span keeps float32 resolution
+        assert torch.equal(low.spans(), ref.new_tensor(z))
+
+
+def test_span_penalty_and_attention_under_autocast():
+    """Under autocast the span, mask and normaliser stay float32; output matches fp32 closely."""
+    from fairseq_attnzoo.modules.adaptive_span import AdaptiveSpanAttention
+
+    torch.manual_seed(0)
+    att = AdaptiveSpanAttention(16, 2, 64, ramp=8, span_init=0.5, span_loss=1e-3, own_key_pe=True,
+                                trim_chunk=8)
+    x = torch.randn(2, 12, 16)
+    ref, _ = att(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = att(x)
+        pen = att.mask.loss()
+    assert pen.dtype == torch.float32
+    assert (out.float() - ref).abs().max().item() < 0.05
+
+
+# ---- the optimizer side: constraints on the tensors the optimizer updates -----------------------
+
+def _span_lm(lm_data, extra=()):
+    """A tiny adaptive-span LM trained with fairseq's plain language_modeling task (no hooks of
+    ours) and the span criterion."""
+    from fairseq import options, tasks
+
+    argv = [lm_data, "--user-dir", USER_DIR, "--arch", "adaptive_span_lm_small", "--task",
+            "language_modeling", "--criterion", "attnzoo_span_loss", "--cpu", "--tokens-per-sample",
+            "24", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--decoder-layers",
+            "2", "--decoder-attention-heads", "2", "--attn-span", "16", "--adaptive-span-ramp", "4",
+            "--adaptive-span-loss", "50", "--adaptive-span-init", "0.05", "--optimizer", "adam",
+            "--lr", "0.5", "--sample-break-mode", "eos"] + list(extra)
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    torch.manual_seed(0)
+    task = tasks.setup_task(args)
+    model = task.build_model(args)
+    criterion = task.build_criterion(args)
+    task.load_dataset("train")
+    itr = task.get_batch_iterator(dataset=task.dataset("train"), max_sentences=4, max_tokens=400,
+                                  ignore_invalid_inputs=True).next_epoch_itr(shuffle=False)
+    return args, task, model, criterion, next(iter(itr))
+
+
+def _spans(model):
+    return [m.span for m in model.modules() if type(m).__name__ == "AdaptiveMask"]
+
+
+@pytest.mark.parametrize("dtype,flatten", [(torch.float16, True), (torch.float16, False),
+                                           (torch.bfloat16, False)])  # fairseq never flattens bf16
+def test_fp16_optimizer_masters_stay_clamped(lm_data, monkeypatch, dtype, flatten):
+    """fairseq's FP16Optimizer (--fp16 / --bf16) with the plain language_modeling task: the span
+    penalty (lambda 50) pushes z below 0 every step; the fp32 masters -- what the optimizer updates
+    and copies into the model -- must be projected, not only the model copy."""
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    flags = ["--bf16"] if dtype == torch.bfloat16 else ["--fp16"]
+    if not flatten:
+        flags.append("--fp16-no-flatten-grads")
+    args, task, model, criterion, sample = _span_lm(lm_data, flags)
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(args)
+    model = model.to(dtype)
+    # fairseq flattens onto torch.cuda.current_device(); on CPU tensors have device.index None
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = FP16Optimizer.build_optimizer(cfg, params)
+    assert optimizer.has_flat_params == flatten
+    for update in range(3):
+        task.train_step(sample, model, criterion, optimizer, update)
+        optimizer.multiply_grads(1.0 / float(sample["ntokens"]))
+        task.optimizer_step(optimizer, model, update)
+        masters = optimizer.fp32_params
+        for p in _spans(model):
+            assert p.dtype == torch.float32 and float(p.min()) >= 0.0
+        if flatten:
+            flat = next(iter(masters.values()))
+            offset = 0
+            for p in params:
+                if any(p is s for s in _spans(model)):
+                    chunk = flat[offset: offset + p.numel()]
+                    assert float(chunk.min()) >= 0.0, f"update {update}: master span {chunk}"
+                offset += p.numel()
+        else:
+            for p, p32 in zip(params, masters):
+                if any(p is s for s in _spans(model)):
+                    assert float(p32.min()) >= 0.0, f"update {update}: master span {p32}"
+    # the penalty drove every span to the bound: exactly 0, not a drifting negative master
+    assert all(float(s.abs().max()) == 0.0 for s in _spans(model))
+
+
+def test_spans_clamped_by_any_torch_optimizer(lm_data):
+    """fp32 / --amp / --memory-efficient-fp16: the optimizer steps the model's own parameters,
+    and the global step hook projects them (no task or criterion hook involved)."""
+    args, task, model, criterion, sample = _span_lm(lm_data)
+    opt = torch.optim.SGD(model.parameters(), lr=10.0)
+    loss, _, _ = criterion(model, sample)
+    loss.backward()
+    opt.step()
+    assert all(float(s.min()) >= 0.0 and float(s.max()) <= 1.0 for s in _spans(model))
+
+
+AMP_ARCHS = ["transformer_aop", "transformer_synth_random_vanilla", "transformer_collab",
+             "transformer_pkm", "transformer_lm_synth_dense", "adaptive_span_lm_small",
+             "all_attention_lm"]
+
+
+@pytest.mark.parametrize("arch", AMP_ARCHS)
+def test_cli_amp_train(arch, data_for, tmp_path):
+    """fairseq-train --amp --cpu (fairseq's AMPOptimizer wrapper around our models)."""
+    data = data_for(arch)
+    logs = run_cli("train", tiny_flags(arch, data) + [
+        "--amp", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update",
+        "3", "--save-dir", str(tmp_path), "--no-save", "--log-format", "json", "--log-interval",
+        "1", "--seed", "1", "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
+        "--disable-validation"] + list(getattr(model_class(arch), "zoo_cli_train_flags", [])))
+    inner = json_logs(logs, "train_inner")
+    assert [int(r["num_updates"]) for r in inner] == [1, 2, 3], logs[-20:]
+    assert all(math.isfinite(float(r["loss"])) for r in inner)
