@@ -20,5 +20,7 @@ for sdist in "$WHL"/antlr4-python3-runtime-*.tar.gz; do
 done
 # fairseq's C++ extensions compile against the torch already there (ninja, all cores); the CUDA
 # extensions (lightconv/dynamicconv kernels) are not needed by this plugin: CUDA_HOME unset
-env -u CUDA_HOME "${PIP[@]}" --no-build-isolation "$WHL"/fairseq_fixed-0.12.3.1.tar.gz
+# (--upgrade: pip --target would otherwise skip fairseq's console scripts when TARGET/bin exists)
+env -u CUDA_HOME MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --upgrade --no-build-isolation \
+  "$WHL"/fairseq_fixed-0.12.3.1.tar.gz
 python3 -c "import fairseq, torch; print('fairseq', fairseq.__version__, '| torch', torch.__version__)"
