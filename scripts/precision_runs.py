@@ -92,7 +92,8 @@ def train_cmd(arch, precision, a, save):
         if "all_attention" in arch and arch not in demo.LM_DEMO:
             cmd += ["--persistent-memory-size", "512"]
     cmd += common
-    opt = cmd[cmd.index("--optimizer") + 1] if "--optimizer" in cmd else "adam"
+    opts = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--optimizer"]
+    opt = opts[-1] if opts else "adam"  # the last --optimizer wins (argparse)
     if precision in ("fp16", "bf16") and opt in ("adagrad_clip", "pkm_adam"):
         cmd.append("--fp16-no-flatten-grads")  # per-tensor optimizers (docs/precision.md)
     return cmd

@@ -27,6 +27,8 @@ from zoo_testlib import (USER_DIR, build, decode_steps, is_lm, json_logs, lm_ext
                          run_cli, sweep_batch, tiny_flags, zoo_archs)
 
 ARCHS = zoo_archs()
+#: the sweep runs on CPU in `make test`; ATTNZOO_TEST_DEVICE=cuda runs it on a GPU's kernels
+DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
 
 #: precision -> (model dtype, autocast dtype)
 PRECISIONS = {
@@ -48,13 +50,19 @@ STEP_TOL_TOPK = 0.5
 
 def _autocast(precision):
     dtype = PRECISIONS[precision][1]
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast(
-        "cpu", enabled=False)
+    return torch.autocast(DEVICE.type, dtype=dtype) if dtype is not None else torch.autocast(
+        DEVICE.type, enabled=False)
 
 
 def _cast(model, precision):
     m = copy.deepcopy(model)
-    return m.to(PRECISIONS[precision][0])
+    return m.to(device=DEVICE, dtype=PRECISIONS[precision][0])
+
+
+def _on_device(sample):
+    from fairseq import utils
+
+    return utils.apply_to_sample(lambda t: t.to(DEVICE), sample)
 
 
 def _loss_per_token(model, criterion, sample):
@@ -82,7 +90,8 @@ def _generate(task, model, sample, arch):
         special = task.target_dictionary.nspecial
         prompt = torch.stack([row[row >= special][:3] for row in net["src_tokens"]])
         sample = {"id": sample["id"], "net_input": {
-            "src_tokens": prompt, "src_lengths": torch.full((prompt.size(0),), 3)}}
+            "src_tokens": prompt, "src_lengths": torch.full((prompt.size(0),), 3,
+                                                            device=prompt.device)}}
     return task.inference_step(generator, [model], sample)
 
 
@@ -91,8 +100,8 @@ def _generate(task, model, sample, arch):
 def test_reduced_precision(arch, precision, data_for):
     torch.manual_seed(0)
     args, task, model, criterion = build(arch, data_for(arch), lm_extra(arch))
-    sample = sweep_batch(task, args)
-    model.eval()
+    sample = _on_device(sweep_batch(task, args))
+    model.to(DEVICE).eval()
     with torch.no_grad():
         ref, _ = _loss_per_token(model, criterion, sample)
     m = _cast(model, precision)
@@ -122,7 +131,7 @@ def test_reduced_precision(arch, precision, data_for):
 
     # incremental decoding == full forward, in this precision
     m.eval()
-    valid = sweep_batch(task, args, split="valid")
+    valid = _on_device(sweep_batch(task, args, split="valid"))
     net = valid["net_input"]
     pad = task.target_dictionary.pad()
     with torch.no_grad(), _autocast(precision):
@@ -293,3 +302,40 @@ def test_cli_amp_train(arch, data_for, tmp_path):
     inner = json_logs(logs, "train_inner")
     assert [int(r["num_updates"]) for r in inner] == [1, 2, 3], logs[-20:]
     assert all(math.isfinite(float(r["loss"])) for r in inner)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad_clip"])
+def test_amp_optimizer_unscales_once(optimizer):
+    """fairseq's AMPOptimizer unscales through the torch optimizer in clip_grad_norm and then
+    hands its wrapper to GradScaler.step, which unscaled a second time (the step was 1/scale of
+    the gradient). Run with a CPU GradScaler (fairseq builds a CUDA one, disabled without a GPU)."""
+    from omegaconf import OmegaConf
+
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt_cfg = {"_name": optimizer, "lr": [1.0], "weight_decay": 0.0}
+    if optimizer == "sgd":
+        opt_cfg["momentum"] = 0.0
+    else:
+        opt_cfg.update(grad_clip_per_tensor=0.03, adagrad_eps=1e-10)
+    cfg = OmegaConf.create({"optimizer": opt_cfg, "common": {
+        "fp16_init_scale": 128, "min_loss_scale": 1e-4, "amp_scale_window": None}})
+    opt = AMPOptimizer.build_optimizer(cfg, [w])
+    opt._grad_scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    opt.backward((w * x).sum())
+    opt.multiply_grads(1.0)
+    opt.clip_grad_norm(0.0)  # the trainer always calls it (it unscales)
+    opt.step()
+    # SGD: w - lr g = -x; Adagrad (first step, per-tensor clip c): -lr min(1, c/||g||) g / |g|
+    expected = -x if optimizer == "sgd" else -torch.full((3,), 0.03 / float(x.norm()))
+    assert torch.allclose(w.detach(), expected), w
+
+
+def test_bf16_on_gpu_hint():
+    """fairseq 0.12's --bf16 implies --tpu: on a GPU it dies in torch_xla; say so in one line."""
+    from fairseq_attnzoo.cli_hints import hint_for
+
+    hint = hint_for(AttributeError("'NoneType' object has no attribute 'xla_device'"))
+    assert hint and "--bf16" in hint and "--amp" in hint

@@ -434,7 +434,7 @@ def span_penalty(model: nn.Module) -> Optional[Tensor]:
 def clamp_spans(model: nn.Module) -> int:
     """Clamp every span into [0, S] by hand; returns the number of span modules. (Not needed after
     optimizer steps: spans are ``UnitIntervalParameter``s, projected by every step -- on fairseq's
-    fp32 master copies too, see :mod:`fairseq_attnzoo.optim.constraints`.)"""
+    fp32 master copies too, see :mod:`fairseq_attnzoo.optim.mixed_precision`.)"""
     masks = list(span_masks(model))
     for m in masks:
         m.clamp_()

@@ -109,7 +109,7 @@ class BoundedParameter(nn.Parameter):
     every optimizer step, by a global optimizer step hook (any ``torch.optim`` optimizer, hence
     fp32, ``--amp`` and ``--memory-efficient-fp16``/``bf16`` training) and, under fairseq's
     ``FP16Optimizer`` (``--fp16``/``--bf16``), on its fp32 master copy before that is copied into
-    the model (:mod:`fairseq_attnzoo.optim.constraints`). Subclass it to set the bounds; deep copies
+    the model (:mod:`fairseq_attnzoo.optim.mixed_precision`). Subclass it to set the bounds; deep copies
     keep the class, state dicts hold plain tensors."""
 
     low: float = -math.inf

@@ -1,6 +1,17 @@
-"""Parameter constraints under fairseq's mixed-precision optimizers.
+"""Two fixes to fairseq's mixed-precision optimizer wrappers, installed when the plugin loads.
 
-A :class:`~fairseq_attnzoo.modules.base.BoundedParameter` (e.g. an adaptive span) is projected into
+1. **Parameter constraints under FP16Optimizer** (see below).
+2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
+   update) unscales through the *torch* optimizer, ``scaler.unscale_(self.optimizer)``, but
+   ``AMPOptimizer.step`` hands the *fairseq wrapper* to ``scaler.step(self.fp32_optimizer)``. The
+   GradScaler keeps its "already unscaled" state per optimizer object, so ``step`` unscales a second
+   time: every update is divided by the loss scale once more (measured: an SGD step of 1/128 of the
+   gradient at the initial scale 128). Adam hardly notices (its update is invariant to the gradient's
+   scale), but SGD, Adagrad and any per-tensor clipping do -- ``adagrad_clip`` (adaptive span) stopped
+   learning at unigram statistics under ``--amp`` on an H100 (docs/gpu.md). The fix steps the same
+   torch optimizer the scaler unscaled.
+
+Constraints: a :class:`~fairseq_attnzoo.modules.base.BoundedParameter` (e.g. an adaptive span) is projected into
 its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
 in which the optimizer updates the model's own parameters: fp32, ``--amp`` (``AMPOptimizer``: fp32
 parameters) and ``--memory-efficient-fp16``/``--memory-efficient-bf16`` (the optimizer steps the
@@ -17,6 +28,7 @@ projection on the tensors the optimizer really updates. Offsets follow fairseq's
 
 from collections import defaultdict
 
+from fairseq.optim.amp_optimizer import AMPOptimizer
 from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 
 from ..modules.base import BoundedParameter
@@ -46,8 +58,19 @@ def project_masters_(fp16_params, fp32_params) -> int:
     return n
 
 
+def _amp_step(self):
+    """``AMPOptimizer.step``: step the torch optimizer that ``clip_grad_norm`` unscaled (fairseq's
+    own passes its wrapper, which the GradScaler then unscales again). Same update otherwise: the
+    wrapper's ``step`` only forwards to this optimizer."""
+    self.scaler.step(self.optimizer)
+    self.scaler.update()
+
+
 def install():
-    """Wrap ``FP16Optimizer``'s master -> model copy (idempotent)."""
+    """Wrap ``FP16Optimizer``'s master -> model copy and fix ``AMPOptimizer.step`` (idempotent)."""
+    if not getattr(AMPOptimizer.step, "_attnzoo", False):
+        _amp_step._attnzoo = True
+        AMPOptimizer.step = _amp_step
     sync = _FP16OptimizerMixin._sync_fp32_params_to_fp16
     if getattr(sync, "_attnzoo_projects", False):
         return
