@@ -29,10 +29,10 @@ def _dictionary():
 
 
 def _ours(dictionary, **flags):
-    args = Namespace(decoder_embed_dim=D, decoder_ffn_embed_dim=FFN, decoder_layers=LAYERS,
-                     decoder_attention_heads=H, dropout=0.0, attn_span=S,
-                     adaptive_span_ramp=RAMP, adaptive_span_init=0.0, adaptive_span_loss=0.0,
-                     **flags)
+    sizes = dict(decoder_embed_dim=D, decoder_ffn_embed_dim=FFN, decoder_layers=LAYERS,
+                 decoder_attention_heads=H, dropout=0.0, attn_span=S, adaptive_span_ramp=RAMP,
+                 adaptive_span_init=0.0, adaptive_span_loss=0.0)
+    args = Namespace(**dict(sizes, **flags))
     _fill(args, {})
     return AdaptiveSpanDecoder(args, dictionary).eval()
 
@@ -136,3 +136,24 @@ def test_weight_init_schemes():
         assert lin.weight.abs().max() <= bound and lin.weight.abs().max() > 0.95 * bound
     assert td.layers[0].ffn.fc1.bias.abs().max() > 0  # (the example keeps them nn.Linear's too)
     torch.testing.assert_close(td.key_pe.std(), torch.tensor(1.0), rtol=0.1, atol=0)
+
+
+@pytest.mark.parametrize("persistent", [0, 4])
+def test_exclude_self_incremental_decoding_equals_full_forward(persistent):
+    """The reference window (distances 1..S) through our cache paths: token-by-token decoding
+    gives the plain forward's outputs; the first token of a stream sees no context (only the
+    persistent vectors, if any)."""
+    torch.manual_seed(0)
+    dictionary = _dictionary()
+    dec = _ours(dictionary, adaptive_span_exclude_self=True, attn_span=12, adaptive_span_ramp=4,
+                adaptive_span_init=0.5, adaptive_span_trim_chunk=4,
+                persistent_memory_size=persistent)
+    tokens = torch.randint(4, len(dictionary), (2, 30))
+    with torch.no_grad():
+        full = dec(tokens)[0]
+        state, steps = {}, []
+        for t in range(tokens.size(1)):
+            steps.append(dec(tokens[:, :t + 1], incremental_state=state)[0])
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    layer = dec.layers[0].attn
+    assert layer.cache_size() == layer.mask.cache_size() + 1  # S previous tokens, not S - 1
