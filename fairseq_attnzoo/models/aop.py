@@ -59,10 +59,13 @@ def _positive(flag: str, value) -> int:
 def resolve_sizes(args, embed_dim: int, ffn_dim: int, num_heads: int):
     """(h_p, d_pk, d_pv, n_p): the explicit flags, else sizes that follow the model and match the
     FFN's weights (see the flag help). One-line ValueError naming the flag to set."""
-    heads = _positive("--aop-heads", num_heads if args.aop_heads is None else args.aop_heads)
+    given = {k: getattr(args, k, None) for k in ("aop_heads", "aop_key_dim", "aop_value_dim",
+                                                  "aop_slots")}
+    heads = _positive("--aop-heads", num_heads if given["aop_heads"] is None else given["aop_heads"])
     factor = _positive("--aop-width-factor", getattr(args, "aop_width_factor", None) or 1)
     dims = []
-    for flag, value in (("--aop-key-dim", args.aop_key_dim), ("--aop-value-dim", args.aop_value_dim)):
+    for flag, value in (("--aop-key-dim", given["aop_key_dim"]),
+                        ("--aop-value-dim", given["aop_value_dim"])):
         if value is None:
             if (factor * embed_dim) % heads:
                 raise ValueError(f"--aop-width-factor·d_model = {factor * embed_dim} is not "
@@ -70,7 +73,7 @@ def resolve_sizes(args, embed_dim: int, ffn_dim: int, num_heads: int):
             value = factor * embed_dim // heads
         dims.append(_positive(flag, value))
     key_dim, value_dim = dims
-    slots = args.aop_slots
+    slots = given["aop_slots"]
     if slots is None:
         slots = ffn_matching_slots(embed_dim, ffn_dim, heads, key_dim, value_dim)
         if slots <= 0:
@@ -98,7 +101,8 @@ def build_aop(spec):
     """attention over parameters: softmax(q Kᵀ) V with trainable K, V (replaces the FFN)"""
     a = spec.args
     sizes = resolve_sizes(a, spec.embed_dim, spec.ffn_dim, spec.num_heads)
-    p = spec.attention_dropout if a.aop_dropout is None else float(a.aop_dropout)
+    p = getattr(a, "aop_dropout", None)
+    p = spec.attention_dropout if p is None else float(p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"--aop-dropout must be in [0, 1), got {p}")
     scale_at = str(getattr(a, "aop_scale_at", None) or "use")
