@@ -90,6 +90,7 @@ class AttentionOverParameters(ZooFeedForward):
         self.reset_parameters()
 
     def reset_parameters(self):
+        # t2t transformer_base's "uniform_unit_scaling" (fan_avg, uniform, gain 1) = glorot uniform
         nn.init.xavier_uniform_(self.q_proj.weight)
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.normal_(self.keys, 0.0, self._init_std[0])
