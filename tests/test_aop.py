@@ -20,26 +20,48 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _args(arch, extra=()):
+SMALL = ["--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+         "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4",
+         "--decoder-attention-heads", "4"]
+
+
+def _args(arch, extra=(), task="translation"):
     parser = options.get_training_parser()
     return options.parse_args_and_arch(
         parser, ["/nonexistent-data", "--user-dir", USER_DIR, "--arch", arch,
-                 "--task", "translation"] + list(extra))
+                 "--task", task] + list(extra))
 
 
-def _spec(args, d=512, ffn=2048):
+def _spec(args, d=512, ffn=2048, heads=8, attention_dropout=0.0, activation_dropout=0.0):
     return SublayerSpec(slot="ffn", side="encoder", layer_idx=0, num_layers=6, embed_dim=d,
-                        num_heads=8, ffn_dim=ffn, attention_dropout=0.0, activation_dropout=0.0,
-                        causal=False, kdim=d, args=args)
+                        num_heads=heads, ffn_dim=ffn, attention_dropout=attention_dropout,
+                        activation_dropout=activation_dropout, causal=False, kdim=d, args=args)
 
 
-@pytest.mark.parametrize("arch,heads,slots", [("transformer_aop", 8, 1536),
-                                              ("transformer_aop_h16", 16, 512)])
-def test_presets_have_exactly_the_ffn_weights(arch, heads, slots):
+def _build(args):
+    """The encoder-decoder model for args, with a stand-in dictionary (no data needed)."""
+    from fairseq.data import Dictionary
+    from fairseq_attnzoo.models.transformer import ZooTransformerModel
+
+    class _Task:
+        source_dictionary = target_dictionary = Dictionary()
+
+    return ZooTransformerModel.build_model(args, _Task())
+
+
+def _ffn_weights(d, ffn):
+    stock = TransformerEncoderLayerBase(TransformerConfig.from_namespace(_args(
+        "attnzoo_transformer", ["--encoder-embed-dim", str(d), "--encoder-ffn-embed-dim", str(ffn)])))
+    return stock.fc1.weight.numel() + stock.fc2.weight.numel()
+
+
+@pytest.mark.parametrize("arch,heads,dk,slots", [("transformer_aop", 8, 64, 1536),
+                                                 ("transformer_aop_h16", 16, 64, 512)])
+def test_presets_have_exactly_the_ffn_weights(arch, heads, dk, slots):
     args = _args(arch)
     assert args.encoder_ffn == "aop" and args.decoder_ffn == "aop"
-    assert (args.aop_heads, args.aop_key_dim, args.aop_value_dim, args.aop_slots) == (heads, 64, 64, slots)
-    aop = build_sublayer("aop", _spec(args))
+    aop = build_sublayer("aop", _spec(args, heads=args.encoder_attention_heads))
+    assert (aop.heads, aop.key_dim, aop.value_dim, aop.slots) == (heads, dk, dk, slots)
     n_aop = sum(p.numel() for p in aop.parameters())
     # the stock fairseq FFN at d=512, d_ff=2048: weights 2·512·2048, plus 2048 + 512 biases
     stock = TransformerEncoderLayerBase(TransformerConfig())
@@ -47,8 +69,57 @@ def test_presets_have_exactly_the_ffn_weights(arch, heads, slots):
     ffn_biases = stock.fc1.bias.numel() + stock.fc2.bias.numel()
     assert ffn_weights == 512 * 2048 * 2 == 2_097_152
     assert ffn_biases == 2048 + 512
-    assert n_aop == ffn_weights == aop_num_params(512, heads, 64, 64, slots)  # AOP has no biases
+    assert n_aop == ffn_weights == aop_num_params(512, heads, dk, dk, slots)  # AOP has no biases
     assert all(not n.endswith("bias") for n, _ in aop.named_parameters())
+
+
+@pytest.mark.parametrize("arch", ["transformer_aop", "transformer_aop_h16", "transformer_lm_aop"])
+@pytest.mark.parametrize("d,ffn", [(128, 512), (512, 2048)])
+def test_default_sizes_follow_the_model_and_match_the_ffn(arch, d, ffn, caplog):
+    """A new user's model at any size: memory sized from d / d_ff, weights == the FFN's, logged."""
+    import logging
+
+    side = "decoder" if "lm" in arch else "encoder"
+    args = _args(arch, [f"--{side}-embed-dim", str(d), f"--{side}-ffn-embed-dim", str(ffn)],
+                 task="language_modeling" if "lm" in arch else "translation")
+    heads = getattr(args, f"{side}_attention_heads")
+    with caplog.at_level(logging.INFO, logger="fairseq_attnzoo.models.aop"):
+        aop = build_sublayer("aop", _spec(args, d=d, ffn=ffn, heads=heads))
+    width = (2 if arch.endswith("h16") else 1) * d
+    assert aop.heads == heads == (16 if arch.endswith("h16") else 8)
+    assert aop.heads * aop.key_dim == aop.heads * aop.value_dim == width
+    assert aop.slots == (ffn - d if width == d else ffn // 2 - d)
+    n_aop = sum(p.numel() for p in aop.parameters())
+    assert n_aop == 2 * d * ffn == _ffn_weights(d, ffn)
+    assert f"{n_aop:,} weights per sublayer vs the FFN's {2 * d * ffn:,} weights" in caplog.text
+
+
+def test_h16_has_16_heads_in_every_attention():
+    """tensor2tensor's transformer_parameter_attention_b sets num_heads = 16 for the whole model."""
+    from fairseq import tasks
+
+    args = _args("transformer_aop_h16", ["--encoder-layers", "1", "--decoder-layers", "1"])
+    assert args.encoder_attention_heads == args.decoder_attention_heads == 16
+    model = _build(args)
+    enc, dec = model.encoder.layers[0], model.decoder.layers[0]
+    assert enc.self_attn.num_heads == dec.self_attn.num_heads == dec.encoder_attn.num_heads == 16
+    assert enc.ffn.heads == dec.ffn.heads == 16 and enc.ffn.slots == 512 and enc.ffn.key_dim == 64
+    # an explicit head count still wins
+    args = _args("transformer_aop_h16", ["--encoder-attention-heads", "8"])
+    assert args.encoder_attention_heads == 8 and args.decoder_attention_heads == 16
+
+
+def test_dropout_defaults_to_attention_dropout():
+    args = _args("transformer_aop", ["--attention-dropout", "0.25", "--activation-dropout", "0.4"])
+    aop = build_sublayer("aop", _spec(args, d=32, ffn=64, attention_dropout=0.25,
+                                      activation_dropout=0.4, heads=4))
+    assert aop.dropout == 0.25
+    model = _build(_args("transformer_aop", ["--attention-dropout", "0.25", "--activation-dropout",
+                                             "0.4", "--encoder-layers", "1", "--decoder-layers", "1",
+                                             *SMALL]))
+    assert model.encoder.layers[0].ffn.dropout == model.decoder.layers[0].ffn.dropout == 0.25
+    args = _args("transformer_aop", ["--attention-dropout", "0.25", "--aop-dropout", "0.1"])
+    assert build_sublayer("aop", _spec(args, d=32, ffn=64, heads=4)).dropout == 0.1
 
 
 def test_forward_is_scaled_softmax_attention_over_parameters():
@@ -128,3 +199,54 @@ def test_sdpa_path_matches_explicit_math_in_training_mode_backward():
     g_ref = [p.grad for p in m.parameters()] + [x.grad]
     for a, b in zip(g_fused, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_scale_at_init_has_t2t_statistics_and_the_same_function_at_init():
+    """tensor2tensor since 2018-06-11 folds √h_p, √d into the initialiser: K ~ N(0, √h_p·d^-½),
+    V ~ N(0, 1) stored and used as is; at init that is the at-use form's function exactly."""
+    d, h = 512, 8
+    torch.manual_seed(0)
+    use = AttentionOverParameters(d, heads=h, key_dim=64, value_dim=64, slots=1536, scale_at="use")
+    torch.manual_seed(0)
+    init = AttentionOverParameters(d, heads=h, key_dim=64, value_dim=64, slots=1536,
+                                   scale_at="init")
+    assert abs(init.keys.std().item() - math.sqrt(h / d)) < 0.002  # stored = effective
+    assert abs(init.values.std().item() - 1.0) < 0.005
+    assert abs(init.keys.mean().item()) < 0.002 and abs(init.values.mean().item()) < 0.005
+    assert abs(use.keys.std().item() - d ** -0.5) < 0.001  # stored N(0, d^-½), scaled at use
+    for a, b in zip(use.memory(), init.memory()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    x = torch.randn(5, 3, d)
+    torch.testing.assert_close(use(x), init(x), rtol=1e-5, atol=1e-6)
+
+
+def test_scale_at_changes_the_adam_step_by_the_constant():
+    """Same function, different dynamics: Adam's first step moves every parameter by ≈ lr, so the
+    effective values move √d times more when √d multiplies them at use."""
+    d = 64
+    moved = {}
+    for form in ("use", "init"):
+        torch.manual_seed(0)
+        m = AttentionOverParameters(d, heads=2, key_dim=8, value_dim=8, slots=12, scale_at=form)
+        before = m.memory()[1].detach().clone()
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        torch.manual_seed(1)
+        m(torch.randn(4, 2, d)).square().sum().backward()
+        opt.step()
+        moved[form] = (m.memory()[1].detach() - before).abs().mean().item()
+    assert abs(moved["use"] / moved["init"] - math.sqrt(d)) < 0.01 * math.sqrt(d)
+
+
+def test_scale_at_flag_reaches_the_module_and_old_name_default():
+    args = _args("transformer_aop", ["--aop-scale-at", "init"])
+    assert build_sublayer("aop", _spec(args, d=32, ffn=64, heads=4)).scale_at == "init"
+    assert build_sublayer("aop", _spec(_args("transformer_aop"), d=32, ffn=64, heads=4)).scale_at == "use"
+
+
+def test_indivisible_default_width_is_a_one_line_error():
+    args = _args("transformer_aop", ["--aop-heads", "3"])
+    _one_line_error(args, "not divisible by h_p = 3: set --aop-key-dim")
+    args = _args("transformer_aop", ["--aop-heads", "4", "--aop-width-factor", "5"])
+    with pytest.raises(ValueError, match="set --aop-slots") as e:
+        build_sublayer("aop", _spec(args, d=32, ffn=64, heads=4))
+    assert "\n" not in str(e.value)

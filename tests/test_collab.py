@@ -187,6 +187,113 @@ def test_builder_flags():
         build_collab(spec)
 
 
+# ---- the authors' fairseq fork (jbcdnr/fairseq-collaborative-heads) ---------------------------
+
+# parameter layout of the fork's MultiheadAttention(collaborative_heads=True, kdim=D̃k), self- or
+# cross-attention with encoder dim = d (read from its fairseq/modules/multihead_attention.py)
+def fork_layout(d, H, Dk):
+    return {"q_proj.weight": (Dk, d), "q_proj.bias": (Dk,), "k_proj.weight": (Dk, d),
+            "k_proj.bias": (Dk,), "v_proj.weight": (d, d), "v_proj.bias": (d,),
+            "mixing_matrix": (H, Dk), "out_proj.weight": (d, d), "out_proj.bias": (d,)}
+
+
+def _fork_reference(state, x, y, H, pad=None, causal=None):
+    """The fork's forward, re-implemented as it computes it: mixing on the key side (per-head keys
+    k_h = (y W̃K + b̃K) diag(m_h)), q = (x W̃Q + b̃Q) / sqrt(d/H). x [T, B, d], y [S, B, d]."""
+    d = x.size(-1)
+    q = (x @ state["q_proj.weight"].t() + state["q_proj.bias"]) * (d // H) ** -0.5
+    k = y @ state["k_proj.weight"].t() + state["k_proj.bias"]
+    k = k.unsqueeze(2) * state["mixing_matrix"][None, None]  # [S, B, H, D̃k]
+    v = (y @ state["v_proj.weight"].t() + state["v_proj.bias"]).view(y.size(0), y.size(1), H, -1)
+    logits = torch.einsum("tbd,sbhd->bhts", q, k)
+    if causal is not None:
+        logits = logits + causal
+    if pad is not None:
+        logits = logits.masked_fill(pad[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhts,sbhe->tbhe", torch.softmax(logits, -1), v).reshape(x.shape)
+    return out @ state["out_proj.weight"].t() + state["out_proj.bias"]
+
+
+def test_fork_arch_builds_with_the_fork_parameter_layout_and_init():
+    from argparse import Namespace
+
+    from fairseq import options
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "/nonexistent", "--user-dir", USER_DIR, "--arch", "transformer_collab_fork", "--task",
+        "translation", "--collab-key-dim", "128"])
+    assert (args.collab_qk_bias, args.collab_scaling, args.collab_mixing_init,
+            args.collab_proj_init) == (True, "head_dim", "xavier", "fork")
+    assert {args.encoder_self_attn, args.decoder_self_attn, args.cross_attn} == {"collab"}
+    from fairseq_attnzoo.models.collab import build_collab
+    from fairseq_attnzoo.models.sublayers import SublayerSpec
+
+    torch.manual_seed(0)
+    d, H, Dk = 512, 8, 128
+    m = build_collab(SublayerSpec("self_attn", "encoder", 0, 6, d, H, 2048, 0.0, 0.0, False, d, args))
+    layout = {("mixing_matrix" if n == "mixing" else n): tuple(p.shape)
+              for n, p in m.state_dict().items()}
+    assert layout == fork_layout(d, H, Dk)
+    assert m.scaling == (d / H) ** -0.5  # 1/sqrt(d/H) = 1/8, not 1/sqrt(D̃k/H) = 1/4
+    # xavier-uniform mixing and, since D̃k != d, plain (gain 1) xavier on W̃Q, W̃K, W_V
+    for w, (fan_out, fan_in) in ((m.mixing, (H, Dk)), (m.q_proj.weight, (Dk, d)),
+                                 (m.k_proj.weight, (Dk, d)), (m.v_proj.weight, (d, d))):
+        bound = (6 / (fan_in + fan_out)) ** 0.5
+        assert w.abs().max() <= bound and w.abs().max() > 0.97 * bound
+    # ours (transformer_collab) keeps fairseq MHA's gain 1/sqrt(2), a content bias, no q/k bias
+    ours = build_collab(SublayerSpec("self_attn", "encoder", 0, 6, d, H, 2048, 0.0, 0.0, False, d,
+                                     Namespace(collab_key_dim=Dk)))
+    assert ours.q_proj.bias is None and ours.content_bias.weight.shape == (H, d)
+    assert ours.q_proj.weight.abs().max() <= (3 / (d + Dk)) ** 0.5
+    assert ours.scaling == (Dk / H) ** -0.5
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_fork_state_dict_loads_and_matches_the_forks_key_side_forward(cross):
+    torch.manual_seed(0)
+    T, S, B, d, H, Dk = 6, 7, 3, 32, 4, 12
+    state = {n: torch.randn(shape) * 0.3 for n, shape in fork_layout(d, H, Dk).items()}
+    m = CollaborativeAttention(d, H, Dk, qk_bias=True, scaling="head_dim").eval()
+    m.load_state_dict(dict(state))  # the fork's ``mixing_matrix`` loads into ``mixing``
+    assert torch.equal(m.mixing, state["mixing_matrix"])
+    x = torch.randn(T, B, d)
+    y = torch.randn(S, B, d) if cross else x
+    pad = torch.zeros(B, y.size(0), dtype=torch.bool)
+    pad[1, -2:] = True
+    causal = None if cross else torch.triu(torch.full((T, T), float("-inf")), 1)
+    out, _ = m(x, y, y, key_padding_mask=pad, attn_mask=causal, static_kv=cross)
+    ref = _fork_reference(state, x, y, H, pad=pad, causal=causal)
+    assert (out - ref).abs().max() <= 1e-5
+    # incremental decoding caches one shared [B, T, D̃k] key tensor and no content bias
+    if not cross:
+        inc, steps = {}, []
+        for t in range(T):
+            xt = x[t:t + 1]
+            steps.append(m(xt, xt, xt, incremental_state=inc, key_padding_mask=pad[:, t:t + 1])[0])
+        assert (torch.cat(steps) - out).abs().max() <= 1e-5
+        buf = m._get_buffer(inc)
+        assert buf["k"].shape == (B, T, Dk) and "c" not in buf
+
+
+def test_fork_configuration_at_full_rank_is_fairseq_mha():
+    """With D̃k = d, block one-hot mixing and the MHA's own q/k biases, the fork's logits
+    (x W̃Q + b̃Q) diag(m_i) (y W̃K + b̃K)ᵀ / sqrt(d/H) are exactly fairseq MHA's."""
+    torch.manual_seed(2)
+    T, B, d, H = 8, 3, 32, 4
+    mha = _trained_like_mha(d, H, self_attention=True)
+    state = {n: p for n, p in mha.state_dict().items()}
+    state["mixing"] = concatenate_mixing(H, d)
+    col = CollaborativeAttention(d, H, d, qk_bias=True, scaling="head_dim", proj_init="fork").eval()
+    col.load_state_dict(state)
+    x = torch.randn(T, B, d)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, -3:] = True  # right padding: no query row is fully masked
+    causal = torch.triu(torch.full((T, T), float("-inf")), 1)
+    ref, _ = mha(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)
+    out, _ = col(x, x, x, key_padding_mask=pad, attn_mask=causal)
+    assert (ref - out).abs().max() <= 1e-5
+
+
 # ---- checkpoint conversion end to end --------------------------------------------------------
 
 TINY = ["--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",

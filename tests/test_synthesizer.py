@@ -260,6 +260,22 @@ def test_lm_arch_caps_block_size():
                task="language_modeling")
 
 
+@pytest.mark.parametrize("tps", ["1024", "257"])
+def test_lm_explicit_block_size_above_max_len_is_an_error_even_at_the_default_value(tps):
+    """docs/synthesizer.md: an explicit --tokens-per-sample larger than N is an error, also when it
+    equals fairseq's default 1024 (only a flag left out is capped)."""
+    with pytest.raises(ValueError) as e:
+        _parse("transformer_lm_synth_random", "--tokens-per-sample", tps, task="language_modeling")
+    msg = str(e.value)
+    assert msg == (f"--tokens-per-sample {tps} exceeds --synth-max-len 256: pass "
+                   "--tokens-per-sample 256 (or less), or raise --synth-max-len")
+    args = _parse("transformer_lm_synth_random", task="language_modeling")  # left out: capped
+    assert args.tokens_per_sample == args.max_target_positions == 256
+    args = _parse("transformer_lm_synth_random", "--tokens-per-sample", "200",
+                  task="language_modeling")
+    assert args.tokens_per_sample == 200
+
+
 def test_model_fixed_random_buffers_in_checkpoint_and_frozen():
     from fairseq_attnzoo.models.transformer import ZooTransformerModel
 

@@ -282,7 +282,9 @@ def test_train_sh_dry_run():
     assert "--optimizer pkm_adam" in four and "--max-update 250000" in four
     known = (EXAMPLE / "train.sh").read_text().split('KNOWN="')[1].split('"')[0].split()
     known = [k for k in known if k != "\\"]
-    assert len(known) == 14
+    assert len(known) == 15
+    fork = _sh("train.sh", "transformer_collab_fork", DRY_RUN="1").stdout  # the paper's setup
+    assert "--arch transformer_collab_fork" in fork and "--collab-key-dim 128" in fork
     for arch in known:  # every known arch has a case branch
         assert _sh("train.sh", arch, DRY_RUN="1").returncode == 0, arch
 

@@ -25,7 +25,7 @@ PYTHON="${PYTHON:-python}"
 KNOWN="transformer attnzoo_transformer transformer_synth_dense transformer_synth_random \
 transformer_synth_fixed_random transformer_synth_factorized_dense transformer_synth_factorized_random \
 transformer_synth_random_dense transformer_synth_dense_vanilla transformer_synth_random_vanilla \
-transformer_aop transformer_aop_h16 transformer_collab transformer_pkm"
+transformer_aop transformer_aop_h16 transformer_collab transformer_collab_fork transformer_pkm"
 
 if [[ $# -lt 1 ]]; then
     echo "usage: $0 ARCH [fairseq-train flags...]; ARCH is one of: $KNOWN" >&2
@@ -66,14 +66,17 @@ case "$ARCH" in
     transformer_synth_random_vanilla)
         EXTRA=""  # N = --synth-max-len 256 (arch preset); longer sentences are skipped by fairseq's size filter
         ;;
-    transformer_aop)  # AOP1: h_p=8, n_p=1536 (preset by the arch)
-        EXTRA=""  # AOP1 preset; tensor2tensor also uses --aop-dropout 0.1 (relu_dropout)
+    transformer_aop)  # AOP1: h_p=8, h_p*d_pk=d, n_p=d_ff-d=1536 (sized from the model by default)
+        EXTRA=""  # memory dropout = --attention-dropout, as tensor2tensor
         ;;
-    transformer_aop_h16)  # AOP2: h_p=16, n_p=512 (preset by the arch)
-        EXTRA=""  # AOP2 preset
+    transformer_aop_h16)  # AOP2: 16 heads everywhere, h_p*d_pk=2d, n_p=512 (sized from the model)
+        EXTRA=""
         ;;
-    transformer_collab)  # default D~k = d_model/4 = 128; the paper's table also has 512/256/64
-        EXTRA="--collab-key-dim 128"  # D~k = 128 (= the default d/4), the paper's best trade-off
+    transformer_collab_fork)  # the authors' fairseq fork = the setup of the paper's WMT'14 table
+        EXTRA="--collab-key-dim 128"  # table rows: D~k 512 | 256 | 128 | 64
+        ;;
+    transformer_collab)  # our default configuration (EPFL package: content bias, 1/sqrt(D~k/H))
+        EXTRA="--collab-key-dim 128"  # D~k = 128 (= the default d/4)
         ;;
     transformer_pkm)
         # Lample et al.: memory values get their own Adam lr 1e-3; pkm_adam keeps the model on

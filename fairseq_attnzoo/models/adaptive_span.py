@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import (
     MODEL_REGISTRY,
@@ -40,9 +40,16 @@ from fairseq.models import (
     register_model_architecture,
 )
 
-from ..modules.adaptive_span import AdaptiveSpanLayer, clamp_spans, layer_spans, span_penalty
+from ..modules.adaptive_span import (
+    AdaptiveMask,
+    AdaptiveSpanLayer,
+    clamp_spans,
+    layer_spans,
+    span_penalty,
+)
 
 MAX_POSITIONS = 10**6  # relative positions over a stream: no absolute limit
+WEIGHT_INITS = ("fairseq_example", "torch_default")
 
 
 @dataclass
@@ -85,6 +92,16 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
         default=False, metadata={"help": "do not renormalise the masked attention weights (as "
                                  "fairseq's examples/adaptive_span port; default: renormalise, "
                                  "paper eq. 3)"})
+    adaptive_span_exclude_self: bool = field(
+        default=False, metadata={"help": "attend to the S previous tokens only, not to the current "
+                                 "one (window distances 1..S, as both reference codes; default: "
+                                 "distances 0..S-1, a token always sees itself)"})
+    adaptive_span_weight_init: ChoiceEnum(list(WEIGHT_INITS)) = field(
+        default="fairseq_example", metadata={
+            "help": "initialisation: fairseq_example = fairseq's examples/adaptive_span port "
+                    "(embeddings N(0, d^-1/2), xavier-normal attention projections, xavier-uniform "
+                    "FFN weights); torch_default = PyTorch's default inits, as the authors' "
+                    "facebookresearch/adaptive-span code (default fairseq_example)"})
     persistent_memory_size: int = field(
         default=0, metadata={"help": "N persistent key/value vectors per head (All-Attention); "
                              "0 = none (default 0)"})
@@ -124,7 +141,7 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
         self.padding_idx = dictionary.pad()
         self.cache_buffer = args.adaptive_span_cache_buffer
         self.embed_tokens = nn.Embedding(len(dictionary), d, padding_idx=self.padding_idx)
-        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=d ** -0.5)  # reference init
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=d ** -0.5)  # fairseq example's
         nn.init.zeros_(self.embed_tokens.weight[self.padding_idx])
         self.emb_dropout = args.emb_dropout
         # relative position embeddings shared by every layer; column S-1-x is distance x
@@ -136,16 +153,32 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
                               trim_chunk=args.adaptive_span_trim_chunk,
                               dynamic=args.adaptive_span_dynamic,
                               persistent_slots=args.persistent_memory_size,
-                              renorm=not args.adaptive_span_no_renorm)
+                              renorm=not args.adaptive_span_no_renorm,
+                              exclude_self=bool(getattr(args, "adaptive_span_exclude_self", False)))
             for _ in range(args.decoder_layers)])
         self.share_embed = args.share_decoder_input_output_embed
         if self.share_embed:
             self.output_projection = None
         else:
             self.output_projection = nn.Linear(d, len(dictionary))
+        if (getattr(args, "adaptive_span_weight_init", None) or "fairseq_example") == "torch_default":
+            self._torch_default_init()
         # stream caches (not parameters, not saved): (train/eval, first stream id) -> next block
         # index and the cached hidden states of every layer
         self._streams: Dict[tuple, dict] = {}
+
+    @torch.no_grad()
+    def _torch_default_init(self):
+        """PyTorch's default inits, as facebookresearch/adaptive-span (which sets none itself):
+        nn.Embedding N(0, 1), nn.Linear kaiming-uniform weights and U(±1/sqrt(fan_in)) biases.
+        key_pe stays N(0, 1), persistent memory keeps its reference init and the dynamic-span
+        predictor (our extension) its own."""
+        nn.init.normal_(self.embed_tokens.weight)
+        self.embed_tokens.weight[self.padding_idx].zero_()
+        own = {id(m.span_proj) for m in self.modules() if isinstance(m, AdaptiveMask) and m.dynamic}
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear) and id(mod) not in own:
+                mod.reset_parameters()
 
     # -- fairseq decoder API -------------------------------------------------------------------
     def forward(self, prev_output_tokens: Tensor, encoder_out=None,
@@ -187,7 +220,7 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
                 memory, mem_pad = mems[i]
                 kpm = torch.cat([mem_pad, pad], dim=1)
             if stream_pos is not None:  # keep the window (+ buffer) of this layer's inputs
-                keep = layer.attn.mask.cache_size(self.cache_buffer)
+                keep = layer.attn.cache_size(self.cache_buffer)
                 h = x.detach() if memory is None else torch.cat([memory, x.detach()], dim=1)
                 new_mems.append((h[:, h.size(1) - min(keep, h.size(1)):],
                                  kpm[:, kpm.size(1) - min(keep, kpm.size(1)):]))
@@ -228,7 +261,7 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
                 past, kpm = (empty, empty), pad
             x, (k, v) = layer(x, self.key_pe, past_kv=past,
                               key_padding_mask=kpm if bool(kpm.any()) else None)
-            keep = min(layer.attn.mask.cache_size(), k.size(2))
+            keep = min(layer.attn.cache_size(), k.size(2))
             state[f"k{i}"] = k[:, :, k.size(2) - keep:]
             state[f"v{i}"] = v[:, :, v.size(2) - keep:]
             state[f"pad{i}"] = kpm[:, kpm.size(1) - keep:]

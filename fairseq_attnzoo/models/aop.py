@@ -1,36 +1,98 @@
 """``aop``: attention over parameters in the FFN slot (Vaswani et al.'s tensor2tensor
 ``parameter_attention``; see :mod:`fairseq_attnzoo.modules.aop`).
 
-Archs: ``transformer_aop`` (AOP₁: h_p=8, d_pk=d_pv=64, n_p=1536), ``transformer_aop_h16`` (AOP₂:
-h_p=16, n_p=512) -- both have exactly the FFN's 2,097,152 weights at d=512, d_ff=2048 -- and the
-decoder-only ``transformer_lm_aop``. Every encoder and decoder layer's FFN is replaced.
+Archs: ``transformer_aop`` (AOP₁, tensor2tensor ``transformer_parameter_attention_a``: h_p = the
+model's heads, h_p·d_pk = h_p·d_pv = d, n_p = d_ff − d = 1536 at base size),
+``transformer_aop_h16`` (AOP₂, ``transformer_parameter_attention_b``: 16 heads in the whole model,
+h_p = 16, h_p·d_pk = 2·d, n_p = 512 at base size) and the decoder-only ``transformer_lm_aop``.
+Unless set explicitly, the memory follows the model's size so that its weights equal the FFN's
+exactly (the count is logged). Every encoder and decoder layer's FFN is replaced.
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..modules.aop import AttentionOverParameters
+from ..modules.aop import SCALE_AT, AttentionOverParameters, aop_num_params, ffn_matching_slots
 from .sublayers import register_sublayer
 from .transformer import register_arch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class AOPConfig(FairseqDataclass):
-    aop_heads: int = field(default=8, metadata={"help": "AOP memory heads (h_p, default 8)"})
-    aop_key_dim: int = field(default=64, metadata={"help": "AOP key dim per head (d_pk, default 64)"})
-    aop_value_dim: int = field(
-        default=64, metadata={"help": "AOP value dim per head (d_pv, default 64)"})
-    aop_slots: int = field(
-        default=1536,
-        metadata={"help": "AOP persistent key/value slots per head (n_p, default 1536); same "
-                  "weights as the FFN when n_p = d·(d_ff - h_p·d_pk)/(h_p·d_pk) and d_pk = d_pv"})
-    aop_dropout: Optional[float] = field(
-        default=None,
-        metadata={"help": "AOP dropout: probability of dropping a whole memory row (a value "
-                  "slot of one head) per batch (default: --activation-dropout, as tensor2tensor "
-                  "uses relu_dropout)"})
+    aop_heads: Optional[int] = field(default=None, metadata={
+        "help": "AOP memory heads (h_p; default: the layer's attention heads, as tensor2tensor's "
+                "hparams.num_heads)"})
+    aop_width_factor: int = field(default=1, metadata={
+        "help": "default memory width h_p·d_pk = h_p·d_pv as a multiple of d_model (tensor2tensor "
+                "parameter_attention_key/value_channels / hidden_size: 1 for AOP₁, 2 for AOP₂; "
+                "default 1)"})
+    aop_key_dim: Optional[int] = field(default=None, metadata={
+        "help": "AOP key dim per head (d_pk; default --aop-width-factor·d_model / h_p)"})
+    aop_value_dim: Optional[int] = field(default=None, metadata={
+        "help": "AOP value dim per head (d_pv; default --aop-width-factor·d_model / h_p)"})
+    aop_slots: Optional[int] = field(default=None, metadata={
+        "help": "AOP persistent key/value slots per head (n_p; default: the largest n_p whose "
+                "weights do not exceed the FFN's, d·(2·d_ff − h_p·(d_pk+d_pv)) / (h_p·(d_pk+d_pv)): "
+                "d_ff − d for AOP₁ (1536 at base size), 512 for AOP₂ at base size)"})
+    aop_dropout: Optional[float] = field(default=None, metadata={
+        "help": "AOP dropout: probability of dropping a whole memory row (a value slot of one "
+                "head) per batch (default: --attention-dropout, as tensor2tensor passes "
+                "hparams.attention_dropout)"})
+    aop_scale_at: ChoiceEnum(list(SCALE_AT)) = field(default="use", metadata={
+        "help": "where the paper's √h_p (keys) and √d_model (values) constants go: 'use' "
+                "multiplies N(0, d^-1/2) parameters in the forward pass (tensor2tensor of the "
+                "paper's time), 'init' folds them into the initialiser's std (tensor2tensor since "
+                "2018-06-11); same function at init, different Adam steps (default use)"})
+
+
+def _positive(flag: str, value) -> int:
+    if value is None or int(value) != value or int(value) <= 0:
+        raise ValueError(f"{flag} must be a positive integer, got {value}")
+    return int(value)
+
+
+def resolve_sizes(args, embed_dim: int, ffn_dim: int, num_heads: int):
+    """(h_p, d_pk, d_pv, n_p): the explicit flags, else sizes that follow the model and match the
+    FFN's weights (see the flag help). One-line ValueError naming the flag to set."""
+    given = {k: getattr(args, k, None) for k in ("aop_heads", "aop_key_dim", "aop_value_dim",
+                                                  "aop_slots")}
+    heads = _positive("--aop-heads", num_heads if given["aop_heads"] is None else given["aop_heads"])
+    factor = _positive("--aop-width-factor", getattr(args, "aop_width_factor", None) or 1)
+    dims = []
+    for flag, value in (("--aop-key-dim", given["aop_key_dim"]),
+                        ("--aop-value-dim", given["aop_value_dim"])):
+        if value is None:
+            if (factor * embed_dim) % heads:
+                raise ValueError(f"--aop-width-factor·d_model = {factor * embed_dim} is not "
+                                 f"divisible by h_p = {heads}: set {flag} (or --aop-heads)")
+            value = factor * embed_dim // heads
+        dims.append(_positive(flag, value))
+    key_dim, value_dim = dims
+    slots = given["aop_slots"]
+    if slots is None:
+        slots = ffn_matching_slots(embed_dim, ffn_dim, heads, key_dim, value_dim)
+        if slots <= 0:
+            raise ValueError(f"AOP memory width h_p·(d_pk+d_pv) = {heads * (key_dim + value_dim)} "
+                             f"leaves no slots within the FFN's {2 * embed_dim * ffn_dim} weights: "
+                             "set --aop-slots (or smaller --aop-key-dim/--aop-value-dim)")
+    return heads, key_dim, value_dim, _positive("--aop-slots", slots)
+
+
+def _log_budget(spec, sizes):
+    """Once per encoder/decoder (at its first layer): the AOP weights against the FFN's."""
+    if spec.layer_idx != 0:
+        return
+    heads, key_dim, value_dim, slots = sizes
+    d, d_ff = spec.embed_dim, spec.ffn_dim
+    n_aop = aop_num_params(d, heads, key_dim, value_dim, slots)
+    logger.info(f"{spec.side} AOP h_p={heads} d_pk={key_dim} d_pv={value_dim} n_p={slots}: "
+                f"{n_aop:,} weights per sublayer vs the FFN's {2 * d * d_ff:,} weights + "
+                f"{d + d_ff:,} biases (d={d}, d_ff={d_ff})")
 
 
 @register_sublayer("aop", slots=("ffn",), options=AOPConfig,
@@ -38,19 +100,23 @@ class AOPConfig(FairseqDataclass):
 def build_aop(spec):
     """attention over parameters: softmax(q Kᵀ) V with trainable K, V (replaces the FFN)"""
     a = spec.args
-    for flag, value in (("--aop-heads", a.aop_heads), ("--aop-key-dim", a.aop_key_dim),
-                        ("--aop-value-dim", a.aop_value_dim), ("--aop-slots", a.aop_slots)):
-        if value is None or int(value) <= 0:
-            raise ValueError(f"{flag} must be a positive integer, got {value}")
-    p = spec.activation_dropout if a.aop_dropout is None else float(a.aop_dropout)
+    sizes = resolve_sizes(a, spec.embed_dim, spec.ffn_dim, spec.num_heads)
+    p = getattr(a, "aop_dropout", None)
+    p = spec.attention_dropout if p is None else float(p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"--aop-dropout must be in [0, 1), got {p}")
-    return AttentionOverParameters(spec.embed_dim, heads=int(a.aop_heads), key_dim=int(a.aop_key_dim),
-                                   value_dim=int(a.aop_value_dim), slots=int(a.aop_slots), dropout=p)
+    scale_at = str(getattr(a, "aop_scale_at", None) or "use")
+    if scale_at not in SCALE_AT:
+        raise ValueError(f"--aop-scale-at {scale_at!r} is not one of: {', '.join(SCALE_AT)}")
+    _log_budget(spec, sizes)
+    heads, key_dim, value_dim, slots = sizes
+    return AttentionOverParameters(spec.embed_dim, heads=heads, key_dim=key_dim,
+                                   value_dim=value_dim, slots=slots, dropout=p, scale_at=scale_at)
 
 
-# the AOPConfig defaults are AOP₁ (h_p=8, d_pk=d_pv=64, n_p=1536); AOP₂ overrides heads and slots
+# AOP₁ = the AOPConfig defaults; AOP₂ (tensor2tensor transformer_parameter_attention_b) sets
+# num_heads = 16 for the whole model (self- and cross-attention too) and key/value channels 2·d
 register_arch("attnzoo_transformer", "transformer_aop", encoder_ffn="aop", decoder_ffn="aop")
 register_arch("attnzoo_transformer", "transformer_aop_h16", encoder_ffn="aop", decoder_ffn="aop",
-              aop_heads=16, aop_slots=512)
+              encoder_attention_heads=16, decoder_attention_heads=16, aop_width_factor=2)
 register_arch("attnzoo_lm", "transformer_lm_aop", decoder_ffn="aop")

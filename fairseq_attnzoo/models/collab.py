@@ -2,6 +2,9 @@
 
 Arch ``transformer_collab`` = ``attnzoo_transformer`` with collaborative encoder self-attention,
 decoder self-attention and cross-attention; switch one back with e.g. ``--cross-attn mha``.
+Arch ``transformer_collab_fork`` is the configuration of the authors' fairseq fork
+(jbcdnr/fairseq-collaborative-heads, behind the paper's WMT'14 table): q/k biases, scaling
+1/sqrt(d/H), xavier mixing, the fork's projection init.
 A trained ``transformer``/``attnzoo_transformer`` checkpoint converts into this arch with
 ``scripts/collab_reparametrize.py``.
 """
@@ -10,7 +13,7 @@ from dataclasses import dataclass, field
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..modules.collab import MIXING_INITS, CollaborativeAttention
+from ..modules.collab import MIXING_INITS, PROJ_INITS, SCALINGS, CollaborativeAttention
 from .sublayers import register_sublayer
 from .transformer import register_arch
 
@@ -22,7 +25,19 @@ class CollabConfig(FairseqDataclass):
                 "M: H x D̃k); 0 = d_model/4, the paper's 4x reduction with no BLEU loss (default 0)"})
     collab_mixing_init: ChoiceEnum(list(MIXING_INITS)) = field(default="random", metadata={
         "help": "initialisation of the mixing matrix M: random N(0, 0.2^2), concatenate (block "
-                "one-hot = concatenated heads of size D̃k/H), xavier, ones (default random)"})
+                "one-hot = concatenated heads of size D̃k/H), xavier, ones (default random; the "
+                "authors' fairseq fork: xavier)"})
+    collab_qk_bias: bool = field(default=False, metadata={
+        "help": "keep biases b̃Q, b̃K on the shared W̃Q, W̃K (the authors' fairseq fork; their "
+                "key-only term b̃Q diag(m_i) W̃Kᵀ y replaces the content bias w_i) instead of a free "
+                "content bias w_i per head (EPFL package; default False)"})
+    collab_scaling: ChoiceEnum(list(SCALINGS)) = field(default="key_dim", metadata={
+        "help": "logit scale: key_dim 1/sqrt(D̃k/H) (EPFL package) or head_dim 1/sqrt(d/H) "
+                "(the authors' fairseq fork); equal at D̃k = d (default key_dim)"})
+    collab_proj_init: ChoiceEnum(list(PROJ_INITS)) = field(default="mha", metadata={
+        "help": "init of W̃Q, W̃K, W_V: mha = fairseq MHA's xavier gain 1/sqrt(2); fork = the "
+                "fork's fairseq rule, gain 1/sqrt(2) only when D̃k = d, plain xavier otherwise "
+                "(default mha)"})
 
 
 def resolve_key_dim(args, embed_dim: int) -> int:
@@ -38,13 +53,26 @@ def resolve_key_dim(args, embed_dim: int) -> int:
                    tiny={"collab_key_dim": 16})
 def build_collab(spec):
     """collaborative multi-head attention: shared W̃Q, W̃K (D̃k) with per-head mixing"""
-    init = str(getattr(spec.args, "collab_mixing_init", "random") or "random")
-    if init not in MIXING_INITS:
-        raise ValueError(f"--collab-mixing-init {init!r} is not one of: {', '.join(MIXING_INITS)}")
+    choices = {}
+    for attr, default, allowed in (("collab_mixing_init", "random", MIXING_INITS),
+                                   ("collab_scaling", "key_dim", SCALINGS),
+                                   ("collab_proj_init", "mha", PROJ_INITS)):
+        value = str(getattr(spec.args, attr, None) or default)
+        if value not in allowed:
+            flag = "--" + attr.replace("_", "-")
+            raise ValueError(f"{flag} {value!r} is not one of: {', '.join(allowed)}")
+        choices[attr] = value
     return CollaborativeAttention(
         spec.embed_dim, spec.num_heads, resolve_key_dim(spec.args, spec.embed_dim),
-        dropout=spec.attention_dropout, kdim=spec.kdim, vdim=spec.kdim, mixing_init=init)
+        dropout=spec.attention_dropout, kdim=spec.kdim, vdim=spec.kdim,
+        mixing_init=choices["collab_mixing_init"],
+        qk_bias=bool(getattr(spec.args, "collab_qk_bias", False)),
+        scaling=choices["collab_scaling"], proj_init=choices["collab_proj_init"])
 
 
-register_arch("attnzoo_transformer", "transformer_collab",
-              encoder_self_attn="collab", decoder_self_attn="collab", cross_attn="collab")
+COLLAB_SLOTS = dict(encoder_self_attn="collab", decoder_self_attn="collab", cross_attn="collab")
+register_arch("attnzoo_transformer", "transformer_collab", **COLLAB_SLOTS)
+# the authors' fairseq fork (jbcdnr/fairseq-collaborative-heads): the setup of the paper's table
+register_arch("attnzoo_transformer", "transformer_collab_fork", **COLLAB_SLOTS,
+              collab_qk_bias=True, collab_scaling="head_dim", collab_mixing_init="xavier",
+              collab_proj_init="fork")

@@ -160,10 +160,23 @@ def _uses_synth(args, attr: str) -> bool:
     return any(n.strip().startswith("synth") for n in names)
 
 
+def _left_at_task_default(args, name: str) -> bool:
+    """Whether ``args.<name>`` is the task's own default, i.e. the flag was not given. fairseq's
+    parser puts the task dataclass's default object itself into ``args``; a value given on the
+    command line is a new object parsed from its string (so an explicit ``--tokens-per-sample 1024``
+    is not the default 1024). Anything else (e.g. a config file) counts as explicit."""
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
+
+    dc = TASK_DATACLASS_REGISTRY.get(getattr(args, "task", None))
+    f = getattr(dc, "__dataclass_fields__", {}).get(name)
+    return f is not None and getattr(args, name, None) is f.default
+
+
 def cap_positions(args, decoder_only: bool = False):
     """max_source/target_positions := min(fairseq default, N) where a side uses a synthesizer and
     the user gave none; an explicit larger value is caught by the builder's check. For the LM the
-    block size --tokens-per-sample is capped the same way when it is left at fairseq's default."""
+    block size --tokens-per-sample is capped the same way when it was not given (the task's default
+    1024); an explicit value larger than N is a one-line error."""
     max_len = int(_opt(args, "synth_max_len"))
     sides = [("max_target_positions", "decoder_self_attn")]
     if not decoder_only:
@@ -173,10 +186,11 @@ def cap_positions(args, decoder_only: bool = False):
             setattr(args, attr, min(FAIRSEQ_DEFAULT_POSITIONS, max_len))
     tps = getattr(args, "tokens_per_sample", None)
     if decoder_only and tps is not None and int(tps) > max_len:
-        if int(tps) != FAIRSEQ_DEFAULT_POSITIONS:
+        if not _left_at_task_default(args, "tokens_per_sample"):
             raise ValueError(f"--tokens-per-sample {tps} exceeds --synth-max-len {max_len}: pass "
                              f"--tokens-per-sample {max_len} (or less), or raise --synth-max-len")
-        logger.info(f"Synthesizer LM: --tokens-per-sample capped to --synth-max-len {max_len}")
+        logger.info(f"Synthesizer LM: --tokens-per-sample not given: block size = --synth-max-len "
+                    f"{max_len} (not the task's default {tps})")
         args.tokens_per_sample = max_len
 
 

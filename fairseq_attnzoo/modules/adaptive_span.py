@@ -26,11 +26,12 @@ keys (``chunk_size``), so the key-layout tensors shrink from M x (M + L - 1) to 
 
 Differences from the reference code, on purpose: the window includes the current token (distance
 0; the reference attends to the S previous tokens only), so m_z(0) = 1 and a token always sees
-itself; missing history (start of a stream, left padding, padding) is masked out instead of being
-zero vectors; the renormalisation has no 1e-8 epsilon (it is a log-mask inside the softmax).
-``renorm=False`` reproduces fairseq's ``examples/adaptive_span`` port instead, which multiplies the
-softmax over the trimmed window by m without renormalising (weights sum to less than 1; results
-then depend slightly on the trimming).
+itself (``exclude_self=True`` gives the reference's window: distances 1..S, with m_z evaluated at
+distance - 1 as the reference's mask template does); missing history (start of a stream, left
+padding, padding) is masked out instead of being zero vectors; the renormalisation has no 1e-8
+epsilon (it is a log-mask inside the softmax). ``renorm=False`` reproduces fairseq's
+``examples/adaptive_span`` port instead, which multiplies the softmax over the trimmed window by m
+without renormalising (weights sum to less than 1; results then depend slightly on the trimming).
 
 Options: ``dynamic=True`` makes the span input dependent, z_t = S * sigmoid(v . x_t + b) per head
 (the paper's "dynamic attention span" extension); ``persistent_slots=N`` adds All-Attention
@@ -246,7 +247,8 @@ class AdaptiveSpanAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, max_span: int, ramp: int = 32,
                  span_init: float = 0.0, span_loss: float = 0.0, dropout: float = 0.0,
                  trim_chunk: int = 64, dynamic: bool = False, persistent_slots: int = 0,
-                 own_key_pe: bool = False, query_chunk: int = 64, renorm: bool = True):
+                 own_key_pe: bool = False, query_chunk: int = 64, renorm: bool = True,
+                 exclude_self: bool = False):
         super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by {num_heads} heads: change "
@@ -258,6 +260,7 @@ class AdaptiveSpanAttention(nn.Module):
         self.dropout = dropout
         self.query_chunk = query_chunk
         self.renorm = renorm
+        self.exclude_self = exclude_self  # window = the S previous tokens (reference), not 0..S-1
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=False)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=False)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=False)
@@ -275,6 +278,11 @@ class AdaptiveSpanAttention(nn.Module):
         """[B, T, H*d] -> [B, H, T, d]"""
         b, t, _ = x.shape
         return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def cache_size(self, buffer: int = 0) -> int:
+        """Previous positions worth keeping for the next call (see :meth:`AdaptiveMask.cache_size`);
+        one more when the window excludes the current token."""
+        return min(self.max_span, self.mask.cache_size(buffer) + int(self.exclude_self))
 
     def chunk_size(self, m: int, span: int) -> int:
         """Query chunk c minimising the cost of the band attention, estimated as ~10 passes over
@@ -300,11 +308,13 @@ class AdaptiveSpanAttention(nn.Module):
         z = self.mask.spans(x)
         prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
         n_prev = 0 if prev is None else prev.size(-2)
-        span = min(self.mask.window(z), n_prev + m)  # L: distances 0..L-1 are computed
-        keep = min(n_prev, span - 1)  # previous positions inside the window
+        # L window columns: distances 0..L-1, or 1..L when the current token is excluded (shift)
+        shift = int(self.exclude_self)
+        span = min(self.mask.window(z), max(1, n_prev + m - shift))
+        keep = min(n_prev, span - 1 + shift)  # previous positions inside the window
         pad = None
         if key_padding_mask is not None:
-            pad = key_padding_mask[:, n_prev - keep:].to(torch.bool)
+            pad = key_padding_mask[:, n_prev - keep:key_padding_mask.size(1) - shift].to(torch.bool)
 
         new_kv = None
         if past_kv is not None:
@@ -315,6 +325,8 @@ class AdaptiveSpanAttention(nn.Module):
         else:
             h = x if keep == 0 else torch.cat([memory[:, n_prev - keep:].to(x.dtype), x], dim=1)
             k, v = self.split_heads(self.k_proj(h)), self.split_heads(self.v_proj(h))
+        if shift:  # the window ends one position before each query
+            k, v = k[:, :, :-1], v[:, :, :-1]
         q = self.split_heads(self.q_proj(x)) * self.head_dim ** -0.5
         out = self.attend(q, k, v, z, span, key_pe, pad)
         b, h_, t, d = out.shape
@@ -374,7 +386,8 @@ class AdaptiveSpanAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """fc1 - ReLU - dropout - fc2 (reference FeedForwardLayer)."""
+    """fc1 - ReLU - dropout - fc2 (the references' FeedForwardLayer; xavier-uniform weights as
+    fairseq's examples/adaptive_span, the model may re-initialise them)."""
 
     def __init__(self, embed_dim: int, ffn_dim: int, dropout: float = 0.0):
         super().__init__()
@@ -396,11 +409,11 @@ class AdaptiveSpanLayer(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, ffn_dim: int, max_span: int,
                  ramp: int = 32, span_init: float = 0.0, span_loss: float = 0.0,
                  dropout: float = 0.0, trim_chunk: int = 64, dynamic: bool = False,
-                 persistent_slots: int = 0, renorm: bool = True):
+                 persistent_slots: int = 0, renorm: bool = True, exclude_self: bool = False):
         super().__init__()
         self.attn = AdaptiveSpanAttention(embed_dim, num_heads, max_span, ramp, span_init,
                                           span_loss, dropout, trim_chunk, dynamic, persistent_slots,
-                                          renorm=renorm)
+                                          renorm=renorm, exclude_self=exclude_self)
         self.attn_norm = nn.LayerNorm(embed_dim)
         self.ffn = FeedForward(embed_dim, ffn_dim, dropout) if ffn_dim > 0 else None
         self.ffn_norm = nn.LayerNorm(embed_dim) if ffn_dim > 0 else None

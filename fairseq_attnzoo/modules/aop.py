@@ -9,16 +9,22 @@ that read a real attention: per head i, the token's query ``q_i = x W_q,i`` atte
 It is position-wise (every token reads the same memory), so there is no mask and nothing to cache
 in incremental decoding.
 
-Scaling, exactly as tensor2tensor's ``parameter_attention`` (the paper's "keys and values scaled up
-by √d_model"): the stored tensors are initialised N(0, d^-½) and multiplied in the forward pass by
-constants -- keys by √h_p, values by √d -- so at initialisation the keys the queries see are
-N(0, h_p/d) (= 1/√d_pk when h_p·d_pk = d, which is why the logits get no extra 1/√d_pk) and the
-values are N(0, 1). Multiplying at use time instead of folding the constants into the initialiser
-gives the same function at initialisation but scales Adam's effective step on keys/values by the
-same constants (≈22.6× on values at d=512); we follow tensor2tensor. No biases (the parameter count
-then equals the FFN's weights exactly: see :func:`aop_num_params`). Dropout drops whole memory rows
-(value vectors, per head, shared by all tokens of the batch, rescaled by 1/(1-p)) -- tensor2tensor's
-"cheaper form of attention dropout" -- which keeps the fused SDPA kernel usable.
+Scaling (the paper's "keys and values scaled up by √d_model"), two forms from tensor2tensor's
+history of ``parameter_attention``, selected by ``scale_at``:
+
+* ``"use"`` (default; the code of the paper's time, 2017-06-21 to 2018-06-11): K, V are stored
+  N(0, d^-½) and multiplied in the forward pass by constants, keys by √h_p, values by √d;
+* ``"init"`` (tensor2tensor since commit da8d5756, 2018-06-11, "move gaussian initialiser
+  multiplication into standard deviation"): the constants are folded into the initialiser,
+  K ~ N(0, √h_p·d^-½), V ~ N(0, 1), used as stored.
+
+Both give the same function at initialisation (the keys the queries see are N(0, h_p/d), = 1/√d_pk
+when h_p·d_pk = d, which is why the logits get no extra 1/√d_pk; the values are N(0, 1)), but with
+Adam a constant at use multiplies the effective step: one step moves V ≈ √d (22.6× at d=512) more in
+the "use" form. No biases (tensor2tensor's ``dense(..., use_bias=False)`` since 2017-11-28; the
+parameter count then equals the FFN's weights exactly: see :func:`aop_num_params`). Dropout drops
+whole memory rows (value vectors, per head, shared by all tokens of the batch, rescaled by 1/(1-p))
+-- tensor2tensor's "cheaper form of attention dropout" -- which keeps the fused SDPA kernel usable.
 """
 
 import math
@@ -32,17 +38,29 @@ from torch import Tensor
 from .base import ZooFeedForward
 
 
+SCALE_AT = ("use", "init")
+
+
 def aop_num_params(embed_dim: int, heads: int, key_dim: int, value_dim: int, slots: int) -> int:
     """Weights of one AOP sublayer: W_q (d·h·d_pk) + K (h·n_p·d_pk) + V (h·n_p·d_pv) + W_o (h·d_pv·d)."""
     return (embed_dim * heads * key_dim + heads * slots * key_dim + heads * slots * value_dim
             + heads * value_dim * embed_dim)
 
 
+def ffn_matching_slots(embed_dim: int, ffn_dim: int, heads: int, key_dim: int,
+                       value_dim: int) -> int:
+    """The largest n_p whose AOP weights do not exceed the FFN's 2·d·d_ff:
+    d·(c_k + c_v) + n_p·(c_k + c_v) = 2·d·d_ff with c = h_p·d_p, so n_p = d·(2·d_ff - c_k - c_v) /
+    (c_k + c_v) (exact when it divides; h_p·d_pk = h_p·d_pv = d gives n_p = d_ff - d)."""
+    width = heads * (key_dim + value_dim)
+    return embed_dim * (2 * ffn_dim - width) // width
+
+
 class AttentionOverParameters(ZooFeedForward):
     """Multi-head attention over h_p × n_p persistent key/value slots (a drop-in FFN)."""
 
     def __init__(self, embed_dim: int, heads: int = 8, key_dim: int = 64, value_dim: int = 64,
-                 slots: int = 1536, dropout: float = 0.0):
+                 slots: int = 1536, dropout: float = 0.0, scale_at: str = "use"):
         super().__init__()
         for name, v in (("heads", heads), ("key_dim", key_dim), ("value_dim", value_dim),
                         ("slots", slots)):
@@ -50,32 +68,39 @@ class AttentionOverParameters(ZooFeedForward):
                 raise ValueError(f"AOP {name} must be positive, got {v}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"AOP dropout must be in [0, 1), got {dropout}")
+        if scale_at not in SCALE_AT:
+            raise ValueError(f"AOP scale_at must be one of {SCALE_AT}, got {scale_at!r}")
         self.embed_dim = embed_dim
         self.heads = heads  # h_p
         self.key_dim = key_dim  # d_pk
         self.value_dim = value_dim  # d_pv
         self.slots = slots  # n_p
         self.dropout = dropout
+        self.scale_at = scale_at
         self.q_proj = nn.Linear(embed_dim, heads * key_dim, bias=False)  # W_q
         self.keys = nn.Parameter(torch.empty(heads, slots, key_dim))  # K
         self.values = nn.Parameter(torch.empty(heads, slots, value_dim))  # V
         self.out_proj = nn.Linear(heads * value_dim, embed_dim, bias=False)  # W_o
-        # tensor2tensor's "scaled up" constants, applied at use (see module docstring)
-        self.key_scale = math.sqrt(heads)
-        self.value_scale = math.sqrt(embed_dim)
+        # tensor2tensor's "scaled up" constants √h_p (keys) and √d (values): multiplied at use, or
+        # folded into the initialiser's standard deviation (see module docstring)
+        constants = (math.sqrt(heads), math.sqrt(embed_dim))
+        self.key_scale, self.value_scale = constants if scale_at == "use" else (1.0, 1.0)
+        self._init_std = tuple(embed_dim ** -0.5 * (1.0 if scale_at == "use" else c)
+                               for c in constants)
         self.reset_parameters()
 
     def reset_parameters(self):
-        nn.init.xavier_uniform_(self.q_proj.weight)  # t2t's conv1d default (glorot uniform)
+        # t2t transformer_base's "uniform_unit_scaling" (fan_avg, uniform, gain 1) = glorot uniform
+        nn.init.xavier_uniform_(self.q_proj.weight)
         nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.normal_(self.keys, 0.0, self.embed_dim ** -0.5)
-        nn.init.normal_(self.values, 0.0, self.embed_dim ** -0.5)
+        nn.init.normal_(self.keys, 0.0, self._init_std[0])
+        nn.init.normal_(self.values, 0.0, self._init_std[1])
 
     def memory(self):
         """The effective keys ``[h, n_p, d_pk]`` and values ``[h, n_p, d_pv]`` (scaled, and with
         whole rows of V dropped in training)."""
-        k = self.keys * self.key_scale
-        v = self.values * self.value_scale
+        k = self.keys * self.key_scale if self.key_scale != 1.0 else self.keys
+        v = self.values * self.value_scale if self.value_scale != 1.0 else self.values
         if self.training and self.dropout > 0:
             # one keep/drop decision per (head, slot), shared by every token: drops memory rows
             keep = torch.empty(self.heads, self.slots, 1, device=v.device, dtype=v.dtype)
@@ -96,4 +121,4 @@ class AttentionOverParameters(ZooFeedForward):
 
     def extra_repr(self) -> str:
         return (f"h_p={self.heads}, d_pk={self.key_dim}, d_pv={self.value_dim}, n_p={self.slots}, "
-                f"dropout={self.dropout}")
+                f"dropout={self.dropout}, scale_at={self.scale_at}")

@@ -13,7 +13,18 @@ concatenated multi-head attention (see :meth:`CollaborativeAttention.from_mha`).
 
 Efficient formulation: the per-head mixing is applied to the queries only (q_i = X W̃Q diag(m_i));
 the keys stay shared, so incremental decoding caches one [B, T, D̃k] key tensor (not H x d_k per
-head), the [B, T, H] content bias and the values.
+head), the [B, T, H] content bias and the values. Where the mixing is applied does not change the
+function: q diag(m_i) kᵀ = q (k diag(m_i))ᵀ.
+
+The authors' fairseq fork (jbcdnr/fairseq-collaborative-heads, behind the paper's WMT'14 table) is
+the same attention with three other choices, each an option here: ``qk_bias=True`` (q_proj/k_proj
+keep their biases b̃Q, b̃K -- logits (x W̃Q + b̃Q) diag(m_i) (y W̃K + b̃K)ᵀ, whose key-only term
+b̃Q diag(m_i) W̃Kᵀ y plays the content bias -- instead of a free content bias w_i),
+``scaling="head_dim"`` (1/sqrt(d/H), fairseq's head size, instead of 1/sqrt(D̃k/H)) and
+``proj_init="fork"`` (fairseq's init rule as the fork inherits it: xavier gain 1/sqrt(2) on
+q/k/v only when D̃k = d, plain xavier otherwise); its mixing init is ``mixing_init="xavier"``. The
+fork mixes on the key side and caches per-head keys; we mix the queries (same logits). Its
+``mixing_matrix`` parameter loads into ``mixing``.
 
 Imports torch and ``.base`` only.
 """
@@ -28,6 +39,8 @@ from torch import Tensor
 from .base import AttnContext, ZooAttention, init_like_fairseq_mha
 
 MIXING_INITS = ("random", "concatenate", "xavier", "ones")
+SCALINGS = ("key_dim", "head_dim")  # 1/sqrt(D̃k/H) (EPFL package) | 1/sqrt(d/H) (fairseq fork)
+PROJ_INITS = ("mha", "fork")
 
 
 def concatenate_mixing(num_heads: int, key_dim: int) -> Tensor:
@@ -51,32 +64,47 @@ class CollaborativeAttention(ZooAttention):
         mixing_init: ``random`` N(0, 0.2²) (reference package default), ``concatenate`` (block
             one-hot: starts as concatenated heads of size D̃k/H), ``xavier`` (reference NMT code),
             ``ones`` (every head starts identical).
+        qk_bias: q_proj/k_proj with biases and no content bias (the authors' fairseq fork).
+        scaling: ``key_dim`` 1/sqrt(D̃k/H) (EPFL package) or ``head_dim`` 1/sqrt(d/H) (fork).
+        proj_init: ``mha`` (fairseq MHA: xavier gain 1/sqrt(2) on q/k/v) or ``fork`` (gain
+            1/sqrt(2) only when D̃k = kdim = vdim = d, plain xavier otherwise).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, key_dim: int, dropout: float = 0.0,
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
-                 mixing_init: str = "random", bias: bool = True):
+                 mixing_init: str = "random", bias: bool = True, qk_bias: bool = False,
+                 scaling: str = "key_dim", proj_init: str = "mha"):
         super().__init__(embed_dim, num_heads, dropout)
         if key_dim <= 0:
             raise ValueError(f"key_dim (D̃k) must be a positive integer, got {key_dim}")
-        if mixing_init not in MIXING_INITS:
-            raise ValueError(f"unknown mixing_init {mixing_init!r}; choose from {MIXING_INITS}")
+        for name, value, choices in (("mixing_init", mixing_init, MIXING_INITS),
+                                     ("scaling", scaling, SCALINGS),
+                                     ("proj_init", proj_init, PROJ_INITS)):
+            if value not in choices:
+                raise ValueError(f"unknown {name} {value!r}; choose from {choices}")
         kdim, vdim = kdim or embed_dim, vdim or embed_dim
         self.key_dim = key_dim
         self.mixing_init = mixing_init
-        self.q_proj = nn.Linear(embed_dim, key_dim, bias=False)  # W̃Q, shared by all heads
-        self.k_proj = nn.Linear(kdim, key_dim, bias=False)  # W̃K, shared by all heads
+        self.proj_init = proj_init
+        self.q_proj = nn.Linear(embed_dim, key_dim, bias=qk_bias)  # W̃Q (+ b̃Q), shared by all heads
+        self.k_proj = nn.Linear(kdim, key_dim, bias=qk_bias)  # W̃K (+ b̃K), shared by all heads
         self.mixing = nn.Parameter(torch.empty(num_heads, key_dim))  # M, row i = m_i
-        self.content_bias = nn.Linear(kdim, num_heads, bias=False)  # w_i: key-only logit term
+        # w_i: key-only logit term (with q/k biases it is b̃Q diag(m_i) W̃Kᵀ instead)
+        self.content_bias = None if qk_bias else nn.Linear(kdim, num_heads, bias=False)
         self.v_proj = nn.Linear(vdim, embed_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        # EPFL scaling: 1/sqrt(D̃k/H), applied to the bilinear term *and* the content bias
-        self.scaling = (key_dim / num_heads) ** -0.5
+        # applied to the bilinear term *and* the content bias
+        self.scaling = ((key_dim if scaling == "key_dim" else embed_dim) / num_heads) ** -0.5
+        self._same_dims = key_dim == embed_dim and kdim == embed_dim and vdim == embed_dim
         self.reset_parameters()
 
     def reset_parameters(self):
         init_like_fairseq_mha((self.q_proj, self.k_proj, self.v_proj), self.out_proj)
-        self.content_bias.reset_parameters()  # nn.Linear default, as the reference
+        if self.proj_init == "fork" and not self._same_dims:  # fairseq's rule for kdim != d
+            for lin in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.xavier_uniform_(lin.weight)
+        if self.content_bias is not None:
+            self.content_bias.reset_parameters()  # nn.Linear default, as the reference
         with torch.no_grad():
             if self.mixing_init == "concatenate":
                 self.mixing.copy_(concatenate_mixing(self.num_heads, self.key_dim))
@@ -90,6 +118,12 @@ class CollaborativeAttention(ZooAttention):
     # ---- attention ---------------------------------------------------------------------------
     def keys(self, x_kv: Optional[Tensor], ctx: AttnContext):
         """Shared keys k̃ = Y W̃K [B, Tk, D̃k], content bias Y wᵀ [B, Tk, H], values [B, Tk, d]."""
+        if self.content_bias is None:  # q/k biases: no separate content term to cache
+            if ctx.static_kv:
+                return (ctx.cache_static("k", lambda: self.k_proj(x_kv)), None,
+                        ctx.cache_static("v", lambda: self.v_proj(x_kv)))
+            kv = ctx.cache(k=self.k_proj(x_kv), v=self.v_proj(x_kv))
+            return kv["k"], None, kv["v"]
         if ctx.static_kv:  # encoder output: computed once per sentence
             return (ctx.cache_static("k", lambda: self.k_proj(x_kv)),
                     ctx.cache_static("c", lambda: self.content_bias(x_kv)),
@@ -102,9 +136,15 @@ class CollaborativeAttention(ZooAttention):
         q = self.q_proj(x_q).unsqueeze(1) * self.mixing[None, :, None, :]
         k, c, v = self.keys(x_kv, ctx)
         k = k.unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # one key tensor for all heads
-        content = c.transpose(1, 2).unsqueeze(2) * self.scaling  # [B, H, 1, Tk]
+        content = None if c is None else c.transpose(1, 2).unsqueeze(2) * self.scaling  # [B,H,1,Tk]
         out = ctx.attend(q, k, self.split_heads(v), scale=self.scaling, extra_logits=content)
         return self.out_proj(self.merge_heads(out))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the authors' fairseq fork names the mixing matrix ``mixing_matrix``
+        if prefix + "mixing_matrix" in state_dict and prefix + "mixing" not in state_dict:
+            state_dict[prefix + "mixing"] = state_dict.pop(prefix + "mixing_matrix")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- conversion --------------------------------------------------------------------------
     @classmethod
