@@ -178,13 +178,18 @@ def generate() -> Dict[str, str]:
     sys.path.insert(0, REPO)
     import logging
 
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
     import fairseq_attnzoo  # noqa: F401  (registers our archs, tasks, criterions, optimizers)
 
-    out = {}
-    for path, recipe, argv, env, index in recipes():
-        cmd = dry_run(recipe, argv, env, index)
-        out[path] = render(to_config(cmd), path, recipe, argv, env, index)
+    log = logging.getLogger("fairseq")
+    level = log.level
+    log.setLevel(logging.WARNING)  # parsing logs nothing useful; restored for the caller
+    try:
+        out = {}
+        for path, recipe, argv, env, index in recipes():
+            cmd = dry_run(recipe, argv, env, index)
+            out[path] = render(to_config(cmd), path, recipe, argv, env, index)
+    finally:
+        log.setLevel(level)
     return out
 
 
