@@ -144,7 +144,7 @@ def plot_compare(synth: List[torch.Tensor], vanilla: List[torch.Tensor], labels_
     import matplotlib.pyplot as plt
 
     n = max(len(synth), len(vanilla))
-    fig, axes = plt.subplots(n, 2, figsize=(9, 4 * n), squeeze=False)
+    fig, axes = plt.subplots(n, 2, figsize=(10, 4 * n), squeeze=False)
     for col, (name, maps) in enumerate((("synthesizer", synth), ("vanilla", vanilla))):
         for i in range(n):
             ax = axes[i][col]
@@ -158,9 +158,9 @@ def plot_compare(synth: List[torch.Tensor], vanilla: List[torch.Tensor], labels_
             ax.set_xlabel("key", fontsize=8)
             ax.set_ylabel("query", fontsize=8)
             if len(labels_k) <= 40:
-                ax.set_xticks(range(len(labels_k)), labels_k, rotation=90, fontsize=6)
-                ax.set_yticks(range(len(labels_q)), labels_q, fontsize=6)
-    fig.tight_layout()
+                ax.set_xticks(range(len(labels_k)), labels_k, rotation=90, fontsize=7)
+                ax.set_yticks(range(len(labels_q)), labels_q, fontsize=7)
+    fig.tight_layout(w_pad=3)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
