@@ -117,6 +117,16 @@ def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
         assert metric in valid.get(config, ""), (config, out[-3000:])
         assert (tmp_path / f"ckpt_{config}" / "checkpoint_last.pt").exists()
     assert "(plain Adam)" not in out  # pkm_adam found the memory values
+    # the checkpoint (its model config a DictConfig) loads back with its memory
+    from fairseq import checkpoint_utils
+
+    from fairseq_attnzoo.modules.pkm import ProductKeyMemory
+
+    with quiet():
+        models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
+            [str(tmp_path / "ckpt_transformer_lm_pkm" / "checkpoint_last.pt")],
+            arg_overrides={"data": lm_data})
+    assert sum(isinstance(m, ProductKeyMemory) for m in models[0].modules()) == 1
 
 
 # ---- tensorboard ------------------------------------------------------------------------------
