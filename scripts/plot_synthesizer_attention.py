@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# the repository root, normalised: fairseq's --user-dir check compares the plugin's import path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fairseq_attnzoo  # noqa: E402,F401  (registers the archs)
 from fairseq import checkpoint_utils  # noqa: E402
