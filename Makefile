@@ -1,6 +1,7 @@
 # fairseq-attnzoo: two commands do everything on a fresh machine.
 #   make test   install (.venv) + the full test suite
 #   make demo   install + prepare the offline German-English corpus + train/generate/score a table
+#               + a picture report (docs/demo/README.md)
 # Also: make install, make data, make bench, make clean-venv
 
 PY      ?= python3

@@ -29,6 +29,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import benchlib  # noqa: E402
+from preplib import add_progress_flag, configure_progress, progress  # noqa: E402
 
 
 def load_cases():
@@ -62,17 +63,20 @@ def train_wps(arch, data, updates, save_dir):
 
 def bench_train(archs, data, updates, repeats):
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, \
+            progress(total=len(archs) * repeats * 2, desc="fairseq-train", unit="run") as bar:
         for arch in archs:
             base, cand = [], []
             for i in range(repeats):  # alternate so load drift hits both
                 order = [("transformer", base), (arch, cand)]
                 for name, sink in (order if i % 2 == 0 else order[::-1]):
+                    bar.set_postfix_str(name)
                     sink.append(train_wps(name, data, updates, tmp))
+                    bar.update()
             b, c = statistics.median(base), statistics.median(cand)
             rows.append({"arch": arch, "words/s": c, "transformer words/s": b, "ratio": c / b,
                          "updates": updates, "repeats": repeats})
-            print(benchlib.format_table(rows[-1:]), flush=True)
+            bar.write(benchlib.format_table(rows[-1:]), file=sys.stdout)
     return rows
 
 
@@ -92,7 +96,9 @@ def main():
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
     p.add_argument("--out", default=os.path.join(REPO, "docs/benchmarks.md"),
                    help="append the tables to this markdown file (default %(default)s; '' = no file)")
+    add_progress_flag(p)
     a = p.parse_args()
+    configure_progress(a)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
     import torch
 
@@ -108,11 +114,12 @@ def main():
     if not a.no_cases:
         words = [w for w in a.cases.split(",") if w]
         rows = []
-        for case in load_cases():
-            if words and not any(w in case.group or w in case.name for w in words):
-                continue
-            print(f"running {case.group}: {case.name} ...", flush=True)
-            rows.append(benchlib.run_case(case, device, a.repeats, dtype))
+        cases = [c for c in load_cases()
+                 if not words or any(w in c.group or w in c.name for w in words)]
+        with progress(cases, desc="sublayer cases", unit="case") as bar:
+            for case in bar:
+                bar.set_postfix_str(f"{case.group}: {case.name}")
+                rows.append(benchlib.run_case(case, device, a.repeats, dtype))
         table = benchlib.format_table(rows)
         print(table)
         sections.append(("Sublayer forward+backward (median ms, candidate / baseline)", table))

@@ -37,6 +37,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from preplib import add_progress_flag, configure_progress  # noqa: E402
 
 ATTN_KEY = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
 STOCK_ATTN = ("mha", "sdpa")  # concatenated heads with q_proj/k_proj/v_proj/out_proj
@@ -69,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="maximum ALS sweeps per layer (default: 50)")
     p.add_argument("--tol", type=float, default=1e-5,
                    help="stop when the relative error improves by less than this (default: 1e-5)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_flag(p)
+    p.add_argument("--quiet", dest="no_progress", action="store_true",
+                   help="same as --no-progress")
     return p
 
 
@@ -161,12 +165,9 @@ def convert(state, key_dim: int, solver: str = "als", n_iter_max: int = 50, tol:
         parser.error(f"--key-dim {key_dim} is above the model's key dimension H·d_k = {full}: "
                      f"expected 1 <= D̃k <= {full}")
     rows = []
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    it = layers if (tqdm is None or not progress) else tqdm(layers, desc=f"CP rank {key_dim}",
-                                                            unit="layer", file=sys.stderr)
+    from preplib import progress as progress_bar
+
+    it = progress_bar(layers, desc=f"CP rank {key_dim}", unit="layer") if progress else layers
     for prefix, heads in it:
         t0 = time.perf_counter()
         old = {k[len(prefix) + 1:]: v for k, v in model_state.items() if k.startswith(prefix + ".")}
@@ -222,6 +223,7 @@ def format_rows(rows, key_dim: int) -> str:
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_progress(args)
     if args.n_iter_max < 0:
         parser.error(f"--n-iter-max must be >= 0, got {args.n_iter_max}")
     if not os.path.isfile(args.input):
@@ -242,7 +244,7 @@ def main(argv=None):
                      "expected a .pt file written by fairseq-train")
     before = count_params(state["model"])
     rows = convert(state, args.key_dim, args.solver, args.n_iter_max, args.tol,
-                   progress=not args.quiet, parser=parser)
+                   progress=not args.no_progress, parser=parser)
     if OmegaConf.is_config(state.get("cfg")):
         state["cfg"] = OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

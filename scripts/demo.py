@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Offline demo: train small models of each arch on the LibreOffice help German->English corpus
 with the stock fairseq CLIs, decode the test set with beam search and print a results table
-(arch, params, train words/s, BLEU and chrF with sacrebleu). Run through ``make demo``.
+(arch, params, train words/s, BLEU and chrF with sacrebleu), then draw each row's method picture
+into a report (docs/demo/README.md, scripts/demo_report.py). Run through ``make demo``.
 
 Every arch gets the same model size and the same update budget (``--max-update``), so the table
 compares architectures, not budgets. Derived rows (a converted checkpoint, a fine-tune) start from
@@ -368,6 +369,11 @@ def format_lm_table(rows, updates):
                          "notes": r.get("notes", "")} for r in rows]))
 
 
+def make_command(archs, lm_archs):
+    """The ``make demo`` command that trains these rows."""
+    return f"make demo ARCHS=\"{' '.join(archs)}\" LM_ARCHS=\"{' '.join(lm_archs) or 'none'}\""
+
+
 def split_names(text):
     return [x for x in re.split(r"[,\s]+", text or "") if x and x != "none"]
 
@@ -395,6 +401,9 @@ def main():
                    help="retrain every row even if an identical earlier run is in --out")
     p.add_argument("--results", default=os.path.join(REPO, "docs/demo_results.md"),
                    help="markdown table written here ('' = none; default %(default)s)")
+    p.add_argument("--report", default=os.path.join(REPO, "docs/demo"),
+                   help="picture report of the trained rows written here as README.md + PNGs "
+                        "(scripts/demo_report.py; '' = none; default %(default)s)")
     a = p.parse_args()
     archs, lm_archs = split_names(a.archs), split_names(a.lm_archs)
     unknown = [x for x in archs if x not in DEMO] + [x for x in lm_archs if x not in LM_DEMO]
@@ -439,10 +448,15 @@ def main():
     if a.results:
         with open(a.results, "w") as f:
             f.write("# Offline demo results (LibreOffice help de->en, test split)\n\n")
-            f.write(f"Command: `make demo ARCHS=\"{' '.join(archs)}\" "
-                    f"LM_ARCHS=\"{' '.join(lm_archs) or 'none'}\"`.\n\n")
+            f.write(f"Command: `{make_command(archs, lm_archs)}`.\n\n")
             f.write(table + footer + "\n")
         print(f"table written to {a.results}")
+    if a.report:
+        import demo_report
+
+        path = demo_report.write_report(demo_report.demo_rows(a.out, archs + lm_archs, done),
+                                        a.report, a.data, make_command(archs, lm_archs))
+        print(f"report written to {path}")
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def plot(counts, mems, out):
         ax.set_xlabel("second sub-key b")
         ax.set_ylabel("first sub-key a")
         ax.set_title("log10(Z + 1e-6) over the product-key grid")
-        fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.colorbar(im, ax=ax, fraction=0.046).set_label("log10(Z + 1e-6)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

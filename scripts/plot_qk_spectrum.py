@@ -102,6 +102,65 @@ def components_for(curve, fraction: float) -> int:
     return int(np.searchsorted(curve, fraction - 1e-12) + 1)
 
 
+def load_curves(path: str, center: bool = False):
+    """{layer: (product curve, W_Q curve)} of a checkpoint (see :func:`spectra`); {} when it has
+    no attention layer with q_proj/k_proj."""
+    import fairseq_attnzoo  # noqa: F401  (allow-lists argparse.Namespace for torch.load)
+    from fairseq import checkpoint_utils
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    cfg = state["cfg"]
+    model_cfg = cfg["model"] if hasattr(cfg, "__getitem__") else cfg.model
+    return spectra(state["model"], model_cfg, center=center)
+
+
+def draw_curves(ax, curves, with_projections: bool = False, title: str = ""):
+    """One captured-energy curve per layer on ``ax`` (dashed: concatenated W_Q)."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("viridis")
+    for n, (name, (prod, wq)) in enumerate(curves.items()):
+        color = cmap(n / max(1, len(curves) - 1))
+        ax.plot(range(1, len(prod) + 1), prod, color=color, label=name)
+        if with_projections:
+            ax.plot(range(1, len(wq) + 1), wq, color=color, linestyle="--", linewidth=0.8)
+    ax.axhline(0.95, color="grey", linewidth=0.5, linestyle=":")
+    ax.set_xlabel("number of principal components")
+    ax.set_ylabel("captured energy")
+    ax.set_title(title or "key/query products [W_Q,i W_K,iᵀ]_i"
+                 + (" (dashed: concat. W_Q)" if with_projections else ""), fontsize=10)
+    ax.set_ylim(0, 1.01)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+
+
+def format_table(curves) -> str:
+    lines = ["| layer | " + " | ".join(f"PCs for {int(t * 100)}% energy" for t in THRESHOLDS)
+             + " | d |", "|---|" + "---|" * (len(THRESHOLDS) + 1)]
+    for name, (prod, _) in curves.items():
+        lines.append(f"| {name} | " + " | ".join(str(components_for(prod, t)) for t in THRESHOLDS)
+                     + f" | {len(prod)} |")
+    return "\n".join(lines)
+
+
+def plot_panels(panels, out: str, with_projections: bool = False) -> str:
+    """Side-by-side spectra: ``panels`` = [(title, curves)], e.g. a model before and after its
+    conversion to collaborative heads. -> out"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.4), squeeze=False,
+                             sharey=True)
+    for ax, (title, curves) in zip(axes[0], panels):
+        draw_curves(ax, curves, with_projections, title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Energy spectrum of concatenated key/query products "
                                 "W_Q,i W_K,iᵀ per attention layer (paper Figure 1)")
@@ -113,44 +172,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not os.path.isfile(args.checkpoint):
         p.error(f"checkpoint {args.checkpoint!r} not found: expected a fairseq .pt file")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    import fairseq_attnzoo  # noqa: F401
-    from fairseq import checkpoint_utils
-
-    state = checkpoint_utils.load_checkpoint_to_cpu(args.checkpoint)
-    cfg = state["cfg"]
-    model_cfg = cfg["model"] if hasattr(cfg, "__getitem__") else cfg.model
-    curves = spectra(state["model"], model_cfg, center=args.center)
+    curves = load_curves(args.checkpoint, center=args.center)
     if not curves:
         p.error("no attention layers with q_proj/k_proj found: expected a transformer checkpoint")
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    cmap = plt.get_cmap("viridis")
-    print("| layer | " + " | ".join(f"PCs for {int(t * 100)}% energy" for t in THRESHOLDS) + " | d |")
-    print("|---|" + "---|" * (len(THRESHOLDS) + 1))
-    for n, (name, (prod, wq)) in enumerate(curves.items()):
-        color = cmap(n / max(1, len(curves) - 1))
-        xs = range(1, len(prod) + 1)
-        ax.plot(xs, prod, color=color, label=name)
-        if args.with_projections:
-            ax.plot(range(1, len(wq) + 1), wq, color=color, linestyle="--", linewidth=0.8)
-        print(f"| {name} | " + " | ".join(str(components_for(prod, t)) for t in THRESHOLDS)
-              + f" | {len(prod)} |")
-    ax.axhline(0.95, color="grey", linewidth=0.5, linestyle=":")
-    ax.set_xlabel("number of principal components")
-    ax.set_ylabel("captured energy")
-    title = "key/query products [W_Q,i W_K,iᵀ]_i" + (" (dashed: concat. W_Q)" if args.with_projections else "")
-    ax.set_title(title, fontsize=10)
-    ax.set_ylim(0, 1.01)
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    fig.savefig(args.output, dpi=120)
+    print(format_table(curves))
+    plot_panels([("", curves)], args.output, args.with_projections)
     print(f"wrote {args.output}")
     return curves
 

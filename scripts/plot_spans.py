@@ -43,19 +43,18 @@ def load_spans(path: str):
     return s, r, [layers[i] for i in sorted(layers)]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint")
-    p.add_argument("--out", default=None, help="PNG path (default: <checkpoint dir>/spans.png)")
-    p.add_argument("--title", default=None)
-    a = p.parse_args()
-    s, r, spans = load_spans(a.checkpoint)
-    print(f"S = {s}, R = {r}; span z per head (positions), sorted:")
+def format_spans(spans) -> str:
+    """One line per layer: mean, max and the sorted spans of its heads."""
+    lines = []
     for i, z in enumerate(spans):
         zs = sorted(z.tolist())
-        print(f"layer {i:2d}: mean {sum(zs) / len(zs):8.1f}  max {zs[-1]:8.1f}  "
-              + " ".join(f"{v:.0f}" for v in zs))
+        lines.append(f"layer {i:2d}: mean {sum(zs) / len(zs):8.1f}  max {zs[-1]:8.1f}  "
+                     + " ".join(f"{v:.0f}" for v in zs))
+    return "\n".join(lines)
+
+
+def plot_spans(s: int, r: int, spans, out: str, title: str) -> str:
+    """Bars of the learned span per head (sorted), one group per layer; S dashed. -> out"""
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
@@ -77,11 +76,27 @@ def main():
     ax.set_ylabel("learned span z (positions)")
     if max(float(z.max()) for z in spans) > 0:
         ax.set_yscale("symlog", linthresh=max(1.0, r))
-    ax.set_title(a.title or f"Adaptive attention spans: {os.path.basename(a.checkpoint)}")
+    ax.set_title(title)
     ax.legend(loc="upper left")
     fig.tight_layout()
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.checkpoint)), "spans.png")
     fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint")
+    p.add_argument("--out", default=None, help="PNG path (default: <checkpoint dir>/spans.png)")
+    p.add_argument("--title", default=None)
+    a = p.parse_args()
+    s, r, spans = load_spans(a.checkpoint)
+    print(f"S = {s}, R = {r}; span z per head (positions), sorted:")
+    print(format_spans(spans))
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.checkpoint)), "spans.png")
+    plot_spans(s, r, spans, out,
+               a.title or f"Adaptive attention spans: {os.path.basename(a.checkpoint)}")
     print(f"wrote {out}")
 
 

@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# the repository root, normalised: fairseq's --user-dir check compares the plugin's import path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fairseq_attnzoo  # noqa: E402,F401  (registers the archs)
 from fairseq import checkpoint_utils  # noqa: E402
@@ -127,7 +128,9 @@ def plot_grid(maps: List[torch.Tensor], labels_q, labels_k, title: str, path: st
             if i == 0:
                 ax.set_title(f"head {h}", fontsize=8)
             if h == 0:
-                ax.set_ylabel(f"layer {i}", fontsize=8)
+                ax.set_ylabel(f"layer {i}\nquery position", fontsize=8)
+            if i == n_layers - 1:
+                ax.set_xlabel("key position", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -142,21 +145,66 @@ def plot_compare(synth: List[torch.Tensor], vanilla: List[torch.Tensor], labels_
     import matplotlib.pyplot as plt
 
     n = max(len(synth), len(vanilla))
-    fig, axes = plt.subplots(n, 2, figsize=(8, 4 * n), squeeze=False)
+    fig, axes = plt.subplots(n, 2, figsize=(10, 4 * n), squeeze=False)
     for col, (name, maps) in enumerate((("synthesizer", synth), ("vanilla", vanilla))):
         for i in range(n):
             ax = axes[i][col]
             if i >= len(maps):
                 ax.axis("off")
                 continue
-            ax.imshow(maps[i].mean(0).numpy(), cmap="viridis", vmin=0)
+            im = ax.imshow(maps[i].mean(0).numpy(), cmap="viridis", vmin=0)
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label("attention weight",
+                                                                        fontsize=8)
             ax.set_title(f"{name} {side} layer {i} (mean over heads)", fontsize=9)
+            ax.set_xlabel("key", fontsize=8)
+            ax.set_ylabel("query", fontsize=8)
             if len(labels_k) <= 40:
-                ax.set_xticks(range(len(labels_k)), labels_k, rotation=90, fontsize=6)
-                ax.set_yticks(range(len(labels_q)), labels_q, fontsize=6)
-    fig.tight_layout()
+                ax.set_xticks(range(len(labels_k)), labels_k, rotation=90, fontsize=7)
+                ax.set_yticks(range(len(labels_q)), labels_q, fontsize=7)
+    fig.tight_layout(w_pad=3)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def mixture_log(train_log: str) -> Dict[str, List[Tuple[int, float]]]:
+    """The logged mixture weights ``mix_<side><layer>_<component>`` (alpha of the first
+    component; the model logs them while training) from a ``--log-format json`` train log:
+    {name: [(update, alpha)]}."""
+    import json
+
+    out: Dict[str, List[Tuple[int, float]]] = {}
+    with open(train_log) as f:
+        for line in f:
+            if "train_inner" not in line or '"mix_' not in line:
+                continue
+            stats = json.loads(line[line.index("{"):])
+            for key, value in stats.items():
+                if key.startswith("mix_"):
+                    out.setdefault(key, []).append((int(stats["num_updates"]), float(value)))
+    return out
+
+
+def plot_mixture_log(curves: Dict[str, List[Tuple[int, float]]], out: str, title: str) -> str:
+    """alpha of the first mixture component per layer over training. -> out"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name, points in sorted(curves.items()):
+        ax.plot([u for u, _ in points], [v for _, v in points], marker=".", label=name[4:])
+    ax.axhline(0.5, color="grey", linewidth=0.5, linestyle=":")
+    first = sorted(curves)[0].rsplit("_", 1)[-1] if curves else "first"
+    ax.set_xlabel("update")
+    ax.set_ylabel(f"mixture weight α of the {first} component")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, title="layer", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def main(argv=None):

@@ -51,7 +51,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from preplib import (  # noqa: E402
-    PrepError, binarize, fail, fetch_url, is_cached, run_main, write_stats,
+    PrepError, add_progress_flag, binarize, configure_progress, fail, fetch_url, is_cached,
+    progress, run_main, write_stats,
 )
 
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
@@ -110,8 +111,11 @@ def write_split(path: Path, data: bytes, newline_token: bool = False) -> int:
 
     Returns the number of lines as fairseq reads them (= sentences, each gets one ``</s>``).
     """
+    n_lines = data.count(b"\n") + 1
     with open(path, "w", encoding="ascii", newline="\n") as f:
-        for i, line in enumerate(iter_lines(data, newline_token)):
+        lines = progress(iter_lines(data, newline_token), total=n_lines, desc=f"write {path.name}",
+                         unit="line")
+        for i, line in enumerate(lines):
             if i:
                 f.write("\n")
             f.write(line)
@@ -206,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only write the text files; do not run fairseq-preprocess")
     p.add_argument("--workers", type=int, default=1, help="fairseq-preprocess workers")
     p.add_argument("--force", action="store_true", help="rebuild even if outputs are cached")
+    add_progress_flag(p)
     return p
 
 
@@ -278,6 +283,7 @@ def prepare(args, out: Path, kind: str, path: Path | None, settings: dict) -> di
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    configure_progress(args)
     try:
         kind, path = _source(args)
     except PrepError as e:

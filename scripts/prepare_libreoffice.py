@@ -66,7 +66,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from preplib import (  # noqa: E402
-    PrepError, binarize, encode_file, is_cached, run_main, train_spm, write_lines, write_stats,
+    PrepError, add_progress_flag, binarize, configure_progress, encode_file, is_cached, progress,
+    run_main, train_spm, write_lines, write_stats,
 )
 
 HELP_SUBDIR = Path("usr/share/libreoffice/help")
@@ -238,7 +239,7 @@ def align_dirs(de_root, en_root, skip_embedded: bool = True, stats: dict | None 
         files_common=len(common),
     )
     pairs = []
-    for rel in common:
+    for rel in progress(common, desc="align help files", unit="file"):
         a = extract_paragraphs((de_root / rel).read_text(encoding="utf-8", errors="replace"),
                                skip_embedded)
         b = extract_paragraphs((en_root / rel).read_text(encoding="utf-8", errors="replace"),
@@ -475,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="threads for SentencePiece and workers for fairseq-preprocess")
     p.add_argument("--force", action="store_true", help="rebuild even if outputs are cached")
+    add_progress_flag(p)
     return p
 
 
@@ -569,6 +571,7 @@ def _summary(stats: dict, out: Path) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    configure_progress(args)
     out = Path(args.out)
     return run_main(out, not args.force and _is_cached(out, args), lambda: prepare(args),
                     lambda stats: _summary(stats, out))

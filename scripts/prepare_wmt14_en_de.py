@@ -62,8 +62,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from preplib import (  # noqa: E402
-    PrepError, binarize, encode_file, fetch_url, is_cached, read_lines, run_main, train_spm,
-    write_lines, write_stats,
+    PrepError, add_progress_flag, binarize, configure_progress, count_lines, encode_file,
+    fetch_url, is_cached, progress, read_lines, run_main, train_spm, write_lines, write_stats,
 )
 
 SRC, TGT = "en", "de"
@@ -151,22 +151,15 @@ def clean_pairs(src_lines, tgt_lines, max_len: int = 250, ratio: float = 1.5,
     return pairs, stats
 
 
-def count_lines(path: Path) -> int:
-    n, last = 0, b"\n"
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")
-
-
-def read_pairs(src_path: Path, tgt_path: Path):
-    """Aligned (src, tgt) lines of two files; a PrepError if their line counts differ."""
+def read_pairs(src_path: Path, tgt_path: Path, desc: str = ""):
+    """Aligned (src, tgt) lines of two files (with a progress bar named ``desc``); a PrepError if
+    their line counts differ."""
     n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
     if n_src != n_tgt:
         raise PrepError(f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}: the files "
                         f"must be line-aligned")
-    return zip(read_lines(src_path), read_lines(tgt_path))
+    pairs = zip(read_lines(src_path), read_lines(tgt_path))
+    return progress(pairs, total=n_src, desc=desc, unit="pair") if desc else pairs
 
 
 def sgm_segments(lines):
@@ -195,7 +188,7 @@ def download(url: str, cache: Path) -> Path:
         print(f"cached {dest}", flush=True)
         return dest
     print(f"downloading {url}", flush=True)
-    fetch_url(url, dest, _hand_hint(cache), progress=True)
+    fetch_url(url, dest, _hand_hint(cache))
     return dest
 
 
@@ -219,8 +212,12 @@ def extract_members(archive: Path, members: dict, dest_dir: Path) -> dict:
                 if name in want and info.isfile():
                     key = want[name]
                     tmp = out[key].with_name(out[key].name + ".part")
-                    with tar.extractfile(info) as src, open(tmp, "wb") as dst:
-                        shutil.copyfileobj(src, dst, 1 << 20)
+                    with tar.extractfile(info) as src, open(tmp, "wb") as dst, \
+                            progress(total=info.size, desc=f"extract {out[key].name}",
+                                     nbytes=True) as bar:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            dst.write(block)
+                            bar.update(len(block))
                     tmp.rename(out[key])
                     found.add(key)
                     if len(found) == len(want):
@@ -291,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-binarize", action="store_true",
                    help="stop after the SentencePiece files; do not run fairseq-preprocess")
     p.add_argument("--force", action="store_true", help="redo everything even if cached")
+    add_progress_flag(p)
     return p
 
 
@@ -360,7 +358,7 @@ def prepare(args) -> dict:
             open(raw_dir / f"train.{TGT}", "w", encoding="utf-8", newline="\n") as ft:
         for name, src_path, tgt_path in train_sources:
             c: dict = {}
-            pairs = read_pairs(src_path, tgt_path)
+            pairs = read_pairs(src_path, tgt_path, desc=f"clean {name}")
             for s, tt in iter_clean_pairs(pairs, args.max_len, args.ratio, True, c, seen):
                 fs.write(s + "\n")
                 ft.write(tt + "\n")
@@ -437,6 +435,7 @@ def _summary(stats: dict, out: Path) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    configure_progress(args)
     out = Path(args.out)
     return run_main(out, not args.force and _is_cached(out, args), lambda: prepare(args),
                     lambda stats: _summary(stats, out), redo="redo")

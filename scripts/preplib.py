@@ -1,17 +1,21 @@
 """Plumbing shared by the data-preparation scripts (prepare_libreoffice.py, prepare_wmt14_en_de.py,
-prepare_enwik8.py): one-line errors, the stats.json cache, downloads, SentencePiece, and
-``fairseq_cli.preprocess`` run with the same interpreter.
+prepare_enwik8.py): one-line errors, the stats.json cache, progress bars, downloads, SentencePiece,
+and ``fairseq_cli.preprocess`` run with the same interpreter. The progress bars are also used by
+collab_reparametrize.py and bench.py.
 
 The scripts import it from their own directory (``python scripts/prepare_X.py`` puts it on
 ``sys.path``; each script also adds it, for when it is imported as a module).
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import http.client
 import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +24,81 @@ from pathlib import Path
 
 class PrepError(Exception):
     """A user-facing, one-line error."""
+
+
+# --------------------------------------------------------------------------------------------
+# Progress bars
+# --------------------------------------------------------------------------------------------
+_SHOW_PROGRESS = None  # None: only when stderr is a terminal; set_progress() overrides
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """``--no-progress``: the one switch of every script's progress bars."""
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (they are shown only when stderr is a terminal)")
+
+
+def set_progress(enabled) -> None:
+    """True/False force the bars on/off; None: on only when stderr is a terminal."""
+    global _SHOW_PROGRESS
+    _SHOW_PROGRESS = enabled
+
+
+def configure_progress(args: argparse.Namespace) -> None:
+    """Apply ``--no-progress`` (see :func:`add_progress_flag`)."""
+    set_progress(False if getattr(args, "no_progress", False) else None)
+
+
+def progress_enabled() -> bool:
+    if _SHOW_PROGRESS is not None:
+        return bool(_SHOW_PROGRESS)
+    return sys.stderr.isatty()
+
+
+def progress(iterable=None, total=None, desc: str = "", unit: str = "it", nbytes: bool = False,
+             **kwargs):
+    """A tqdm bar on stderr (count, total, rate, ETA), or a silent pass-through when progress is
+    off. ``nbytes`` counts bytes (kB/MB/GB units). Use as an iterable wrapper or with
+    ``.update(n)``; always ``close()`` it (or use ``with``)."""
+    from tqdm import tqdm
+
+    if nbytes:
+        kwargs.update(unit="B", unit_scale=True, unit_divisor=1024)
+    else:
+        kwargs.setdefault("unit", unit)
+    return tqdm(iterable, total=total or None, desc=desc, file=sys.stderr, leave=False,
+                dynamic_ncols=True, mininterval=0.5, disable=not progress_enabled(), **kwargs)
+
+
+@contextlib.contextmanager
+def ticking(desc: str, poll=None, nbytes: bool = False):
+    """A bar refreshed every 0.5 s while the body runs a step that reports nothing itself (a
+    subprocess, a C++ trainer): ``poll()`` -> the amount done so far (e.g. bytes written), or
+    without ``poll`` just the elapsed time."""
+    if not progress_enabled():
+        yield
+        return
+    stop = threading.Event()
+
+    def tick():
+        with progress(desc=desc, nbytes=nbytes, bar_format=None if poll else
+                      "{desc}: {elapsed}") as bar:
+            while not stop.wait(0.5):
+                if poll is not None:
+                    try:
+                        bar.update(poll() - bar.n)
+                    except OSError:  # a file vanished while we looked (temporary outputs)
+                        pass
+                else:
+                    bar.refresh()
+
+    t = threading.Thread(target=tick, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,6 +166,16 @@ def write_lines(path: Path, lines) -> None:
             f.write(line + "\n")
 
 
+def count_lines(path: Path) -> int:
+    """Lines of a text file (a last line without "\\n" counts), read in 1 MiB blocks."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
 def read_lines(path: Path):
     """Lines without their "\\n". Only "\\n" ends a line (never "\\r", U+2028, ... which
     ``str.splitlines`` and universal newlines would split on and so misalign a parallel corpus)."""
@@ -95,23 +184,22 @@ def read_lines(path: Path):
             yield line[:-1] if line.endswith("\n") else line
 
 
-def fetch_url(url: str, dest: Path, hint: str, progress: bool = False) -> None:
-    """Download ``url`` to ``dest`` (through ``dest.part``, removed on failure). Any failure is a
-    PrepError "download of URL failed (why); HINT". ``progress`` prints the MB received."""
+def fetch_url(url: str, dest: Path, hint: str) -> None:
+    """Download ``url`` to ``dest`` (through ``dest.part``, removed on failure) with a progress
+    bar. Any failure is a PrepError "download of URL failed (why); HINT"."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".part")
     try:
         req = urllib.request.Request(url, headers={"User-Agent": "fairseq-attnzoo-prepare/1"})
-        with urllib.request.urlopen(req, timeout=60) as r, open(tmp, "wb") as f:
+        with urllib.request.urlopen(req, timeout=60) as r, open(tmp, "wb") as f, \
+                progress(total=int(r.headers.get("Content-Length") or 0), desc=dest.name,
+                         nbytes=True) as bar:
             total = int(r.headers.get("Content-Length") or 0)
-            done, next_report = 0, 0
+            done = 0
             for block in iter(lambda: r.read(1 << 20), b""):
                 f.write(block)
                 done += len(block)
-                if progress and done >= next_report:
-                    of = f" of {total / 1e6:.0f}" if total else ""
-                    print(f"  {done / 1e6:.0f}{of} MB", flush=True)
-                    next_report = done + 100_000_000
+                bar.update(len(block))
         if total and done != total:
             raise OSError(f"got {done} of {total} bytes")
     except (OSError, http.client.HTTPException, ValueError) as e:  # URLError is an OSError
@@ -137,6 +225,14 @@ def train_spm(files, prefix: Path, vocab_size: int, model_type: str, seed: int, 
 
     if hasattr(spm, "set_random_generator_seed"):
         spm.set_random_generator_seed(seed)
+    with ticking(f"SentencePiece {model_type} {vocab_size}"):
+        _train_spm(spm, files, prefix, vocab_size, model_type, threads, character_coverage,
+                   input_sentence_size, shuffle_input_sentence)
+    return spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
+
+
+def _train_spm(spm, files, prefix, vocab_size, model_type, threads, character_coverage,
+               input_sentence_size, shuffle_input_sentence):
     spm.SentencePieceTrainer.train(
         input=",".join(str(f) for f in files),
         model_prefix=str(prefix),
@@ -148,7 +244,6 @@ def train_spm(files, prefix: Path, vocab_size: int, model_type: str, seed: int, 
         num_threads=threads,
         minloglevel=2,
     )
-    return spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
 
 
 def encode_file(sp, src: Path, dest: Path, threads: int, normalize=None,
@@ -156,14 +251,18 @@ def encode_file(sp, src: Path, dest: Path, threads: int, normalize=None,
     """SentencePiece-encode ``src`` line by line (same line count; each line first passed through
     ``normalize`` if given) into ``dest`` as space-separated pieces. Returns the line count."""
     n = 0
-    with open(dest, "w", encoding="utf-8", newline="\n") as f:
+    with open(dest, "w", encoding="utf-8", newline="\n") as f, \
+            progress(total=count_lines(src) if progress_enabled() else None,
+                     desc=f"encode {src.name}", unit="line") as bar:
         batch = []
         for line in read_lines(src):
             batch.append(normalize(line) if normalize else line)
             if len(batch) == chunk:
                 n += _write_encoded(sp, batch, f, threads)
+                bar.update(len(batch))
                 batch = []
         n += _write_encoded(sp, batch, f, threads)
+        bar.update(len(batch))
     return n
 
 
@@ -189,7 +288,9 @@ def run_preprocess(bin_dir: Path, prefixes, workers: int, lead=(),
         cmd.append("--joined-dictionary")
     cmd += ["--workers", str(workers)]
     print("+ " + " ".join(cmd), flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    # fairseq-preprocess reports nothing while it works: show the bytes it has written
+    with ticking("binarize", poll=lambda: dir_size(bin_dir), nbytes=True):
+        r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
         raise PrepError(f"fairseq-preprocess failed (exit {r.returncode}); is fairseq installed "

@@ -1,4 +1,7 @@
-"""scripts/demo.py without training: argument errors, the row scheduler and the row cache."""
+"""scripts/demo.py without training: argument errors, the row scheduler and the row cache; the
+picture report (scripts/demo_report.py) from a tiny fake demo run."""
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -99,3 +102,65 @@ def test_row_key_changes_with_commands_and_parent(tmp_path):
     child.prepare(base)
     assert child.key != key
     assert child.cached() is None  # nothing on disk
+
+
+# ---- the picture report, from a tiny fake demo run (tiny checkpoints trained here) -------------
+
+def _train_row(out, name, arch, data, max_update=2):
+    from zoo_testlib import model_class, run_cli, tiny_flags
+
+    save = out / name / "checkpoints"
+    flags = tiny_flags(arch, data) + [
+        "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "400", "--max-update",
+        str(max_update), "--save-dir", str(save), "--no-epoch-checkpoints", "--log-format", "json",
+        "--log-interval", "1", "--seed", "1", "--num-workers", "0",
+        "--skip-invalid-size-inputs-valid-test"] + list(
+            getattr(model_class(arch), "zoo_cli_train_flags", []))
+    logs = run_cli("train", flags)
+    (out / name / "train.log").write_text("\n".join(logs) + "\n")
+    return str(save / "checkpoint_last.pt")
+
+
+def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
+    import re
+
+    conv = load_script("collab_reparametrize")
+    out, docs = tmp_path / "work", tmp_path / "docs"
+    vanilla = _train_row(out, "transformer", "attnzoo_transformer", mt_data)
+    _train_row(out, "transformer_synth_random_dense", "transformer_synth_random_dense", mt_data)
+    _train_row(out, "transformer_pkm", "transformer_pkm", mt_data)
+    # transformer_aop: no picture, so no checkpoint is read
+    _train_row(out, "adaptive_span_lm_small", "adaptive_span_lm", lm_data)
+    (out / "collab_convert64").mkdir()
+    conv.main([vanilla, str(out / "collab_convert64" / "converted.pt"), "--key-dim", "16",
+               "--quiet"])
+    names = ["transformer", "transformer_synth_random_dense", "transformer_pkm",
+             "collab_convert64", "transformer_aop", "adaptive_span_lm_small"]
+    results = [{"arch": n, "bleu": 1.5, "chrf": 20.25} for n in names[:-1]]
+    results.append({"arch": "adaptive_span_lm_small", "bpc": 5.125})
+    (out / "results.json").write_text(json.dumps(results))
+    # the command line, in a fresh interpreter (the plotters' imports must not clash with
+    # fairseq's --user-dir import of the checkpoints)
+    r = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPTS / "demo_report.py"), "--out",
+                        str(out), "--docs", str(docs), "--data", mt_data], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"report written to {docs / 'README.md'}" in r.stdout
+    text = (docs / "README.md").read_text()
+    assert demo.make_command(names[:-1], names[-1:]) in text
+    for n in names:
+        assert f"## {n}\n" in text
+    assert "BLEU 1.50, chrF 20.25" in text and "valid bpc 5.125" in text
+    pngs = re.findall(r"!\[[^]]*\]\(([^)]+\.png)\)", text)
+    assert sorted(pngs) == sorted([
+        "transformer_synth_random_dense_attention.png", "transformer_synth_random_dense_mixture.png",
+        "transformer_pkm_usage.png", "collab_convert64_spectrum.png",
+        "adaptive_span_lm_small_spans.png"])
+    for png in pngs:
+        assert (docs / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"encoder.layers.1.ffn: usage \d+\.\d% of 64 slots, KL \d", text)
+    assert re.search(r"Components for 90% of the energy, mean over layers: [\d.]+ before, "
+                     r"[\d.]+ after", text)
+    assert "Final weights: encoder.layers.0.self_attn: random 0." in text
+    assert "The baseline" in text.split("## transformer\n")[1].split("##")[0]
+    assert "no plotter" in text.split("## transformer_aop")[1]

@@ -328,3 +328,51 @@ def test_generate_sh_orders_hypotheses_and_scores(tmp_path):
     r = _sh("generate.sh", "transformer", PYTHON=str(fake), DATA=str(data), SAVE=str(save),
             CKPT=str(save / "any.pt"))
     assert r.returncode != 0 and "3 hypotheses for 4 reference lines" in r.stderr
+
+
+# ------------------------------------------------------------------ progress bars
+def _as_terminal(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+
+
+def test_progress_bars_show_totals_and_rates_on_a_terminal(raw_corpus, tmp_path, monkeypatch,
+                                                           capsys):
+    _as_terminal(monkeypatch)
+    raw, n_read = raw_corpus
+    args = ["--raw-dir", str(raw), "--out", str(tmp_path / "out"), "--vocab-size", "60",
+            "--workers", "1", "--skip-binarize"]
+    assert wmt.main(args) == 0
+    err = capsys.readouterr().err  # bars are cleared when done: their first frame remains
+    assert f"clean train:   0%|          | 0/{n_read} [00:00<?, ?pair/s]" in err
+    assert "encode train.en:   0%|          | 0/300 [00:00<?, ?line/s]" in err
+    assert "SentencePiece bpe 60: 00:00" in err
+    # a download: bytes with the Content-Length total and a rate
+    src = tmp_path / "blob.bin"
+    src.write_bytes(b"x" * 300_000)
+    wmt.fetch_url(src.as_uri(), tmp_path / "dl" / "blob.bin", "hint")
+    err = capsys.readouterr().err
+    assert "blob.bin:   0%|          | 0.00/293k [00:00<?, ?B/s]" in err
+    assert (tmp_path / "dl" / "blob.bin").read_bytes() == src.read_bytes()
+
+
+def test_progress_off_with_flag_or_without_terminal(raw_corpus, tmp_path, monkeypatch, capsys):
+    raw, _ = raw_corpus
+    args = ["--raw-dir", str(raw), "--vocab-size", "60", "--workers", "1", "--skip-binarize"]
+    assert wmt.main(args + ["--out", str(tmp_path / "a")]) == 0  # stderr is not a terminal
+    assert capsys.readouterr().err == ""
+    _as_terminal(monkeypatch)
+    assert wmt.main(args + ["--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_error_after_progress_still_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    _as_terminal(monkeypatch)
+    for split in ("train", "valid", "test"):
+        write(tmp_path / f"{split}.en", ["a b c"] * 5)
+        write(tmp_path / f"{split}.de", ["a b c"] * 5)
+    write(tmp_path / "valid.de", ["a b c"] * 4)  # misaligned, found after cleaning train
+    assert wmt.main(["--raw-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "clean train" in err  # the bar ran
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1].replace("\x1b[A", "")
+    assert last.strip().startswith("error: valid: 5 en lines but 4 de lines"), repr(err[-300:])

@@ -15,6 +15,8 @@
 # GPUS (default: all visible) x --batch-size x UPDATE_FREQ = the global batch (64 sequences);
 # --update-freq U on one GPU computes exactly the update of U GPUs (streams are laid out by
 # batch x GPUs x U). With fp16 add: --fp16 --fp16-no-flatten-grads (per-tensor clipping).
+# DRY_RUN=1 prints the fairseq-train command(s) instead of running them. The same settings as
+# fairseq-hydra-train configs: examples/enwik8/config/ (scripts/make_hydra_configs.py).
 set -euo pipefail
 CONFIG=${1:?usage: train.sh CONFIG [DATA] [flags...]}
 DATA=${2:-data/enwik8/bin}
@@ -48,9 +50,13 @@ COMMON=(
   --validate-interval-updates 1000 --save-interval-updates 1000 --keep-interval-updates 2
   --max-valid-steps 200 --log-format json --log-interval 100 --seed 1
 )
-fairseq-train "${COMMON[@]}" --lr 0.07 --max-update "$UPDATES" "$@"
+run() {
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+run fairseq-train "${COMMON[@]}" --lr 0.07 --max-update "$UPDATES" "$@"
 if (( FT > 0 )); then  # the papers' fine-tuning: more updates with a 10x smaller learning rate
-  fairseq-train "${COMMON[@]}" --lr 0.007 --max-update $(( UPDATES + FT )) \
+  run fairseq-train "${COMMON[@]}" --lr 0.007 --max-update $(( UPDATES + FT )) \
     --reset-lr-scheduler --warmup-updates 0 "$@"
 fi
+[[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 echo "evaluate: bash $REPO/examples/enwik8/eval.sh $SAVE/checkpoint_best.pt $DATA"

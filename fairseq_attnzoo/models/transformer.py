@@ -8,6 +8,7 @@ stock ``transformer`` checkpoint loads into ``attnzoo_transformer`` unchanged; a
 under ``ffn``.
 """
 
+import argparse
 import logging
 from typing import Dict, List, Optional
 
@@ -66,6 +67,18 @@ def _check_supported(cfg):
     if qn is not None and getattr(qn, "pq", 0) > 0 and _any_replaced(cfg):
         raise ValueError("--quant-noise-pq applies to stock sublayers only; set it to 0 when a "
                          "sublayer is replaced")
+
+
+def _as_namespace(args):
+    """fairseq-hydra-train hands ``build_model`` the model config as an omegaconf DictConfig.
+    fairseq's ``TransformerConfig.from_namespace`` copies the keys it does not know through
+    ``vars(args)``, which sees none of a DictConfig's keys: every sublayer flag and method option
+    would be dropped silently (a stock transformer). A plain Namespace keeps them."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(args):
+        return argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
+    return args
 
 
 def _any_replaced(cfg) -> bool:
@@ -268,6 +281,7 @@ class ZooTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        args = _as_namespace(args)
         validate_sublayer_args(args)
         _check_supported(args)
         return super().build_model(args, task)
@@ -295,6 +309,7 @@ class ZooLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        args = _as_namespace(args)
         validate_sublayer_args(args, decoder_only=True)
         _check_supported(args)
         model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
