@@ -33,28 +33,33 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--updates", type=int, default=1)
     p.add_argument("--sparse-values", action="store_true")
+    p.add_argument("--ddp-backend", default="legacy_ddp")
+    p.add_argument("--flags", default="", help="more fairseq-train flags (space-separated)")
     a = p.parse_args()
+    if a.ddp_backend in ("pytorch_ddp", "c10d"):
+        _pytorch_ddp_on_cpu()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     results = {}
     steps = _record_value_tables() if a.sparse_values else None
     for arch in a.archs.split(","):
         data = a.lm_data if is_lm(arch) else a.mt_data
-        save = os.path.join(os.path.dirname(a.out), f"{a.mode}-{arch}")
+        run = os.path.splitext(os.path.basename(a.out))[0]  # one save dir per run and arch
+        save = os.path.join(os.path.dirname(a.out), f"{run}-{arch}")
         optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr", "0.01"]
                      if a.sparse_values else ["--optimizer", "adam"])
         flags = tiny_flags(arch, data) + optimizer + [
             "--lr", "0.01", "--max-tokens", "200", "--max-update", str(a.updates),
             "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format", "json",
             "--log-interval", "1", "--seed", "1", "--num-workers", "0", "--disable-validation",
-        ] + list(getattr(model_class(arch), "zoo_cli_train_flags", []))
+        ] + list(getattr(model_class(arch), "zoo_cli_train_flags", [])) + a.flags.split()
         if a.mode == "single":
             flags += ["--update-freq", "2"]
         else:
             flags += ["--distributed-world-size", os.environ["WORLD_SIZE"], "--distributed-rank",
                       str(rank), "--device-id", os.environ["LOCAL_RANK"],
                       "--distributed-init-method", "env://", "--distributed-no-spawn",
-                      "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"]
+                      "--distributed-backend", "gloo", "--ddp-backend", a.ddp_backend]
         try:
             if steps is not None:
                 steps.clear()
@@ -69,12 +74,30 @@ def main():
                 results[arch] = {"loss": float(inner[0]["loss"]) if inner else None,
                                  "params": os.path.join(save, "params.pt"),
                                  "values": os.path.join(save, "values-rank{}.pt"),
-                                 "train_inner": inner}
+                                 "train_inner": inner, "ddp_ignored": list(DDP_IGNORED)}
         except BaseException as e:  # record and go on with the other archs
             results[arch] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
+
+
+def _pytorch_ddp_on_cpu():
+    """fairseq gives PyTorch DDP ``device_ids=[device_id]``, which DDP refuses for CPU modules
+    (GPU-only argument); drop it so --ddp-backend pytorch_ddp runs here, otherwise unchanged."""
+    from fairseq.models import distributed_fairseq_model as dfm
+
+    ddp = dfm.DistributedDataParallel
+
+    def cpu_ddp(module, device_ids=None, output_device=None, **kwargs):
+        wrapped = ddp(module, **kwargs)
+        DDP_IGNORED[:] = sorted(wrapped.parameters_to_ignore)  # what the reducer leaves alone
+        return wrapped
+
+    dfm.DistributedDataParallel = cpu_ddp
+
+
+DDP_IGNORED = []
 
 
 def _record_value_tables():

@@ -65,13 +65,25 @@ def test_ddp_matches_single_process(arch, runs):
 def sparse_runs(tmp_path_factory, mt_data, lm_data):
     root = tmp_path_factory.mktemp("ddp_sparse")
     extra = ["--sparse-values", "--updates", str(SPARSE_UPDATES)]
-    return {mode: _run(mode, str(root / f"{mode}.json"), mt_data, lm_data, SPARSE_ARCHS, extra)
-            for mode in ("single", "ddp")}
+    runs = {}
+    for name, mode, backend, exchange in SPARSE_SETUPS:
+        runs[name] = _run(mode, str(root / f"{name}.json"), mt_data, lm_data, SPARSE_ARCHS,
+                          extra + ["--ddp-backend", backend, f"--flags=--pkm-exchange {exchange}"])
+    return runs
 
 
+# (name, mode, --ddp-backend, --pkm-exchange): both exchanges, both DDP wrappers
+SPARSE_SETUPS = [("single", "single", "legacy_ddp", "auto"),
+                 ("legacy_ddp-gather", "ddp", "legacy_ddp", "gather"),
+                 ("legacy_ddp-all_reduce", "ddp", "legacy_ddp", "all_reduce"),
+                 ("pytorch_ddp-auto", "ddp", "pytorch_ddp", "auto")]
+
+
+@pytest.mark.parametrize("setup", [s[0] for s in SPARSE_SETUPS[1:]])
 @pytest.mark.parametrize("arch", SPARSE_ARCHS)
-def test_sparse_values_match_single_process_after_every_update(arch, sparse_runs):
-    single, ddp = sparse_runs["single"][arch], sparse_runs["ddp"][arch]
+def test_sparse_values_match_single_process_after_every_update(arch, setup, sparse_runs):
+    """pytorch_ddp runs on CPU with fairseq's GPU-only device_ids dropped (see ddp_runner.py)."""
+    single, ddp = sparse_runs["single"][arch], sparse_runs[setup][arch]
     assert "error" not in single, single.get("error")
     assert "error" not in ddp, ddp.get("error")
     ref = torch.load(single["values"].format(0), weights_only=False)
@@ -88,6 +100,10 @@ def test_sparse_values_match_single_process_after_every_update(arch, sparse_runs
         start = start if start is not None else a["tables"]
     moved = sum(int((t != s).any(-1).sum()) for t, s in zip(ref[-1]["tables"], start))
     assert moved > 0
+    if setup.startswith("pytorch_ddp"):  # PyTorch DDP's reducer skipped exactly the table
+        assert ddp["ddp_ignored"] and all(n.endswith("ffn.values.weight")
+                                          for n in ddp["ddp_ignored"]), ddp["ddp_ignored"]
+        assert len(ddp["ddp_ignored"]) == len(ref[0]["tables"])
     # the exchange is logged per update (MB this rank received), next to fairseq's own stats
     assert all(float(r["pkm_xchg_mb"]) > 0 for r in ddp["train_inner"])
     assert all("pkm_xchg_mb" not in r for r in single["train_inner"])
