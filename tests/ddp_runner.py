@@ -34,6 +34,7 @@ def main():
     p.add_argument("--updates", type=int, default=1)
     p.add_argument("--sparse-values", action="store_true")
     p.add_argument("--ddp-backend", default="legacy_ddp")
+    p.add_argument("--update-freq", type=int, default=1, help="of each of the 2 processes")
     p.add_argument("--flags", default="", help="more fairseq-train flags (space-separated)")
     a = p.parse_args()
     if a.ddp_backend in ("pytorch_ddp", "c10d"):
@@ -53,9 +54,10 @@ def main():
             "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format", "json",
             "--log-interval", "1", "--seed", "1", "--num-workers", "0", "--disable-validation",
         ] + list(getattr(model_class(arch), "zoo_cli_train_flags", [])) + a.flags.split()
-        if a.mode == "single":
-            flags += ["--update-freq", "2"]
+        if a.mode == "single":  # the same batches per update as 2 processes
+            flags += ["--update-freq", str(2 * a.update_freq)]
         else:
+            flags += ["--update-freq", str(a.update_freq)] if a.update_freq > 1 else []
             flags += ["--distributed-world-size", os.environ["WORLD_SIZE"], "--distributed-rank",
                       str(rank), "--device-id", os.environ["LOCAL_RANK"],
                       "--distributed-init-method", "env://", "--distributed-no-spawn",

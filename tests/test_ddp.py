@@ -66,24 +66,28 @@ def sparse_runs(tmp_path_factory, mt_data, lm_data):
     root = tmp_path_factory.mktemp("ddp_sparse")
     extra = ["--sparse-values", "--updates", str(SPARSE_UPDATES)]
     runs = {}
-    for name, mode, backend, exchange in SPARSE_SETUPS:
+    for name, mode, backend, exchange, update_freq in SPARSE_SETUPS:
         runs[name] = _run(mode, str(root / f"{name}.json"), mt_data, lm_data, SPARSE_ARCHS,
-                          extra + ["--ddp-backend", backend, f"--flags=--pkm-exchange {exchange}"])
+                          extra + ["--ddp-backend", backend, f"--flags=--pkm-exchange {exchange}",
+                                   "--update-freq", str(update_freq)])
     return runs
 
 
-# (name, mode, --ddp-backend, --pkm-exchange): both exchanges, both DDP wrappers
-SPARSE_SETUPS = [("single", "single", "legacy_ddp", "auto"),
-                 ("legacy_ddp-gather", "ddp", "legacy_ddp", "gather"),
-                 ("legacy_ddp-all_reduce", "ddp", "legacy_ddp", "all_reduce"),
-                 ("pytorch_ddp-auto", "ddp", "pytorch_ddp", "auto")]
+# (name, mode, --ddp-backend, --pkm-exchange, --update-freq per process): both exchanges, both
+# DDP wrappers, and gradient accumulation (2 processes x 2 == 1 process x 4)
+SPARSE_SETUPS = [("single", "single", "legacy_ddp", "auto", 1),
+                 ("legacy_ddp-gather", "ddp", "legacy_ddp", "gather", 1),
+                 ("pytorch_ddp-all_reduce", "ddp", "pytorch_ddp", "all_reduce", 1),
+                 ("single-uf4", "single", "legacy_ddp", "auto", 2),
+                 ("pytorch_ddp-auto-uf2", "ddp", "pytorch_ddp", "auto", 2)]
 
 
-@pytest.mark.parametrize("setup", [s[0] for s in SPARSE_SETUPS[1:]])
+@pytest.mark.parametrize("setup", [s[0] for s in SPARSE_SETUPS if s[1] == "ddp"])
 @pytest.mark.parametrize("arch", SPARSE_ARCHS)
 def test_sparse_values_match_single_process_after_every_update(arch, setup, sparse_runs):
     """pytorch_ddp runs on CPU with fairseq's GPU-only device_ids dropped (see ddp_runner.py)."""
-    single, ddp = sparse_runs["single"][arch], sparse_runs[setup][arch]
+    reference = "single-uf4" if setup.endswith("-uf2") else "single"
+    single, ddp = sparse_runs[reference][arch], sparse_runs[setup][arch]
     assert "error" not in single, single.get("error")
     assert "error" not in ddp, ddp.get("error")
     ref = torch.load(single["values"].format(0), weights_only=False)
