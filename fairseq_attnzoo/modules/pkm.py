@@ -31,9 +31,9 @@ Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent impl
   owns (registers, initialises, checkpoints) the table; the others hold a plain reference.
 * ``gated=True``: the SiLU-gated output ``out = W₂(m(x) ⊙ SiLU(W₁ x))`` (W₁: d -> v_dim,
   W₂: v_dim -> d_out, no biases) instead of ``m(x)`` (or ``W_o m(x)``).
-* ``qk_norm=True``: query-key normalisation of the product-key search -- each half-query RMS-normalised
-  with a learned gain g (init 1), each sub-key scaled to unit L2 norm, so a half score is
-  ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (≈ √(k_dim/2) · cosine at g = 1; computed in fp32).
+* ``qk_norm=True``: query-key normalisation of the product-key search -- each half-query
+  RMS-normalised with a learned gain g (init 1), each sub-key scaled to unit L2 norm, so a half
+  score is ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (≈ √(k_dim/2) · cosine at g = 1; computed in fp32).
 """
 
 import math
@@ -198,8 +198,8 @@ class ProductKeyMemory(ZooFeedForward):
             self.values = value_table(self.size, v_dim, sparse)
         else:
             if tuple(values.weight.shape) != (self.size, v_dim):
-                raise ValueError(f"a shared PKM value table must be [n_keys² = {self.size}, v_dim = "
-                                 f"{v_dim}], got {list(values.weight.shape)}")
+                raise ValueError(f"a shared PKM value table must be [n_keys² = {self.size}, "
+                                 f"v_dim = {v_dim}], got {list(values.weight.shape)}")
             object.__setattr__(self, "values", values)  # a reference, not a submodule
         if gated:  # Memory+: out = W₂(m(x) ⊙ SiLU(W₁ x))
             self.gate_proj = nn.Linear(input_dim, v_dim, bias=False)  # W₁
