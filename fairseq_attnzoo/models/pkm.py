@@ -66,8 +66,9 @@ class PKMConfig(FairseqDataclass):
     pkm_sparse: ChoiceEnum(["auto", "true", "false"]) = field(  # type: ignore
         default="auto",
         metadata={"help": "sparse gradients for the PKM value table (nn.EmbeddingBag sparse=True): "
-                  "auto = sparse with --optimizer pkm_adam on one process without "
-                  "--fp16/--bf16/--amp, dense otherwise (default auto)"})
+                  "auto = sparse with --optimizer pkm_adam without --fp16/--bf16/--amp, on one "
+                  "process or several (legacy_ddp/no_c10d/pytorch_ddp/c10d: pkm_adam exchanges "
+                  "the rows read), dense otherwise (default auto)"})
     pkm_shared_values: ChoiceEnum(["true", "false"]) = field(  # type: ignore
         default="false",
         metadata={"help": "Memory+ shared memory pool: every memory layer of the model reads ONE "
