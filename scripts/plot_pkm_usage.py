@@ -6,6 +6,8 @@ each of the |K| = n_keys² slots received. Prints the paper's two diagnostics pe
 usage (fraction of slots with Z_i > 0) and KL(z ‖ uniform) -- and writes a PNG with, per layer, a
 histogram of the slot weights and a heatmap of Z over the n_keys × n_keys product-key grid
 (slot a·n_keys + b at row a, column b; bright rows/columns = sub-keys that dominate).
+Memories that read one shared value pool (Memory+, ``--pkm-shared-values true``) are reported per
+layer and, summed over those layers, for the pool as a whole (``shared pool``).
 
     python scripts/plot_pkm_usage.py --path checkpoints/checkpoint_best.pt \\
         --data data-bin/wikitext-103 --subset valid --out pkm_usage.png
@@ -70,6 +72,22 @@ def collect(model, task, subset, max_tokens, max_batches=None):
     return {n: c.cpu() for n, c in counts.items()}, mems, tokens
 
 
+def add_pools(counts, mems):
+    """Add one entry per value table read by several memories: the sum of their Z (the pool's
+    usage as a whole). Returns the extended ``counts`` and ``mems`` (the pool entry maps to its
+    first memory, for the grid size)."""
+    by_table = {}
+    for name, m in mems.items():
+        by_table.setdefault(id(m.values), []).append(name)
+    counts, mems = dict(counts), dict(mems)
+    for names in by_table.values():
+        if len(names) > 1:
+            pool = "shared pool" if len(by_table) == 1 else f"shared pool of {names[0]}"
+            counts[pool] = sum(counts[n] for n in names)
+            mems[pool] = mems[names[0]]
+    return counts, mems
+
+
 def plot(counts, mems, out):
     import logging
 
@@ -118,6 +136,7 @@ def main():
 
     model, task = load(a.path, a.data, a.user_dir, a.cpu)
     counts, mems, tokens = collect(model, task, a.subset, a.max_tokens, a.max_batches)
+    counts, mems = add_pools(counts, mems)
     print(f"{tokens:,} tokens of '{a.subset}'")
     for name, z in counts.items():
         usage, kl = usage_stats(z)

@@ -1,5 +1,8 @@
 """2-process CPU training (gloo, torchrun; the same code path as multi-GPU DDP) for every arch:
-the first update's loss and the updated parameters equal 1 process with --update-freq 2."""
+the first update's loss and the updated parameters equal 1 process with --update-freq 2. With
+sparse product-key memory values (pkm_adam's row exchange instead of the dense all-reduce), the
+value tables after every one of several updates equal 1 process with --update-freq 2 and are
+identical on both ranks."""
 
 import json
 import os
@@ -16,12 +19,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.xdist_group("ddp")
 
 
-def _run(mode, out, mt_data, lm_data):
+SPARSE_ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus"]
+SPARSE_UPDATES = 3
+
+
+def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=()):
     cmd = [sys.executable]
     if mode == "ddp":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [os.path.join(HERE, "ddp_runner.py"), "--mode", mode, "--archs", ",".join(ARCHS),
-            "--mt-data", mt_data, "--lm-data", lm_data, "--out", out]
+    cmd += [os.path.join(HERE, "ddp_runner.py"), "--mode", mode, "--archs", ",".join(archs),
+            "--mt-data", mt_data, "--lm-data", lm_data, "--out", out] + list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]
@@ -52,3 +59,55 @@ def test_ddp_matches_single_process(arch, runs):
     keys = [k for k in a if a[k].numel() and not k.endswith(per_process)]
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
     assert worst <= 1e-5, f"{arch}: parameters after one update differ by {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def sparse_runs(tmp_path_factory, mt_data, lm_data):
+    root = tmp_path_factory.mktemp("ddp_sparse")
+    extra = ["--sparse-values", "--updates", str(SPARSE_UPDATES)]
+    runs = {}
+    for name, mode, backend, exchange, update_freq in SPARSE_SETUPS:
+        runs[name] = _run(mode, str(root / f"{name}.json"), mt_data, lm_data, SPARSE_ARCHS,
+                          extra + ["--ddp-backend", backend, f"--flags=--pkm-exchange {exchange}",
+                                   "--update-freq", str(update_freq)])
+    return runs
+
+
+# (name, mode, --ddp-backend, --pkm-exchange, --update-freq per process): both exchanges, both
+# DDP wrappers, and gradient accumulation (2 processes x 2 == 1 process x 4)
+SPARSE_SETUPS = [("single", "single", "legacy_ddp", "auto", 1),
+                 ("legacy_ddp-gather", "ddp", "legacy_ddp", "gather", 1),
+                 ("pytorch_ddp-all_reduce", "ddp", "pytorch_ddp", "all_reduce", 1),
+                 ("single-uf4", "single", "legacy_ddp", "auto", 2),
+                 ("pytorch_ddp-auto-uf2", "ddp", "pytorch_ddp", "auto", 2)]
+
+
+@pytest.mark.parametrize("setup", [s[0] for s in SPARSE_SETUPS if s[1] == "ddp"])
+@pytest.mark.parametrize("arch", SPARSE_ARCHS)
+def test_sparse_values_match_single_process_after_every_update(arch, setup, sparse_runs):
+    """pytorch_ddp runs on CPU with fairseq's GPU-only device_ids dropped (see ddp_runner.py)."""
+    reference = "single-uf4" if setup.endswith("-uf2") else "single"
+    single, ddp = sparse_runs[reference][arch], sparse_runs[setup][arch]
+    assert "error" not in single, single.get("error")
+    assert "error" not in ddp, ddp.get("error")
+    ref = torch.load(single["values"].format(0), weights_only=False)
+    ranks = [torch.load(ddp["values"].format(r), weights_only=False) for r in (0, 1)]
+    assert len(ref) == len(ranks[0]) == len(ranks[1]) == SPARSE_UPDATES
+    start = None
+    for update, (a, b0, b1) in enumerate(zip(ref, *ranks), 1):
+        assert all(a["sparse"]) and all(b0["sparse"]) and all(b1["sparse"]), \
+            f"{arch}: value gradients were not sparse"
+        for t_ref, t0, t1 in zip(a["tables"], b0["tables"], b1["tables"]):
+            assert torch.equal(t0, t1), f"{arch}: ranks disagree after update {update}"
+            worst = (t_ref - t0).abs().max().item()
+            assert worst <= 1e-6, f"{arch}: update {update}: tables differ by {worst:.2e}"
+        start = start if start is not None else a["tables"]
+    moved = sum(int((t != s).any(-1).sum()) for t, s in zip(ref[-1]["tables"], start))
+    assert moved > 0
+    if setup.startswith("pytorch_ddp"):  # PyTorch DDP's reducer skipped exactly the table
+        assert ddp["ddp_ignored"] and all(n.endswith("ffn.values.weight")
+                                          for n in ddp["ddp_ignored"]), ddp["ddp_ignored"]
+        assert len(ddp["ddp_ignored"]) == len(ref[0]["tables"])
+    # the exchange is logged per update (MB this rank received), next to fairseq's own stats
+    assert all(float(r["pkm_xchg_mb"]) > 0 for r in ddp["train_inner"])
+    assert all("pkm_xchg_mb" not in r for r in single["train_inner"])

@@ -249,7 +249,11 @@ def _ns(**kw):
 @pytest.mark.parametrize("kw,expected", [
     (dict(), False),  # --optimizer adam: dense, so every fairseq optimizer works
     (dict(optimizer="pkm_adam"), True),
-    (dict(optimizer="pkm_adam", distributed_world_size=2), False),
+    # multi-process: pkm_adam exchanges the rows read (test_ddp.py checks it end to end)
+    (dict(optimizer="pkm_adam", distributed_world_size=2), True),
+    (dict(optimizer="pkm_adam", distributed_world_size=2, ddp_backend="legacy_ddp"), True),
+    (dict(optimizer="pkm_adam", distributed_world_size=2, ddp_backend="fully_sharded"), False),
+    (dict(optimizer="pkm_adam", distributed_world_size=2, use_bmuf=True), False),
     (dict(optimizer="pkm_adam", fp16=True), False),
     (dict(optimizer="pkm_adam", pkm_sparse="false"), False),
     (dict(optimizer="pkm_adam", pkm_sparse="true"), True),
@@ -260,7 +264,12 @@ def test_auto_sparse_resolution(kw, expected):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(optimizer="adam"), "use --optimizer pkm_adam, or --pkm-sparse false"),
-    (dict(optimizer="pkm_adam", distributed_world_size=2), "multi-process.*--pkm-sparse false"),
+    (dict(optimizer="pkm_adam", distributed_world_size=2, ddp_backend="fully_sharded"),
+     "--ddp-backend fully_sharded.*--pkm-sparse false"),
+    (dict(optimizer="pkm_adam", distributed_world_size=2, ddp_backend="slowmo"),
+     "--ddp-backend slowmo.*--pkm-sparse false"),
+    (dict(optimizer="pkm_adam", distributed_world_size=2, use_bmuf=True),
+     "--use-bmuf.*--pkm-sparse false"),
     (dict(optimizer="pkm_adam", fp16=True), "--fp16.*--pkm-sparse false"),
     (dict(optimizer="pkm_adam", amp=True), "--amp.*--pkm-sparse false"),
 ])
@@ -379,3 +388,189 @@ def test_pkm_adam_under_fp16_optimizer_without_flattening():
     opt.step()
     moved = (m.values.weight.detach().float() - before).abs().max().item()
     assert moved == pytest.approx(0.01, rel=1e-2)  # first Adam step = values lr
+
+
+# ---- Memory+ (Berges et al., 2024): shared pool, gated output, qk-norm ---------------------------
+
+def _explicit_read(m, x):
+    """m(x) by brute force over all n_keys² product keys (the module's own search is not used)."""
+    q = m.query(x)  # [H, N, k_dim]
+    half = m.k_dim // 2
+    k1, k2 = m.keys[:, 0], m.keys[:, 1]
+    if m.qk_norm:
+        k1, k2 = k1 / k1.norm(dim=-1, keepdim=True), k2 / k2.norm(dim=-1, keepdim=True)
+    keys = torch.cat([k1.unsqueeze(2).expand(-1, -1, m.n_keys, -1),
+                      k2.unsqueeze(1).expand(-1, m.n_keys, -1, -1)], -1)
+    full = torch.einsum("hnd,hkd->hnk", q, keys.reshape(m.heads, -1, 2 * half))
+    s, i = full.topk(m.knn, -1)
+    return torch.einsum("hnk,hnkd->nd", torch.softmax(s, -1), m.values.weight[i])
+
+
+def test_gated_output_equals_its_formula():
+    """out = W₂(m(x) ⊙ SiLU(W₁ x)), with m(x) the plain memory read and no biases."""
+    m = _memory(bn=False, gated=True, v_dim=12).eval()
+    assert m.out_proj is None and m.gate_proj.bias is None and m.gate_out.bias is None
+    x = torch.randn(5, 2, 16)
+    flat = x.reshape(-1, 16)
+    w1, w2 = m.gate_proj.weight, m.gate_out.weight  # [v_dim, d], [d, v_dim]
+    ref = (_explicit_read(m, flat) * torch.nn.functional.silu(flat @ w1.t())) @ w2.t()
+    torch.testing.assert_close(m(x).reshape(-1, 16), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_qk_norm_search_uses_normalised_queries_and_keys():
+    m = _memory(bn=False, qk_norm=True).eval()
+    with torch.no_grad():
+        m.query_gain.uniform_(0.5, 2.0)
+    x = torch.randn(7, 16)
+    # query side: each half-query is g ⊙ q / rms(q) (rms with eps 1e-6 under the root)
+    raw = m.query_proj(x).view(7, m.heads, 2, m.k_dim // 2)
+    ref_q = raw / (raw.square().mean(-1, keepdim=True) + 1e-6).sqrt()
+    ref_q = (ref_q.reshape(7, -1) * m.query_gain).view(7, m.heads, m.k_dim).transpose(0, 1)
+    torch.testing.assert_close(m.query(x), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.read(x), _explicit_read(m, x), rtol=1e-5, atol=1e-5)
+    # scale-free: rescaling the query net or a sub-key changes nothing
+    before = m.read(x)
+    with torch.no_grad():
+        m.query_proj.weight.mul_(3.0)
+        m.query_proj.bias.mul_(3.0)
+        m.keys[0, 1, 2].mul_(5.0)
+    torch.testing.assert_close(m.read(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_memplus_options_in_half_precision_follow_fp32():
+    """qk-norm and the gate in fp16: the normalisation runs in fp32, so the half-precision memory
+    (same weights) reads what the fp32 one reads, up to fp16 rounding."""
+    import copy
+
+    m = _memory(bn=False, qk_norm=True, gated=True).eval()
+    with torch.no_grad():
+        m.query_proj.weight.mul_(300.0)  # large raw queries: qk-norm takes them back to RMS 1
+    x = torch.randn(4, 2, 16)
+    ref = m(x)
+    half = copy.deepcopy(m).half()
+    out = half(x.half())
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-3)
+
+
+def test_two_memories_share_one_value_table_and_both_send_gradients():
+    a = _memory(bn=False, sparse=True, seed=1)
+    b = ProductKeyMemory(16, 16, n_keys=12, heads=3, knn=5, k_dim=8, query_batchnorm=False,
+                         sparse=True, values=a.values)
+    assert b.values is a.values and not b.owns_values
+    assert "values.weight" not in dict(b.named_parameters())  # a reference, not a submodule
+    model = torch.nn.ModuleList([a, b])
+    tables = [p for p in model.parameters() if getattr(p, "param_group", None) == "pkm_values"]
+    assert len(tables) == 1 and tables[0] is a.values.weight
+    assert [k for k in model.state_dict() if "values" in k] == ["0.values.weight"]
+    xa, xb = torch.randn(4, 2, 16), torch.randn(3, 2, 16)
+    ups = torch.randn(4, 2, 16), torch.randn(3, 2, 16)
+    grads = []
+    for use in ((True, False), (False, True), (True, True)):
+        model.zero_grad()
+        loss = sum((m(x) * u).sum() for m, x, u, on in zip((a, b), (xa, xb), ups, use) if on)
+        loss.backward()
+        grads.append(a.values.weight.grad.to_dense())
+    assert grads[0].abs().sum() > 0 and grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[2], grads[0] + grads[1])  # both layers' reads, one table
+    rows = lambda g: set(g.abs().sum(-1).nonzero().squeeze(1).tolist())  # noqa: E731
+    assert rows(grads[0]) - rows(grads[1]) and rows(grads[1]) - rows(grads[0])
+
+
+def test_shared_table_must_match_the_memory_size():
+    a = _memory()
+    with pytest.raises(ValueError, match="shared PKM value table"):
+        ProductKeyMemory(16, 16, n_keys=10, heads=3, knn=5, k_dim=8, values=a.values)
+
+
+def test_memplus_preset_builds_one_pool_for_all_memory_layers(lm_data):
+    """transformer_lm_memplus: memories in spread layers, one value parameter, every layer's
+    reads reach it, and each model gets its own pool."""
+    from zoo_testlib import build
+
+    args, task, model, criterion = build("transformer_lm_memplus", lm_data,
+                                         ["--optimizer", "pkm_adam", "--decoder-layers", "3"])
+    assert args.decoder_ffn == "pkm,pkm,pkm"  # spread over 3 layers: 0, 1, 2
+    assert (args.pkm_shared_values, args.pkm_gated_output, args.pkm_qk_norm,
+            args.pkm_query_batchnorm) == ("true", "true", "true", "false")
+    mems = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
+    assert len(mems) == 3 and all(m.values is mems[0].values for m in mems)
+    assert all(m.gated and m.qk_norm and m.query_bn is None and m.sparse for m in mems)
+    tables = [n for n, p in model.named_parameters() if getattr(p, "param_group", None)]
+    assert tables == ["decoder.layers.0.ffn.values.weight"]
+    assert model._ddp_params_and_buffers_to_ignore == tables  # sparse: left to pkm_adam
+    _, _, other, _ = build("transformer_lm_memplus", lm_data,
+                           ["--optimizer", "pkm_adam", "--decoder-layers", "3"])
+    other_mems = [m for m in other.modules() if isinstance(m, ProductKeyMemory)]
+    assert other_mems[0].values is not mems[0].values
+
+    inputs = {}
+    for i, m in enumerate(mems):
+        m.register_forward_hook(lambda mod, inp, out, i=i: inputs.__setitem__(i, inp[0]))
+    tokens = torch.randint(4, len(task.dictionary), (2, 10))
+    model.train()
+    model(tokens)[0].square().sum().backward()
+    grad = mems[0].values.weight.grad
+    assert grad.is_sparse
+    read = set(coalesced_rows(grad))
+    for i, m in enumerate(mems):  # no batch norm: the same slots again
+        _, idx = m.lookup(m.query(inputs[i].reshape(-1, inputs[i].size(-1))))
+        assert set(idx.reshape(-1).tolist()) <= read, f"layer {i}'s reads got no gradient"
+    assert set().union(*[set(m.lookup(m.query(inputs[i].reshape(-1, inputs[i].size(-1))))[1]
+                             .reshape(-1).tolist()) for i, m in enumerate(mems)]) == read
+
+
+def coalesced_rows(grad):
+    return grad.coalesce().indices()[0].tolist()
+
+
+def test_spread_layer_selection():
+    assert memory_layers("spread", 24, "--x") == [4, 12, 20]  # the paper's layers
+    assert memory_layers("spread", 6, "--x") == [1, 3, 5]
+    assert memory_layers("spread", 2, "--x") == [0, 1]
+    assert memory_layers("spread:2", 12, "--x") == [3, 9]
+    with pytest.raises(ValueError, match="spread:N"):
+        memory_layers("spread:0", 6, "--x")
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling"])
+    assert args.decoder_ffn == "ffn,pkm,ffn,pkm,ffn,pkm"
+
+
+def test_pool_usage_is_logged_per_layer_and_for_the_pool():
+    metrics.reset()
+    a = _memory(bn=False).eval()
+    b = ProductKeyMemory(16, 16, n_keys=12, heads=3, knn=5, k_dim=8, query_batchnorm=False,
+                         values=a.values).eval()
+    a.usage_callback = UsageLogger("pkm_dec0", a.size, "pkm_pool")
+    b.usage_callback = UsageLogger("pkm_dec1", b.size, "pkm_pool")
+    x = torch.randn(4, 2, 16)
+    with metrics.aggregate(new_root=True) as agg:
+        a(x)
+        b(x)
+    flat = x.reshape(-1, 16)
+    ia, ib = a.lookup(a.query(flat))[1], b.lookup(b.query(flat))[1]
+    get = agg.get_smoothed_value
+    assert get("pkm_dec0_usage") == pytest.approx(torch.unique(ia).numel() / a.size, abs=1e-4)
+    assert get("pkm_dec1_usage") == pytest.approx(torch.unique(ib).numel() / a.size, abs=1e-4)
+    both = torch.unique(torch.cat([ia.reshape(-1), ib.reshape(-1)])).numel() / a.size
+    assert get("pkm_pool_usage") == pytest.approx(both, abs=1e-4)
+    assert get("pkm_pool_kl") > 0
+
+
+def test_plot_script_reports_the_shared_pool(lm_data):
+    import importlib.util
+    import os
+
+    from zoo_testlib import REPO, build
+
+    spec = importlib.util.spec_from_file_location(
+        "plot_pkm_usage", os.path.join(REPO, "scripts", "plot_pkm_usage.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    _, task, model, _ = build("transformer_lm_memplus", lm_data, ["--decoder-layers", "2"])
+    counts, mems, tokens = plot.collect(model.eval(), task, "valid", 512, max_batches=2)
+    assert sorted(counts) == ["decoder.layers.0.ffn", "decoder.layers.1.ffn"] and tokens > 0
+    counts, mems = plot.add_pools(counts, mems)
+    torch.testing.assert_close(counts["shared pool"], counts["decoder.layers.0.ffn"]
+                               + counts["decoder.layers.1.ffn"])
+    usage_pool = usage_stats(counts["shared pool"])[0]
+    assert usage_pool >= max(usage_stats(counts[n])[0] for n in mems if n != "shared pool")

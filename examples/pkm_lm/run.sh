@@ -15,7 +15,7 @@
 #   MAX_TOKENS  tokens per GPU per step                                (4096)
 #   UPDATE_FREQ gradient accumulation                                  (8 / GPUS: 32k tokens/update)
 #   MAX_UPDATE  training steps                                         (200000)
-#   FP16        1 = --fp16 (multi-GPU only: sparse values need fp32)   (0)
+#   FP16        1 = --fp16 (dense values then: sparse values need fp32)  (0)
 #   ARCH        decoder-only arch to train with the same model size and schedule
 #               (transformer_lm_pkm; or transformer_lm_synth_*, transformer_lm_aop, attnzoo_lm:
 #               the memory flags and pkm_adam apply to transformer_lm_pkm only)
@@ -95,7 +95,10 @@ train)
     fi
     UPDATE_FREQ="${UPDATE_FREQ:-$(( (8 + WORLD - 1) / WORLD ))}"
     run mkdir -p "$SAVE"
-    # model: 12 layers, d 1024, 16 heads, FFN 4096
+    # model: 12 layers, d 1024, 16 heads, FFN 4096; memory in layer 6 (0-based, the middle)
+    # memory: 512² = 262,144 slots, 4 heads, knn 32, k_dim 256, batch-normalised queries
+    # optimizer: Adam lr 2.5e-4 for the model, 1e-3 for the memory values (sparse rows in fp32,
+    # exchanged across GPUs by pkm_adam)
     run "$PYTHON" -m fairseq_cli.train "$DATA/bin" --user-dir "$USER_DIR" \
         --task language_modeling --arch "$ARCH" \
         --decoder-layers 12 --decoder-embed-dim 1024 --decoder-ffn-embed-dim 4096 \

@@ -7,11 +7,17 @@ becomes a memory (default: the middle layer, index L//2); the arch turns them in
 ``--encoder-ffn`` / ``--decoder-ffn`` lists of the generic machinery, so ``--decoder-ffn
 ffn,ffn,pkm,...`` works too (and so does ``--decoder-ffn pkm`` on any zoo arch).
 
+Memory+ (Berges et al., 2024): ``--pkm-shared-values`` (one value pool read by every memory layer
+of the model), ``--pkm-gated-output`` (W₂(m(x) ⊙ SiLU(W₁x))) and ``--pkm-qk-norm``; the preset
+``transformer_lm_memplus`` turns them on, drops the query batch norm and puts memories in three
+evenly spread layers (``--pkm-decoder-layers spread``), like the paper's 3 of 24.
+
 Sparse value updates: ``--pkm-sparse auto`` (default) makes the value gradients sparse exactly when
-they can be consumed -- ``--optimizer pkm_adam`` on one process without --fp16/--bf16/--amp -- and
-dense otherwise, so every fairseq optimizer and multi-process training work with the defaults.
-``--pkm-sparse true`` forces sparse and refuses, at build time and in one line, the combinations
-that cannot work.
+they can be consumed -- ``--optimizer pkm_adam`` without --fp16/--bf16/--amp, on one process or
+under ``--ddp-backend legacy_ddp``/``no_c10d``/``pytorch_ddp``/``c10d`` (``pkm_adam`` exchanges
+the rows read across processes, see :mod:`fairseq_attnzoo.optim.pkm_optimizer`) -- and dense
+otherwise, so every fairseq optimizer works with the defaults. ``--pkm-sparse true`` forces sparse
+and refuses, at build time and in one line, the combinations that cannot work.
 
 Validation diagnostics (the paper's): ``pkm_<side><layer>_usage`` (fraction of the |K| slots that
 received any weight over the whole validation set) and ``pkm_<side><layer>_kl`` (KL divergence of
@@ -60,17 +66,32 @@ class PKMConfig(FairseqDataclass):
     pkm_sparse: ChoiceEnum(["auto", "true", "false"]) = field(  # type: ignore
         default="auto",
         metadata={"help": "sparse gradients for the PKM value table (nn.EmbeddingBag sparse=True): "
-                  "auto = sparse with --optimizer pkm_adam on one process without "
-                  "--fp16/--bf16/--amp, dense otherwise (default auto)"})
+                  "auto = sparse with --optimizer pkm_adam without --fp16/--bf16/--amp, on one "
+                  "process or several (legacy_ddp/no_c10d/pytorch_ddp/c10d: pkm_adam exchanges "
+                  "the rows read), dense otherwise (default auto)"})
+    pkm_shared_values: ChoiceEnum(["true", "false"]) = field(  # type: ignore
+        default="false",
+        metadata={"help": "Memory+ shared memory pool: every memory layer of the model reads ONE "
+                  "value table V (own query network and sub-keys per layer); default false"})
+    pkm_gated_output: ChoiceEnum(["true", "false"]) = field(  # type: ignore
+        default="false",
+        metadata={"help": "Memory+ gated output: out = W2(m(x) * SiLU(W1 x)) with W1: d -> "
+                  "v_dim, W2: v_dim -> d (no biases); default false (out = m(x))"})
+    pkm_qk_norm: ChoiceEnum(["true", "false"]) = field(  # type: ignore
+        default="false",
+        metadata={"help": "qk-norm of the key search (Memory Layers at Scale): half-queries "
+                  "RMS-normalised with a learned gain g, sub-keys c/||c||; default false"})
     pkm_encoder_layers: Optional[str] = field(
         default=None,
         metadata={"help": "transformer_pkm: encoder layers (0-based, comma-separated) whose FFN "
-                  "is a memory; 'middle' = layer L//2, 'none' (default: middle)"})
+                  "is a memory; 'middle' = layer L//2, 'spread[:N]' = N (default 3) evenly "
+                  "spaced layers, 'none' (default: middle)"})
     pkm_decoder_layers: Optional[str] = field(
         default=None,
         metadata={"help": "transformer_pkm / transformer_lm_pkm: decoder layers (0-based, "
-                  "comma-separated) whose FFN is a memory; 'middle' = layer L//2, 'none' "
-                  "(default: middle)"})
+                  "comma-separated) whose FFN is a memory; 'middle' = layer L//2, 'spread[:N]' "
+                  "= N (default 3) evenly spaced layers, 'none' (default: middle; "
+                  "transformer_lm_memplus: spread)"})
 
 
 def _optimizer_name(args) -> Optional[str]:
@@ -80,26 +101,44 @@ def _optimizer_name(args) -> Optional[str]:
     return getattr(opt, "_name", None)
 
 
+#: DDP wrappers that can leave the value tables to pkm_adam's sparse exchange: fairseq's legacy
+#: DDP skips parameters tagged ``expert``, PyTorch DDP the model's
+#: ``_ddp_params_and_buffers_to_ignore`` (see models/transformer.py)
+SPARSE_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "pytorch_ddp", "c10d")
+
+
+def _multi_process_blocker(args) -> Optional[str]:
+    """Why sparse values cannot train under this multi-process setup (None: they can)."""
+    world = int(getattr(args, "distributed_world_size", 1) or 1)
+    if world <= 1:
+        return None
+    if getattr(args, "use_bmuf", False):
+        return "--use-bmuf (it replaces the gradient all-reduce that pkm_adam extends)"
+    backend = str(getattr(args, "ddp_backend", "pytorch_ddp"))
+    if backend not in SPARSE_DDP_BACKENDS:
+        return (f"--ddp-backend {backend} (it shards or averages parameters itself; sparse "
+                f"values work with {', '.join(SPARSE_DDP_BACKENDS)})")
+    return None
+
+
 def sparse_values(args) -> bool:
     """Resolve --pkm-sparse; refuse combinations that cannot train, in one line."""
     mode = str(getattr(args, "pkm_sparse", "auto"))
     optimizer = _optimizer_name(args)
-    world = int(getattr(args, "distributed_world_size", 1) or 1)
     low_precision = [f"--{f.replace('_', '-')}" for f in _FP_FLAGS if getattr(args, f, False)]
+    blocker = _multi_process_blocker(args)
     if mode == "false":
         return False
     if mode == "auto":
-        return optimizer == "pkm_adam" and world == 1 and not low_precision
+        return optimizer == "pkm_adam" and blocker is None and not low_precision
     if mode != "true":
         raise ValueError(f"--pkm-sparse must be auto, true or false, got {mode!r}")
     if optimizer is not None and optimizer != "pkm_adam":
         raise ValueError(
             f"--pkm-sparse true gives sparse gradients that --optimizer {optimizer} (and fairseq's "
             "gradient clipping) cannot take: use --optimizer pkm_adam, or --pkm-sparse false")
-    if world > 1:
-        raise ValueError(
-            "--pkm-sparse true does not work with multi-process training (DDP all-reduces dense "
-            f"gradients; --distributed-world-size {world}): use --pkm-sparse false")
+    if blocker is not None:
+        raise ValueError(f"--pkm-sparse true does not work with {blocker}: use --pkm-sparse false")
     if low_precision:
         raise ValueError(
             f"--pkm-sparse true does not work with {' '.join(low_precision)} (the mixed-precision "
@@ -151,10 +190,12 @@ class UsageLogger:
 
     Active only when the global "default" aggregator is not: fairseq-train validates inside
     ``metrics.aggregate(new_root=True)``, whose smoothed values are the valid log line. Reads in
-    other eval-mode contexts (generate, eval-lm, tests) log nothing."""
+    other eval-mode contexts (generate, eval-lm, tests) log nothing. With a shared value pool,
+    ``pool`` names the pool's own meters too: every layer's reads also count there, so
+    ``<pool>_usage``/``<pool>_kl`` describe the table as a whole."""
 
-    def __init__(self, name: str, size: int):
-        self.name, self.size = name, size
+    def __init__(self, name: str, size: int, pool: Optional[str] = None):
+        self.name, self.size, self.pool = name, size, pool
 
     def __call__(self, indices: torch.Tensor, weights: torch.Tensor):
         default = metrics.get_meters("default")
@@ -162,8 +203,14 @@ class UsageLogger:
         if not active or any(agg is default for agg in active):
             return
         counts = slot_counts(indices, weights, self.size)
-        metrics.log_custom(lambda: SlotUsageMeter("usage"), f"{self.name}_usage", counts)
-        metrics.log_custom(lambda: SlotUsageMeter("kl"), f"{self.name}_kl", counts)
+        for name in (self.name, self.pool):
+            if name is not None:
+                metrics.log_custom(lambda: SlotUsageMeter("usage"), f"{name}_usage", counts)
+                metrics.log_custom(lambda: SlotUsageMeter("kl"), f"{name}_kl", counts)
+
+
+#: name of the shared value pool in the diagnostics and in ``SublayerSpec.shared``
+POOL = "pkm_pool"
 
 
 @register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
@@ -188,13 +235,27 @@ def build_pkm(spec):
                     ("--pkm-value-dropout", a.pkm_value_dropout)):
         if not 0.0 <= float(p) < 1.0:
             raise ValueError(f"{flag} must be in [0, 1), got {p}")
+    shared = str(getattr(a, "pkm_shared_values", "false")) == "true"
+    pool = spec.shared.get(POOL) if shared else None  # the first memory's table, if built
+    v_dim = int(a.pkm_value_dim or 0) or spec.embed_dim
+    if pool is not None and pool.embedding_dim != v_dim:
+        raise ValueError(f"--pkm-shared-values true needs one value dim for every memory, got "
+                         f"{pool.embedding_dim} and {v_dim}: set --pkm-value-dim")
+    if shared and str(getattr(a, "ddp_backend", "")) == "fully_sharded":
+        raise ValueError("--pkm-shared-values true cannot be used with --ddp-backend "
+                         "fully_sharded (FSDP wraps layers separately): use another --ddp-backend")
     memory = ProductKeyMemory(
         spec.embed_dim, spec.embed_dim, n_keys=int(a.pkm_n_keys), heads=int(a.pkm_heads),
-        knn=int(a.pkm_knn), k_dim=int(a.pkm_k_dim), v_dim=int(a.pkm_value_dim or 0) or None,
+        knn=int(a.pkm_knn), k_dim=int(a.pkm_k_dim), v_dim=v_dim,
         query_batchnorm=str(a.pkm_query_batchnorm) == "true",
         input_dropout=float(a.pkm_input_dropout), query_dropout=float(a.pkm_query_dropout),
-        value_dropout=float(a.pkm_value_dropout), sparse=sparse_values(a))
-    memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size)
+        value_dropout=float(a.pkm_value_dropout), sparse=sparse_values(a), values=pool,
+        gated=str(getattr(a, "pkm_gated_output", "false")) == "true",
+        qk_norm=str(getattr(a, "pkm_qk_norm", "false")) == "true")
+    if shared and pool is None:
+        spec.shared[POOL] = memory.values
+    memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,
+                                        POOL if shared else None)
     return memory
 
 
@@ -206,6 +267,16 @@ def memory_layers(value: Optional[str], n_layers: int, flag: str) -> List[int]:
         return [n_layers // 2] if n_layers > 0 else []
     if value in ("none", ""):
         return []
+    if value == "spread" or value.startswith("spread:"):
+        # N evenly spaced layers, the i-th at ⌊(2i+1)·L / 2N⌋: the paper's 4, 12, 20 of 24
+        try:
+            n = int(value.split(":", 1)[1]) if ":" in value else 3
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{flag} {value}: 'spread:N' needs a positive integer N")
+        n = min(n, n_layers)
+        return [(2 * i + 1) * n_layers // (2 * n) for i in range(n)]
     try:
         layers = sorted({int(v) for v in value.split(",")})
     except ValueError:
@@ -248,3 +319,19 @@ def transformer_lm_pkm(args):
     base_lm_architecture(args)
     _select(args, "decoder", int(args.decoder_layers))
     zoo_lm_base(args)
+
+
+#: what transformer_lm_memplus changes relative to transformer_lm_pkm (Memory Layers at Scale's
+#: Memory+: shared pool, SiLU-gated output, qk-norm, no query batch norm, 3 spread memory layers)
+MEMPLUS = {"pkm_shared_values": "true", "pkm_gated_output": "true", "pkm_qk_norm": "true",
+           "pkm_query_batchnorm": "false", "pkm_decoder_layers": "spread"}
+
+
+@register_model_architecture("attnzoo_lm", "transformer_lm_memplus")
+def transformer_lm_memplus(args):
+    """decoder-only LM with Memory+ layers (Berges et al., 2024): one value pool shared by three
+    evenly spread memory layers, gated SiLU output, qk-norm, no query batch norm"""
+    for key, value in MEMPLUS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    transformer_lm_pkm(args)

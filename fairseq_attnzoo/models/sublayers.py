@@ -18,10 +18,15 @@ A method adds a variant with one decorated builder::
 ``options`` is a dataclass of the method's flags (help strings name the paper's symbols); its
 fields become command-line flags of every zoo model, with the dataclass defaults filled in when an
 arch preset does not set them. ``tiny`` shrinks the method's own sizes for the generic tests.
+
+Sublayers that share parameters across layers (product-key memory's shared value pool) keep them
+in ``spec.shared``: one dict for all sublayers built inside one :func:`sharing_scope` (the zoo
+models open one per ``build_model``, so each model gets its own), a fresh dict outside of one.
 """
 
 import argparse
-from dataclasses import MISSING, dataclass, fields
+import contextlib
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
@@ -46,6 +51,25 @@ class SublayerSpec:
     causal: bool  # decoder self-attention
     kdim: int  # input dim of keys/values (encoder dim for cross-attention)
     args: Any  # the full model config / namespace (method flags live here)
+    #: state shared by the sublayers of one model (cross-layer parameter sharing)
+    shared: Dict[str, Any] = field(default_factory=lambda: current_shared())
+
+
+_SCOPES: List[Dict[str, Any]] = []
+
+
+@contextlib.contextmanager
+def sharing_scope():
+    """Sublayers whose specs are made inside this block share one ``spec.shared`` dict."""
+    _SCOPES.append({})
+    try:
+        yield _SCOPES[-1]
+    finally:
+        _SCOPES.pop()
+
+
+def current_shared() -> Dict[str, Any]:
+    return _SCOPES[-1] if _SCOPES else {}
 
 
 @dataclass

@@ -42,6 +42,7 @@ from .sublayers import (
     build_sublayer,
     fill_sublayer_defaults,
     layer_names,
+    sharing_scope,
     validate_sublayer_args,
 )
 
@@ -265,8 +266,23 @@ class ZooLMDecoder(ZooTransformerDecoder):
     decoder_only = True
 
 
+class _UnsyncedParamsMixin:
+    """Parameters tagged ``expert`` (fairseq's tag for "not all-reduced by the DDP wrapper"; PKM's
+    sparse value tables, whose rows ``pkm_adam`` exchanges itself) are skipped by fairseq's legacy
+    DDP; PyTorch DDP reads the names to skip from this attribute when it wraps the model."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> List[str]:
+        extra = list(self.__dict__.get("_zoo_ddp_ignore_extra", []))
+        return extra + [n for n, p in self.named_parameters() if hasattr(p, "expert")]
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names):  # DDP's own setter helper
+        self.__dict__["_zoo_ddp_ignore_extra"] = list(names)
+
+
 @register_model("attnzoo_transformer")
-class ZooTransformerModel(TransformerModel):
+class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
     """fairseq's encoder-decoder transformer with per-layer replaceable sublayers.
 
     Arch ``attnzoo_transformer`` with no sublayer flags is the stock ``transformer`` (same
@@ -284,7 +300,8 @@ class ZooTransformerModel(TransformerModel):
         args = _as_namespace(args)
         validate_sublayer_args(args)
         _check_supported(args)
-        return super().build_model(args, task)
+        with sharing_scope():
+            return super().build_model(args, task)
 
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):
@@ -297,7 +314,7 @@ class ZooTransformerModel(TransformerModel):
 
 
 @register_model("attnzoo_lm")
-class ZooLanguageModel(TransformerLanguageModel):
+class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
     """fairseq's decoder-only transformer LM with replaceable self-attention and FFN."""
 
     zoo_task = "language_modeling"
@@ -313,9 +330,10 @@ class ZooLanguageModel(TransformerLanguageModel):
         validate_sublayer_args(args, decoder_only=True)
         _check_supported(args)
         model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
-        model.decoder = ZooLMDecoder(TransformerConfig.from_namespace(args),
-                                     task.target_dictionary, model.decoder.embed_tokens,
-                                     no_encoder_attn=True)
+        with sharing_scope():
+            model.decoder = ZooLMDecoder(TransformerConfig.from_namespace(args),
+                                         task.target_dictionary, model.decoder.embed_tokens,
+                                         no_encoder_attn=True)
         return model
 
 

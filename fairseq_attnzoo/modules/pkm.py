@@ -23,6 +23,17 @@ Choices (XLM's ``pq_fast`` memory is the reference; this is an independent imple
   counts pads, which is why it only supports unpadded stream batches.)
 * position-wise: in eval mode (running batch-norm statistics) a token's output depends on that
   token only, so incremental decoding needs no cache.
+
+Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent implementation):
+
+* ``values=<another memory's table>``: several memories read ONE value table (the paper's memory
+  pool shared by all memory layers), each with its own query network and sub-keys. The first memory
+  owns (registers, initialises, checkpoints) the table; the others hold a plain reference.
+* ``gated=True``: the SiLU-gated output ``out = W₂(m(x) ⊙ SiLU(W₁ x))`` (W₁: d -> v_dim,
+  W₂: v_dim -> d_out, no biases) instead of ``m(x)`` (or ``W_o m(x)``).
+* ``qk_norm=True``: query-key normalisation of the product-key search -- each half-query
+  RMS-normalised with a learned gain g (init 1), each sub-key scaled to unit L2 norm, so a half
+  score is ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (≈ √(k_dim/2) · cosine at g = 1; computed in fp32).
 """
 
 import math
@@ -139,13 +150,37 @@ class Float32BatchNorm1d(Float32Module, nn.BatchNorm1d):
             return super().forward(x.float()).to(x.dtype)
 
 
+def value_table(size: int, v_dim: int, sparse: bool = False) -> nn.EmbeddingBag:
+    """The value table V [|K|, v_dim] of one memory, or of a pool shared by several memories."""
+    table = nn.EmbeddingBag(size, v_dim, mode="sum")
+    table.weight.param_group = VALUES_GROUP
+    mark_sparse(table, sparse)
+    return table
+
+
+def mark_sparse(table: nn.EmbeddingBag, sparse: bool):
+    """Switch a value table between dense and sparse (row) gradients.
+
+    Sparse tables are tagged ``pkm_sparse`` (``pkm_adam`` exchanges their rows across processes
+    and updates them lazily) and ``expert``: fairseq's tag for parameters that its legacy DDP
+    wrapper must not all-reduce (the zoo models also hand these names to PyTorch DDP to ignore)."""
+    table.sparse = bool(sparse)
+    table.weight.pkm_sparse = bool(sparse)
+    if sparse:
+        table.weight.expert = True
+    elif hasattr(table.weight, "expert"):
+        del table.weight.expert
+
+
 class ProductKeyMemory(ZooFeedForward):
     """Product-key memory layer: ``forward(x [T, B, d], padding_mask [B, T]) -> [T, B, d_out]``."""
 
     def __init__(self, input_dim: int, output_dim: Optional[int] = None, n_keys: int = 512,
                  heads: int = 4, knn: int = 32, k_dim: int = 256, v_dim: Optional[int] = None,
                  query_batchnorm: bool = True, input_dropout: float = 0.0,
-                 query_dropout: float = 0.0, value_dropout: float = 0.0, sparse: bool = False):
+                 query_dropout: float = 0.0, value_dropout: float = 0.0, sparse: bool = False,
+                 values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
+                 qk_norm: bool = False):
         super().__init__()
         output_dim = output_dim or input_dim
         v_dim = v_dim or output_dim
@@ -163,10 +198,27 @@ class ProductKeyMemory(ZooFeedForward):
 
         self.query_proj = nn.Linear(input_dim, heads * k_dim)  # q(x)
         self.query_bn = Float32BatchNorm1d(heads * k_dim) if query_batchnorm else None
+        # qk-norm: the learned gain g of the RMS-normalised half-queries
+        self.query_gain = nn.Parameter(torch.ones(heads * k_dim)) if qk_norm else None
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, k_dim // 2))  # C, C' per head
-        self.values = nn.EmbeddingBag(self.size, v_dim, mode="sum", sparse=sparse)
-        self.values.weight.param_group = VALUES_GROUP
-        self.out_proj = nn.Linear(v_dim, output_dim, bias=False) if v_dim != output_dim else None
+        #: False when ``values`` is another memory's table (shared pool): not registered here, so
+        #: it appears once among the model's parameters and once in its state dict
+        self.owns_values = values is None
+        if values is None:
+            self.values = value_table(self.size, v_dim, sparse)
+        else:
+            if tuple(values.weight.shape) != (self.size, v_dim):
+                raise ValueError(f"a shared PKM value table must be [n_keys² = {self.size}, "
+                                 f"v_dim = {v_dim}], got {list(values.weight.shape)}")
+            object.__setattr__(self, "values", values)  # a reference, not a submodule
+        if gated:  # Memory+: out = W₂(m(x) ⊙ SiLU(W₁ x))
+            self.gate_proj = nn.Linear(input_dim, v_dim, bias=False)  # W₁
+            self.out_proj = None
+            self.gate_out = nn.Linear(v_dim, output_dim, bias=False)  # W₂
+        else:
+            self.gate_proj = self.gate_out = None
+            self.out_proj = (nn.Linear(v_dim, output_dim, bias=False) if v_dim != output_dim
+                             else None)
         #: called as ``fn(indices [N, heads·knn], weights [N, heads·knn])`` after every read in
         #: eval mode (usage diagnostics); None = off
         self.usage_callback: Optional[Callable[[Tensor, Tensor], None]] = None
@@ -179,17 +231,29 @@ class ProductKeyMemory(ZooFeedForward):
 
     @sparse.setter
     def sparse(self, value: bool):
-        self.values.sparse = bool(value)
-        self.values.weight.pkm_sparse = bool(value)  # read by the pkm_adam optimizer
-        self._checked_distributed = False
+        mark_sparse(self.values, value)
+
+    @property
+    def gated(self) -> bool:
+        return self.gate_proj is not None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.query_gain is not None
 
     def reset_parameters(self):
         bound = 1 / math.sqrt(self.k_dim // 2)
         nn.init.uniform_(self.keys, -bound, bound)
-        nn.init.normal_(self.values.weight, 0.0, self.v_dim ** -0.5)
+        if self.owns_values:  # a shared table is initialised once, by its owner
+            nn.init.normal_(self.values.weight, 0.0, self.v_dim ** -0.5)
         self.query_proj.reset_parameters()
         if self.query_bn is not None:
             self.query_bn.reset_parameters()
+        if self.query_gain is not None:
+            nn.init.ones_(self.query_gain)
+        for lin in (self.gate_proj, self.gate_out):
+            if lin is not None:
+                lin.reset_parameters()
 
     # ---- the memory read ---------------------------------------------------------------------
     def query(self, x: Tensor) -> Tensor:
@@ -203,17 +267,34 @@ class ProductKeyMemory(ZooFeedForward):
                                      bn.bias, False, 0.0, bn.eps).to(q.dtype)
             else:
                 q = self.query_bn(q)
+        if self.query_gain is not None:
+            q = self._normalize_query(q)
         q = F.dropout(q, self.query_dropout, self.training)
         return q.view(-1, self.heads, self.k_dim).transpose(0, 1)
+
+    def _normalize_query(self, q: Tensor) -> Tensor:
+        """qk-norm, query side: each half-query [N, H·k_dim] -> g ⊙ q / rms(q), in fp32."""
+        half = q.float().view(q.size(0), -1, self.k_dim // 2)
+        half = half * torch.rsqrt(half.square().mean(-1, keepdim=True) + 1e-6)
+        return (half.view_as(q) * self.query_gain.float()).to(q.dtype)
+
+    def sub_keys(self) -> Tuple[Tensor, Tensor]:
+        """The two sub-key sets C, C' ``[H, n_keys, k_dim/2]`` searched by :meth:`lookup`; with
+        qk-norm each sub-key is scaled to unit L2 norm (in fp32)."""
+        keys = self.keys
+        if self.query_gain is not None:
+            keys = F.normalize(keys.float(), dim=-1, eps=1e-6).to(self.keys.dtype)
+        return keys[:, 0], keys[:, 1]
 
     def lookup(self, query: Tensor) -> Tuple[Tensor, Tensor]:
         """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn]."""
         half = self.k_dim // 2
         # scores and the top-k in float32: in fp16/bf16 near-equal scores tie or swap ranks
         with float32_region(query.device):
-            query, keys = query.float(), self.keys.float()
-            scores, indices = product_topk(query[..., :half], query[..., half:],
-                                           keys[:, 0], keys[:, 1], self.knn)
+            keys1, keys2 = self.sub_keys()
+            query = query.float()
+            scores, indices = product_topk(query[..., :half], query[..., half:], keys1.float(),
+                                           keys2.float(), self.knn)
             weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
         n = query.size(1)
         return (weights.transpose(0, 1).reshape(n, self.heads * self.knn),
@@ -221,8 +302,6 @@ class ProductKeyMemory(ZooFeedForward):
 
     def read(self, x: Tensor) -> Tensor:
         """m(x) for unpadded tokens x [N, d] -> [N, d_out]."""
-        if self.training and self.sparse and not self._checked_distributed:
-            self._check_not_distributed()
         weights, indices = self.lookup(self.query(x))
         table = self.values.weight
         out = _WeightedRowSum.apply(table, indices, weights.to(table.dtype), self.sparse)
@@ -243,18 +322,14 @@ class ProductKeyMemory(ZooFeedForward):
         if flat.size(0) == 0:
             return x.new_zeros(t, b, self.output_dim)
         out = self.read(flat)
+        if self.gate_proj is not None:  # Memory+: W₂(m(x) ⊙ SiLU(W₁ x))
+            out = self.gate_out(out * F.silu(self.gate_proj(flat)))
         if keep is not None:  # pads read nothing and output 0
             out = out.new_zeros(t * b, self.output_dim).index_copy(0, keep, out)
         return out.view(t, b, self.output_dim)
 
-    def _check_not_distributed(self):
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError(
-                "sparse PKM value gradients cannot be all-reduced by multi-process data parallel "
-                "training: use dense values (--pkm-sparse false)")
-        self._checked_distributed = True
-
     def extra_repr(self) -> str:
         return (f"|K|={self.size} (n_keys={self.n_keys}²), heads={self.heads}, knn={self.knn}, "
-                f"k_dim={self.k_dim}, v_dim={self.v_dim}, sparse={self.sparse}")
+                f"k_dim={self.k_dim}, v_dim={self.v_dim}, sparse={self.sparse}"
+                + ("" if self.owns_values else ", values=shared (owned by another memory)")
+                + (", gated=SiLU" if self.gated else "") + (", qk_norm" if self.qk_norm else ""))

@@ -12,6 +12,20 @@ learning rate, so this optimizer keeps two parameter groups:
   ``--pkm-values-lr`` where the model reaches ``--lr``. A sparse gradient updates only the rows it
   touches (moments and parameters, SparseAdam-style); a dense one is a normal Adam step.
 
+Multi-process training with sparse values: the DDP wrappers leave the sparse value tables alone
+(fairseq's legacy DDP skips parameters tagged ``expert``; PyTorch DDP ignores the names the zoo
+model lists in ``_ddp_params_and_buffers_to_ignore``), and :meth:`PKMAdam.all_reduce_grads` --
+which fairseq's trainer calls after the last backward pass of an update (all ``--update-freq``
+micro-batches accumulated) and before ``multiply_grads`` -- exchanges their rows instead
+(:func:`all_reduce_sparse_rows`): every rank ends with the same coalesced gradient over the union
+of the rows read on any rank, divided by the world size exactly as the DDP wrappers divide dense
+gradients (the trainer then multiplies everything by world size / sample size), and runs the same
+lazy Adam step on the same rows, so the tables stay identical and the update is the one a single
+process with ``--update-freq W`` makes. ``--pkm-exchange``: all-gather the (row, gradient) lists
+(cheap when few rows are read), or all-reduce a dense [|K|, d + 1] buffer (rows + a "read" count;
+what a dense all-reduce costs), or ``auto``: the cheaper of the two, per update. The bytes each
+rank receives are logged as ``pkm_xchg_mb``.
+
 Gradient scaling, clipping and the gradient norm fairseq logs are done here too, because fairseq's
 versions do not handle sparse gradients: ``multiply_grads`` (the division by the number of tokens)
 runs ``p.grad.data.mul_(c)``, which silently leaves a sparse gradient unscaled, and
@@ -24,10 +38,12 @@ import logging
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from fairseq.dataclass import FairseqDataclass
+from fairseq.distributed import utils as distributed_utils
+from fairseq.logging import metrics
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
@@ -49,12 +65,94 @@ def coalesced(grad: torch.Tensor) -> torch.Tensor:
     return grad.coalesce()
 
 
+def _rows_of(grad: torch.Tensor):
+    """(rows, values) of a value-table gradient: sparse, or dense (a table that no read touched
+    on this rank gets a dense zero gradient from fairseq's legacy DDP)."""
+    if grad.is_sparse:
+        grad = coalesced(grad)
+        return grad._indices()[0], grad._values()
+    rows = grad.abs().sum(-1).nonzero().squeeze(1)
+    return rows, grad.index_select(0, rows)
+
+
+EXCHANGES = ("auto", "gather", "all_reduce")
+
+
+def all_reduce_sparse_rows(grad: torch.Tensor, group=None, world_size: Optional[int] = None,
+                           method: str = "auto"):
+    """Average a row-sparse gradient [R, d] over the ranks of ``group``; returns (the coalesced
+    sparse mean over the union of the rows read on any rank, the bytes this rank received).
+
+    Two exchanges, same result (both NCCL- and gloo-safe, no object collectives):
+
+    * ``gather``: rows and gradients all-gathered (padded to the longest list) and summed in rank
+      order into the sorted union of rows, one ``index_add_`` over distinct rows per rank, so every
+      rank gets the same bits. Receives (W-1)·U_max·(8 + 4d) bytes.
+    * ``all_reduce``: the rows scattered into a dense [|K|, d + 1] buffer whose last column counts
+      the ranks that read the row, then one all-reduce: ≈ 2(W-1)/W·|K|·(d + 1)·4 bytes, the dense
+      all-reduce's cost, paid when many rows are read.
+
+    ``auto`` takes the one that receives fewer bytes (every rank decides from the same all-gathered
+    row counts)."""
+    if method not in EXCHANGES:
+        raise ValueError(f"--pkm-exchange must be one of {', '.join(EXCHANGES)}, got {method!r}")
+    dist = torch.distributed
+    world = world_size or dist.get_world_size(group)
+    rows, vals = _rows_of(grad)
+    device = vals.device
+    size, d = grad.shape
+    count = torch.tensor([rows.numel()], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    longest = max(counts)
+    received = (world - 1) * 8
+    gather_bytes = (world - 1) * longest * (8 + d * vals.element_size())
+    reduce_bytes = int(2 * (world - 1) / world * size * (d + 1) * vals.element_size())
+    if method == "auto":
+        method = "gather" if gather_bytes <= reduce_bytes else "all_reduce"
+    if longest == 0:  # no rank read anything
+        union, total = rows.new_zeros(0), vals.new_zeros(0, d)
+    elif method == "gather":
+        received += gather_bytes
+        padded_rows = rows.new_zeros(longest)
+        padded_rows[: rows.numel()] = rows
+        padded_vals = vals.new_zeros(longest, d)
+        padded_vals[: rows.numel()] = vals
+        all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
+        all_vals = [torch.empty_like(padded_vals) for _ in range(world)]
+        dist.all_gather(all_rows, padded_rows, group=group)
+        dist.all_gather(all_vals, padded_vals, group=group)
+        all_rows = [r[:n] for r, n in zip(all_rows, counts)]
+        union = torch.unique(torch.cat(all_rows))  # sorted
+        total = vals.new_zeros(union.numel(), d)
+        for r, v, n in zip(all_rows, all_vals, counts):
+            total.index_add_(0, torch.searchsorted(union, r), v[:n])
+    else:
+        received += reduce_bytes
+        buf = vals.new_zeros(size, d + 1)
+        buf[rows, :d] = vals
+        buf[rows, d] = 1  # "read on this rank": a read row with a zero gradient still counts
+        dist.all_reduce(buf, group=group)
+        union = buf[:, d].nonzero().squeeze(1)
+        total = buf[union, :d]
+    total.div_(world)
+    out = torch.sparse_coo_tensor(union.unsqueeze(0), total, grad.shape, is_coalesced=True,
+                                  check_invariants=False)
+    return out, received
+
+
 @dataclass
 class PKMAdamConfig(FairseqDataclass):
     adam_betas: Any = field(default=(0.9, 0.999), metadata={"help": "betas for Adam"})
     adam_eps: float = field(default=1e-8, metadata={"help": "epsilon for Adam"})
     weight_decay: float = field(
         default=0.0, metadata={"help": "decoupled weight decay (not applied to memory values)"})
+    pkm_exchange: str = field(
+        default="auto",
+        metadata={"help": "multi-process sparse values: how the rows read are exchanged -- "
+                  "'gather' (all-gather rows + gradients), 'all_reduce' (dense [|K|, d+1] "
+                  "all-reduce), 'auto' = whichever moves fewer bytes this update (default auto)"})
     pkm_values_lr: float = field(
         default=1e-3,
         metadata={"help": "peak learning rate of the product-key memory values (paper/XLM: "
@@ -126,15 +224,13 @@ class PKMAdam(FairseqOptimizer):
         if params and isinstance(params[0], dict):  # FP16Optimizer's flat {device: buffer}
             raise ValueError("pkm_adam needs the memory values as separate parameters but --fp16 "
                              "flattens all parameters into one buffer: add --fp16-no-flatten-grads")
+        if cfg.pkm_exchange not in EXCHANGES:
+            raise ValueError(f"--pkm-exchange must be one of {', '.join(EXCHANGES)}, got "
+                             f"{cfg.pkm_exchange!r}")
         if cfg.pkm_values_lr <= 0:
             raise ValueError(f"--pkm-values-lr must be positive, got {cfg.pkm_values_lr}")
         values = [p for p in params if getattr(p, "param_group", None) == VALUES_GROUP]
         others = [p for p in params if getattr(p, "param_group", None) != VALUES_GROUP]
-        if any(getattr(p, "pkm_sparse", False) for p in values):
-            dist = torch.distributed
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                raise ValueError("sparse PKM values do not work with multi-process training: "
-                                 "add --pkm-sparse false")
         if not values:
             logger.warning("pkm_adam: no product-key memory values among the parameters; "
                            "every parameter uses --lr (plain Adam)")
@@ -169,6 +265,29 @@ class PKMAdam(FairseqOptimizer):
             if group.get(VALUES_GROUP):
                 group["weight_decay"] = 0.0
                 group["lr_scale"] = self.cfg.pkm_values_lr / self.optimizer_config["lr"]
+
+    def all_reduce_grads(self, module):
+        """fairseq's gradient all-reduce (the DDP wrapper's, for the dense gradients), then the
+        sparse value tables' row exchange: each rank ends with the mean gradient over ranks."""
+        super().all_reduce_grads(module)
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        group = distributed_utils.get_data_parallel_group()
+        world = distributed_utils.get_data_parallel_world_size()
+        if world <= 1:
+            return
+        received = 0
+        for p in module.parameters():
+            if getattr(p, "pkm_sparse", False) and getattr(p, "param_group", None) == VALUES_GROUP:
+                grad = p.grad if p.grad is not None else torch.sparse_coo_tensor(
+                    torch.zeros(1, 0, dtype=torch.long, device=p.device),
+                    p.new_zeros(0, p.size(1)), p.shape)
+                p.grad, nbytes = all_reduce_sparse_rows(grad, group, world,
+                                                        self.cfg.pkm_exchange)
+                received += nbytes
+        if received:
+            metrics.log_scalar("pkm_xchg_mb", received / 2 ** 20, round=2)
 
     def multiply_grads(self, c):
         """Multiply gradients by c (fairseq divides by the sample size here). fairseq's version
