@@ -29,10 +29,10 @@ WMT_ARCHS = ("transformer attnzoo_transformer transformer_synth_dense transforme
              "transformer_synth_fixed_random transformer_synth_factorized_dense "
              "transformer_synth_factorized_random transformer_synth_random_dense "
              "transformer_synth_dense_vanilla transformer_synth_random_vanilla transformer_aop "
-             "transformer_aop_h16 transformer_collab transformer_pkm").split()
+             "transformer_aop_h16 transformer_collab transformer_collab_fork transformer_pkm").split()
 ENWIK8_CONFIGS = ("adaptive_span_small", "adaptive_span", "adaptive_span_large", "all_attention",
                   "all_attention_large")
-LM_ARCHS = ("transformer_lm_pkm transformer_lm_synth_dense transformer_lm_synth_random "
+LM_ARCHS = ("transformer_lm_pkm transformer_lm_memplus transformer_lm_synth_dense transformer_lm_synth_random "
             "transformer_lm_synth_fixed_random transformer_lm_synth_factorized_dense "
             "transformer_lm_synth_factorized_random transformer_lm_synth_random_dense "
             "transformer_lm_synth_dense_vanilla transformer_lm_synth_random_vanilla "

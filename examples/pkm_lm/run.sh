@@ -80,18 +80,22 @@ train)
     transformer_lm_pkm)
         METHOD=(--pkm-decoder-layers 6 --pkm-n-keys 512 --pkm-heads 4 --pkm-knn 32 --pkm-k-dim 256
                 --pkm-query-batchnorm true --optimizer pkm_adam --pkm-values-lr 1e-3) ;;
+    transformer_lm_memplus)  # Memory+ preset: shared value pool, gated output, qk-norm, 3 spread layers
+        METHOD=(--pkm-n-keys 512 --pkm-heads 4 --pkm-knn 32 --pkm-k-dim 256
+                --optimizer pkm_adam --pkm-values-lr 1e-3) ;;
     transformer_lm_synth_*)  # N = the 512-token block (the synthesised tables cover every position)
         METHOD+=(--synth-max-len 512) ;;
     transformer_lm_aop|attnzoo_lm|attnzoo_lm_sdpa) ;;
     *)
-        echo "run.sh: unknown ARCH '$ARCH'; known: transformer_lm_pkm transformer_lm_synth_* transformer_lm_aop attnzoo_lm attnzoo_lm_sdpa" >&2
+        echo "run.sh: unknown ARCH '$ARCH'; known: transformer_lm_pkm transformer_lm_memplus transformer_lm_synth_* transformer_lm_aop attnzoo_lm attnzoo_lm_sdpa" >&2
         exit 2 ;;
     esac
     PRECISION=()
     if [[ "${FP16:-0}" == 1 ]]; then
         # fp16 gives dense value gradients (--pkm-sparse auto); pkm_adam needs unflattened params
         PRECISION=(--fp16)
-        [[ "$ARCH" == transformer_lm_pkm ]] && PRECISION+=(--fp16-no-flatten-grads)
+        [[ "$ARCH" == transformer_lm_pkm || "$ARCH" == transformer_lm_memplus ]] &&
+            PRECISION+=(--fp16-no-flatten-grads)
     fi
     UPDATE_FREQ="${UPDATE_FREQ:-$(( (8 + WORLD - 1) / WORLD ))}"
     run mkdir -p "$SAVE"
