@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU checks recorded in docs/gpu.md, on a machine that has torch + CUDA but no package index
+# (wheels and the fairseq sdist carried in .whl/, the demo data in data/; docs/gpu.md "Setup").
+#
+#   bash scripts/gpu_checks.sh setup            install fairseq & co into /tmp/site
+#   bash scripts/gpu_checks.sh sweep  OUT       tests/test_precision.py on the GPU's kernels
+#   bash scripts/gpu_checks.sh runs   OUT ARCH...   scripts/precision_runs.py (--fp16, --amp)
+#   bash scripts/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
+#   bash scripts/gpu_checks.sh nccl   OUT       sparse PKM values / Memory+ through NCCL (world 1)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+stage=$1
+OUT=${2:-/tmp/gpu_out}
+mkdir -p "$OUT"
+case "$stage" in
+setup)
+    bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
+        tail -30 "$OUT/install.log"; exit 1; }
+    python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+    ;;
+sweep)
+    ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout "${TIMEOUT:-150}" python3 -m pytest -q \
+        -n "${JOBS:-12}" -p no:cacheprovider tests/test_precision.py -k test_reduced_precision \
+        > "$OUT/sweep_cuda.log" 2>&1
+    echo "sweep rc $?"; tail -4 "$OUT/sweep_cuda.log"
+    ;;
+runs)
+    shift 2
+    timeout "${TIMEOUT:-300}" python3 scripts/precision_runs.py --jobs "${JOBS:-16}" --updates 100 \
+        --precisions fp16 amp --archs "$@" --json "$OUT/runs.json" --out "$OUT/runs.md" \
+        --work /tmp/prec > "$OUT/runs.log" 2>&1
+    echo "runs rc $?"; grep -c '"status": "ok"' "$OUT/runs.log"; grep -v '"status": "ok"' \
+        "$OUT/runs.log" | grep '^\[' | cut -c1-300
+    ;;
+bench)
+    timeout "${TIMEOUT:-200}" python3 scripts/bench.py --device cuda --repeats 10 \
+        --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1
+    echo "bench rc $?"; tail -25 "$OUT/bench.log" | cut -c1-400
+    timeout "${SPAN_TIMEOUT:-150}" python3 scripts/bench_adaptive_span_vs_fairseq.py --device cuda \
+        --updates 200 --segments 2 --json "$OUT/span_vs_fairseq.json" --work /tmp/spanb \
+        > "$OUT/span.log" 2>&1
+    echo "span rc $?"; tail -8 "$OUT/span.log"
+    ;;
+nccl)
+    : > "$OUT/nccl.log"
+    for ddp in legacy_ddp pytorch_ddp; do
+        timeout 120 torchrun --nproc_per_node 1 --no-python fairseq-train data/wiki-gensim/bin \
+            --user-dir fairseq_attnzoo --arch transformer_lm_memplus --task language_modeling \
+            --sample-break-mode none --tokens-per-sample 128 --max-tokens 2048 --decoder-layers 4 \
+            --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --decoder-attention-heads 4 \
+            --pkm-n-keys 128 --pkm-k-dim 64 --pkm-heads 4 --pkm-knn 16 --optimizer pkm_adam \
+            --pkm-sparse true --lr 0.001 --max-update 100 --log-format json --log-interval 25 \
+            --distributed-backend nccl --distributed-init-method env:// --distributed-no-spawn \
+            --distributed-world-size 1 --distributed-rank 0 --device-id 0 --ddp-backend "$ddp" \
+            --no-save --disable-validation >> "$OUT/nccl.log" 2>&1
+        echo "nccl $ddp rc $?"
+    done
+    grep -E "train_inner|distributed init|num. expert|Error" "$OUT/nccl.log" | cut -c1-300 | tail -14
+    ;;
+*)
+    echo "unknown stage $stage: setup | sweep | runs | bench | nccl" >&2; exit 2 ;;
+esac
