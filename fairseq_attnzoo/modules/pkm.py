@@ -72,13 +72,20 @@ def _candidate_pairs(knn: int, device) -> Tuple[Tensor, Tensor]:
 
 
 class _WeightedRowSum(torch.autograd.Function):
-    """``out[n] = Σ_j w[n, j] · table[idx[n, j]]`` (an embedding bag) with a compact table gradient.
+    """``out[n] = Σ_j w[n, j] · table[idx[n, j]]`` (an embedding bag) with a backward that visits
+    the reads sorted by table row.
 
     ``nn.EmbeddingBag``'s own backward materialises one d-vector per read -- N·heads·knn rows,
-    uncoalesced (1 GB at 4096 tokens, d = 512) -- that the optimizer then has to coalesce. Here the
-    reads are sorted by row and each distinct row r gets ``Σ_{idx[n,j] = r} w[n, j] · grad[n]``
-    directly, which is itself an embedding bag over ``grad`` (one bag per distinct row): the
-    gradient arrives coalesced, U × d for the U distinct rows read."""
+    uncoalesced (1 GB at 4096 tokens, d = 512) -- and reads the table rows for the weight gradient
+    in token order, i.e. at random. Here the reads are sorted by row once (one ``argsort``), and
+    both gradients are embedding-bag kernels over that order:
+
+    * ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩ walks the table rows in increasing order (each read
+      row streamed once, repeats adjacent) instead of at random: 4× faster at the benchmark shape;
+    * the table gradient Σ_{idx[n,j] = r} w[n, j] · grad[n] is itself a bag over ``grad`` per
+      row r: one bag per distinct row read (sparse: U × d, coalesced) or, for a dense gradient,
+      one bag per table row, empty bags giving the zero rows -- the dense |K| × d gradient is
+      written once, with no zero-fill and no scatter of a compact copy."""
 
     @staticmethod
     def forward(ctx, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool) -> Tensor:
@@ -92,23 +99,29 @@ class _WeightedRowSum(torch.autograd.Function):
         grad = grad.contiguous()
         n, m = indices.shape
         flat = indices.reshape(-1)
-        bag = torch.arange(n, device=grad.device).repeat_interleave(m)  # read -> token
+        order = torch.argsort(flat)
+        rows_read = flat[order]  # table row of each read, ascending
+        token = order // m  # the bag (token) of each sorted read
         grad_table = grad_weights = None
-        if ctx.needs_input_grad[2]:  # ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩
-            offsets = torch.arange(0, n * m, m, device=grad.device)
-            grad_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                grad, table, flat, offsets, bag, 0, -1).view(n, m)
+        if ctx.needs_input_grad[2]:  # ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩, in row order
+            offsets = torch.arange(0, n * m, m, device=grad.device)  # unused by mode "sum"
+            sorted_grad = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad, table, rows_read, offsets, token, 0, -1)
+            grad_weights = torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad)
+            grad_weights = grad_weights.view(n, m)
         if ctx.needs_input_grad[0]:
-            order = torch.argsort(flat)
-            rows, counts = torch.unique_consecutive(flat[order], return_counts=True)
-            starts = counts.cumsum(0) - counts
-            rows_grad = F.embedding_bag(bag[order], grad, starts, mode="sum",
-                                        per_sample_weights=weights.reshape(-1)[order])
+            w = weights.reshape(-1)[order]
             if ctx.sparse:
+                rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
+                starts = counts.cumsum(0) - counts
+                rows_grad = F.embedding_bag(token, grad, starts, mode="sum", per_sample_weights=w)
                 grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), rows_grad, table.shape,
                                                      is_coalesced=True, check_invariants=False)
-            else:
-                grad_table = table.new_zeros(table.shape).index_copy_(0, rows, rows_grad)
+            else:  # bag r = the reads of row r (empty for unread rows -> zero row)
+                starts = torch.searchsorted(
+                    rows_read, torch.arange(table.size(0), device=grad.device))
+                grad_table = F.embedding_bag(token, grad, starts, mode="sum",
+                                             per_sample_weights=w)
         return grad_table, None, grad_weights, None
 
 
