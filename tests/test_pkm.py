@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from zoo_testlib import USER_DIR
 from fairseq import options
@@ -47,6 +48,27 @@ def test_product_topk_equals_brute_force_over_all_product_keys(n_keys, knn):
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_keys,knn", [(12, 5), (7, 7), (30, 1)])
+def test_product_topk_gradients_equal_autograd_through_brute_force(n_keys, knn):
+    """The hand-written backward of the search (straight to the chosen sub-keys) equals autograd
+    through the explicit scores of all n_keys² product keys."""
+    g = torch.Generator().manual_seed(n_keys + 1)
+    h, n, half = 3, 40, 4
+    leaves = [torch.randn(h, n, half, generator=g, requires_grad=True) for _ in range(2)]
+    leaves += [torch.randn(h, n_keys, half, generator=g, requires_grad=True) for _ in range(2)]
+    up = torch.randn(h, n, knn, generator=g)
+    q1, q2, k1, k2 = leaves
+    scores, idx = product_topk(q1, q2, k1, k2, knn)
+    ours = torch.autograd.grad((scores.softmax(-1) * up).sum(), leaves)
+    full = (torch.einsum("hnd,hkd->hnk", q1, k1).unsqueeze(-1)
+            + torch.einsum("hnd,hkd->hnk", q2, k2).unsqueeze(-2)).reshape(h, n, -1)
+    ref_scores, ref_idx = full.topk(knn, dim=-1)
+    assert torch.equal(idx, ref_idx)
+    ref = torch.autograd.grad((ref_scores.softmax(-1) * up).sum(), leaves)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_memory_read_equals_explicit_weighted_sum_of_values():
     m = _memory(bn=False).eval()
     x = torch.randn(9, 16)
@@ -84,6 +106,33 @@ def test_value_read_gradients_equal_plain_autograd(sparse):
     ((table[idx] * w.unsqueeze(-1)).sum(1) * up).sum().backward()
     torch.testing.assert_close(g_table, table.grad)
     torch.testing.assert_close(g_w, w.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_table_gradient_equals_embedding_bag_autograd(dtype):
+    """The dense gradient (one bag per table row, empty bags = the unread rows) equals the stock
+    ``F.embedding_bag`` backward, unread rows exactly zero; bf16 within bf16 rounding."""
+    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 8, generator=g).to(dtype).requires_grad_(True)
+    idx = torch.randint(0, 40, (9, 6), generator=g)  # rows 40..49 and some others never read
+    idx[1, :4] = 7
+    w = torch.rand(9, 6, generator=g).to(dtype).requires_grad_(True)
+    up = torch.randn(9, 8, generator=g).to(dtype)
+    (_WeightedRowSum.apply(table, idx, w, False) * up).sum().backward()
+    ours, ours_w = table.grad, w.grad
+    assert ours.layout == torch.strided and ours.shape == table.shape and ours.dtype == dtype
+    unread = torch.ones(50, dtype=torch.bool)
+    unread[idx.reshape(-1)] = False
+    assert ours[unread].abs().max() == 0
+    ref_table = table.detach().float().requires_grad_(True)
+    ref_w = w.detach().float().requires_grad_(True)
+    ref = F.embedding_bag(idx, ref_table, mode="sum", per_sample_weights=ref_w)
+    (ref * up.float()).sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours.float(), ref_table.grad, **tol)
+    torch.testing.assert_close(ours_w.float(), ref_w.grad, **tol)
 
 
 # ---- padding and batch norm -------------------------------------------------------------------
