@@ -155,9 +155,7 @@ class _WeightedRowSum(torch.autograd.Function):
         token = order // m  # the bag (token) of each sorted read
         grad_table = grad_weights = None
         if ctx.needs_input_grad[2]:  # ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩, in row order
-            offsets = torch.arange(0, n * m, m, device=grad.device)  # unused by mode "sum"
-            sorted_grad = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                grad, table, rows_read, offsets, token, 0, -1)
+            sorted_grad = read_dots(grad, table, rows_read, token, n, m)
             grad_weights = torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad)
             grad_weights = grad_weights.view(n, m)
         if ctx.needs_input_grad[0]:
@@ -174,6 +172,28 @@ class _WeightedRowSum(torch.autograd.Function):
                 grad_table = F.embedding_bag(token, grad, starts, mode="sum",
                                              per_sample_weights=w)
         return grad_table, None, grad_weights, None
+
+
+def read_dots(grad: Tensor, table: Tensor, rows: Tensor, token: Tensor, n: int, m: int,
+              kernel: Optional[bool] = None) -> Tensor:
+    """⟨grad[token_i], table[rows_i]⟩ for each of the n·m reads i (in the given order).
+
+    ATen's embedding-bag weight-gradient kernel, except where it does not exist -- bfloat16 on
+    CUDA (``_embedding_bag_per_sample_weights_backward_cuda not implemented for 'BFloat16'``) --
+    where the rows are gathered in chunks of ~16M elements and the dots taken in float32.
+    ``kernel`` forces one path (tests)."""
+    if kernel is None:
+        kernel = not (table.is_cuda and table.dtype == torch.bfloat16)
+    if kernel:
+        offsets = torch.arange(0, n * m, m, device=grad.device)  # unused by mode "sum"
+        return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+            grad, table, rows, offsets, token, 0, -1)
+    out = torch.empty(rows.numel(), dtype=grad.dtype, device=grad.device)
+    step = max(1, (1 << 24) // max(1, table.size(1)))
+    for s in range(0, rows.numel(), step):
+        r, t = rows[s: s + step], token[s: s + step]
+        out[s: s + step] = (table[r].float() * grad[t].float()).sum(-1).to(out.dtype)
+    return out
 
 
 def slot_counts(indices: Tensor, weights: Tensor, size: int) -> Tensor:
