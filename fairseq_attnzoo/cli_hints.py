@@ -18,8 +18,7 @@ def hint_for(exc: BaseException):
         if os.path.basename(str(missing)).startswith("dict."):
             return (f"{missing} is missing: {data} is not a binarised fairseq data directory; run "
                     "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
-    if "xla_device" in str(exc) and any(f in sys.argv for f in ("--bf16", "--memory-efficient-bf16")) \
-            or str(exc) == "'NoneType' object has no attribute 'xla_device'":
+    if "xla_device" in str(exc):  # no torch_xla: fairseq's --bf16 turned on --tpu
         return ("fairseq 0.12's --bf16 implies --tpu (torch_xla) and does not run on GPUs: use "
                 "--amp (fp16 autocast, fp32 weights) or --fp16 (docs/precision.md)")
     if "Could not infer language pair" in str(exc):

@@ -96,8 +96,6 @@ def test_default_sizes_follow_the_model_and_match_the_ffn(arch, d, ffn, caplog):
 
 def test_h16_has_16_heads_in_every_attention():
     """tensor2tensor's transformer_parameter_attention_b sets num_heads = 16 for the whole model."""
-    from fairseq import tasks
-
     args = _args("transformer_aop_h16", ["--encoder-layers", "1", "--decoder-layers", "1"])
     assert args.encoder_attention_heads == args.decoder_attention_heads == 16
     model = _build(args)

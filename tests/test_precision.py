@@ -49,6 +49,13 @@ STEP_TOL = {"bf16": 0.1, "fp16": 0.02, "autocast_bf16": 0.1}
 STEP_TOL_TOPK = 0.5
 
 
+def _record(line):
+    """ZOO_PRECISION_LOG=FILE appends the measured differences (how the tolerances were set)."""
+    if os.environ.get("ZOO_PRECISION_LOG"):
+        with open(os.environ["ZOO_PRECISION_LOG"], "a") as f:
+            f.write(line + "\n")
+
+
 def _autocast(precision):
     dtype = PRECISIONS[precision][1]
     return torch.autocast(DEVICE.type, dtype=dtype) if dtype is not None else torch.autocast(
@@ -113,9 +120,7 @@ def test_reduced_precision(arch, precision, data_for):
         per_token, loss = _loss_per_token(m, criterion, sample)
     assert torch.isfinite(loss), f"{arch} {precision}: non-finite loss"
     diff = abs(float(per_token.detach()) - float(ref))
-    if os.environ.get("ZOO_PRECISION_LOG"):
-        with open(os.environ["ZOO_PRECISION_LOG"], "a") as f:
-            f.write(f"{arch} {precision} loss {diff:.5f}\n")
+    _record(f"{arch} {precision} loss {diff:.5f}")
     assert diff <= LOSS_TOL[precision], \
         f"{arch} {precision}: loss/token {float(per_token):.4f} vs fp32 {float(ref):.4f}"
     loss.backward()
@@ -146,9 +151,7 @@ def test_reduced_precision(arch, precision, data_for):
         step = _log_probs(m, step)
         keep = tokens.ne(pad).unsqueeze(-1)
         d = ((full - step).abs() * keep).max().item()
-        if os.environ.get("ZOO_PRECISION_LOG"):
-            with open(os.environ["ZOO_PRECISION_LOG"], "a") as f:
-                f.write(f"{arch} {precision} step {d:.5f}\n")
+        _record(f"{arch} {precision} step {d:.5f}")
         topk = any(type(mod).__name__ == "ProductKeyMemory" for mod in m.modules())
         tol = STEP_TOL_TOPK if topk else STEP_TOL[precision]
         assert d <= tol, f"{arch} {precision}: incremental vs full {d:.3g}"

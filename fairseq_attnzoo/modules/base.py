@@ -30,7 +30,7 @@ import contextlib
 import math
 import uuid
 import weakref
-from typing import Dict, Iterable, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -91,8 +91,8 @@ class Float32Module(nn.Module):
     (``model.half()``, ``model.to(torch.bfloat16)``: what fairseq's ``--fp16``/``--bf16`` do), as
     fairseq's ``Fp32BatchNorm``/``Fp32LayerNorm``. For quantities whose resolution matters more than
     their memory: learned spans (a bfloat16 span near 5,000 rounds to a multiple of 32 positions),
-    batch-norm statistics. The module's forward casts its inputs with ``.float()`` and its outputs
-    back. Device moves apply as usual; the float32 values are never rounded through half."""
+    batch-norm statistics. A subclass computes in float32 (inputs ``.float()``, outputs cast back).
+    Device moves apply as usual; the float32 values are never rounded through half."""
 
     def _apply(self, fn, recurse=True):
         def keep_float32(t: Tensor) -> Tensor:
@@ -133,16 +133,6 @@ class UnitIntervalParameter(BoundedParameter):
     """A parameter kept in [0, 1] (e.g. an adaptive span as a fraction of the maximum span)."""
 
     low, high = 0.0, 1.0
-
-
-def project_bounded_(params: Iterable[Tensor]) -> int:
-    """Clamp every :class:`BoundedParameter` among ``params`` into its bounds; returns how many."""
-    n = 0
-    for p in params:
-        if isinstance(p, BoundedParameter):
-            p.project_()
-            n += 1
-    return n
 
 
 _BOUNDED_BY_OPTIMIZER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

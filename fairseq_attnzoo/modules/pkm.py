@@ -352,11 +352,11 @@ class ProductKeyMemory(ZooFeedForward):
         return (half.view_as(q) * self.query_gain.float()).to(q.dtype)
 
     def sub_keys(self) -> Tuple[Tensor, Tensor]:
-        """The two sub-key sets C, C' ``[H, n_keys, k_dim/2]`` searched by :meth:`lookup`; with
-        qk-norm each sub-key is scaled to unit L2 norm (in fp32)."""
-        keys = self.keys
+        """The two sub-key sets C, C' ``[H, n_keys, k_dim/2]`` searched by :meth:`lookup`, in
+        float32 (the scores are); with qk-norm each sub-key is scaled to unit L2 norm."""
+        keys = self.keys.float()
         if self.query_gain is not None:
-            keys = F.normalize(keys.float(), dim=-1, eps=1e-6).to(self.keys.dtype)
+            keys = F.normalize(keys, dim=-1, eps=1e-6)
         return keys[:, 0], keys[:, 1]
 
     def lookup(self, query: Tensor) -> Tuple[Tensor, Tensor]:
@@ -366,8 +366,8 @@ class ProductKeyMemory(ZooFeedForward):
         with float32_region(query.device):
             keys1, keys2 = self.sub_keys()
             query = query.float()
-            scores, indices = product_topk(query[..., :half], query[..., half:], keys1.float(),
-                                           keys2.float(), self.knn)
+            scores, indices = product_topk(query[..., :half], query[..., half:], keys1, keys2,
+                                           self.knn)
             weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
         n = query.size(1)
         return (weights.transpose(0, 1).reshape(n, self.heads * self.knn),
