@@ -238,6 +238,47 @@ def test_stream_cache_equals_one_long_forward(lm_data):
     assert {k[0] for k in model.decoder._streams} == {"eval"}
 
 
+_HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "equal"}
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values into Python (on a GPU each one is a synchronisation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _HOST_READS:
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_stream_forward_reads_the_host_a_fixed_number_of_times(lm_data, padded):
+    """A training step (criterion forward, stream mode) reads device values into Python twice,
+    whatever the number of layers (before: three reads per layer and five in the criterion)."""
+    from fairseq_attnzoo.tasks.stream_lm import StreamBatches
+
+    reads = {}
+    for layers in (2, 5):
+        _, task, model, criterion = _lm(lm_data, extra=["--decoder-layers", str(layers)])
+        model.train()
+        d = task.source_dictionary
+        tokens = torch.randint(d.nspecial, len(d), (2000,), generator=torch.Generator()
+                               .manual_seed(0)).numpy()
+        batches = StreamBatches(tokens, batch_size=4, block=16)
+        for i in range(2):  # the second block continues the first (cache used)
+            sample = batches.collater([batches[i]])
+            if padded:
+                sample["net_input"]["src_tokens"][0, :3] = d.pad()
+            with _HostReads() as counter:
+                loss, _, _ = criterion(model, sample)
+            loss.backward()
+        reads[layers] = counter.names
+    assert reads[2] == reads[5] and len(reads[5]) == 2, reads
+
+
 def test_stream_batches_layout_and_sharding():
     tokens = torch.arange(1000).numpy()
     one = StreamBatches(tokens, batch_size=4, block=10)

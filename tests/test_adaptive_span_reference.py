@@ -70,7 +70,7 @@ def _run_stream(ref, ours, blocks):
     zeros (no padding), so block 0 sees identical history."""
     ref_cache = [torch.zeros(B, layer.get_cache_size(), D) for layer in ref.layers]
     ours._streams[("eval", 0)] = {
-        "next": torch.zeros(B, dtype=torch.long),
+        "next": [0] * B, "device": torch.device("cpu"), "padded": False,
         "mems": [(torch.zeros(B, c.size(1), D), torch.zeros(B, c.size(1), dtype=torch.bool))
                  for c in ref_cache]}
     diffs = []

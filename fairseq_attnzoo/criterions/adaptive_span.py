@@ -49,7 +49,10 @@ class AdaptiveSpanLoss(FairseqCriterion):
         target = model.get_targets(sample, net_output)
         nll = F.nll_loss(lprobs.view(-1, lprobs.size(-1)), target.view(-1),
                          ignore_index=self.padding_idx, reduction="sum" if reduce else "none")
-        ntokens = int(target.ne(self.padding_idx).sum())
+        # fairseq's convention: the batch's count of target tokens (no device -> host read)
+        ntokens = sample.get("ntokens")
+        if ntokens is None:
+            ntokens = int(target.ne(self.padding_idx).sum())
         sample_size = sample["target"].size(0) if self.sentence_avg else ntokens
         penalty = span_penalty(model)
         loss = nll if penalty is None else nll + penalty * sample_size
@@ -59,17 +62,19 @@ class AdaptiveSpanLoss(FairseqCriterion):
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
         }
+        # logged as tensors, read by fairseq's logging (once per update), not here (on a GPU
+        # every read is a synchronisation)
         if penalty is not None:
-            logging_output["span_loss"] = float(penalty.detach()) * sample_size
+            logging_output["span_loss"] = penalty.detach() * sample_size
         spans = layer_spans(model)
         if spans:  # logged as sums weighted by tokens so they survive summing over workers
             flat = torch.cat(spans)
-            logging_output["span_avg"] = float(flat.mean()) * ntokens
-            logging_output["span_max"] = float(flat.max()) * ntokens
+            logging_output["span_avg"] = flat.mean() * ntokens
+            logging_output["span_max"] = flat.max() * ntokens
             if self.log_layer_spans:
                 for i, z in enumerate(spans):
-                    logging_output[f"span_avg_{i}"] = float(z.mean()) * ntokens
-                    logging_output[f"span_max_{i}"] = float(z.max()) * ntokens
+                    logging_output[f"span_avg_{i}"] = z.mean() * ntokens
+                    logging_output[f"span_max_{i}"] = z.max() * ntokens
         return loss, sample_size, logging_output
 
     @staticmethod

@@ -44,6 +44,7 @@ from ..modules.adaptive_span import (
     AdaptiveMask,
     AdaptiveSpanLayer,
     clamp_spans,
+    host_span_maxima,
     layer_spans,
     span_penalty,
 )
@@ -205,11 +206,20 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
         if incremental_state is not None:
             return self._forward_incremental(tokens, incremental_state)
         pad = tokens.eq(self.padding_idx)
-        key = None
+        # what the forward needs on the host is read in two device -> host copies, not per layer
+        # (on a GPU every read is a synchronisation): whether anything is padding, the stream
+        # group and positions, and the spans' maxima (window sizes)
+        flags = [pad.any().view(1).long()]
+        if stream_pos is not None:
+            flags += [stream_pos.new_zeros(1) if stream_id is None else stream_id.view(-1)[:1],
+                      stream_pos.view(-1)]
+        host = torch.cat(flags).tolist()
+        key = mems = None
         if stream_pos is not None:  # one cache per (train/eval, group of streams)
-            key = ("train" if self.training else "eval",
-                   0 if stream_id is None else int(stream_id.view(-1)[0]))
-        mems = self._stream_memory(key, stream_pos) if key is not None else None
+            key = ("train" if self.training else "eval", host[1])
+            mems = self._stream_memory(key, host[2:], tokens.device)
+        padded = bool(host[0]) or (mems is not None and self._streams[key]["padded"])
+        z_max = host_span_maxima([layer.attn.mask for layer in self.layers])
         x = F.dropout(self.embed_tokens(tokens), self.emb_dropout, self.training)
         inner_states = [x]
         new_mems = []
@@ -220,24 +230,23 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
                 memory, mem_pad = mems[i]
                 kpm = torch.cat([mem_pad, pad], dim=1)
             if stream_pos is not None:  # keep the window (+ buffer) of this layer's inputs
-                keep = layer.attn.cache_size(self.cache_buffer)
+                keep = layer.attn.cache_size(self.cache_buffer, z_max[i])
                 h = x.detach() if memory is None else torch.cat([memory, x.detach()], dim=1)
                 new_mems.append((h[:, h.size(1) - min(keep, h.size(1)):],
                                  kpm[:, kpm.size(1) - min(keep, kpm.size(1)):]))
-            x, _ = layer(x, self.key_pe, memory=memory,
-                         key_padding_mask=kpm if bool(kpm.any()) else None)
+            x, _ = layer(x, self.key_pe, memory=memory, key_padding_mask=kpm if padded else None,
+                         z_max=z_max[i])
             inner_states.append(x)
-        if key is not None:
-            self._streams[key] = {"next": stream_pos.detach() + 1, "mems": new_mems}
+        if key is not None:  # (padded: a superset flag for the kept cache, only a fast path)
+            self._streams[key] = {"next": [p + 1 for p in host[2:]], "device": tokens.device,
+                                  "mems": new_mems, "padded": padded}
         x = F.dropout(x, self.emb_dropout, self.training)
         return x, {"attn": [None], "inner_states": inner_states}
 
-    def _stream_memory(self, key, stream_pos: Tensor):
+    def _stream_memory(self, key, stream_pos: List[int], device: torch.device):
         """The cache left by the previous block of the same streams, or None (new stream)."""
         entry = self._streams.get(key)
-        if entry is None or entry["next"].shape != stream_pos.shape \
-                or entry["next"].device != stream_pos.device \
-                or not torch.equal(entry["next"], stream_pos):
+        if entry is None or entry["device"] != device or entry["next"] != stream_pos:
             return None
         return entry["mems"]
 
@@ -252,6 +261,7 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
         pad = tokens.eq(self.padding_idx)
         x = self.embed_tokens(tokens)
         inner_states = [x]
+        z_max = host_span_maxima([layer.attn.mask for layer in self.layers])
         for i, layer in enumerate(self.layers):
             if f"k{i}" in state:
                 past = (state[f"k{i}"], state[f"v{i}"])
@@ -260,8 +270,8 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
                 empty = x.new_zeros(x.size(0), layer.attn.num_heads, 0, layer.attn.head_dim)
                 past, kpm = (empty, empty), pad
             x, (k, v) = layer(x, self.key_pe, past_kv=past,
-                              key_padding_mask=kpm if bool(kpm.any()) else None)
-            keep = min(layer.attn.cache_size(), k.size(2))
+                              key_padding_mask=kpm if bool(kpm.any()) else None, z_max=z_max[i])
+            keep = min(layer.attn.cache_size(z_max=z_max[i]), k.size(2))
             state[f"k{i}"] = k[:, :, k.size(2) - keep:]
             state[f"v{i}"] = v[:, :, v.size(2) - keep:]
             state[f"pad{i}"] = kpm[:, kpm.size(1) - keep:]

@@ -162,22 +162,26 @@ class AdaptiveMask(Float32Module):
         self._last_z = z
         return z
 
-    def window(self, z: Tensor) -> int:
+    def window(self, z: Tensor, z_max: Optional[float] = None) -> int:
         """Number of distances kept after trimming: the smallest L >= ceil(max z + R), L <= S, with
-        S - L a multiple of ``trim_chunk`` (reference: trim in chunks of 64 positions)."""
+        S - L a multiple of ``trim_chunk`` (reference: trim in chunks of 64 positions).
+
+        ``z_max``: max z already on the host (see :func:`host_span_maxima`); otherwise it is read
+        from ``z``, a device -> host copy (on a GPU, a synchronisation)."""
         s = self.max_span
         if not self.trim_chunk:
             return s
-        z_max = float(z.detach().max()) if z.numel() else 0.0
+        if z_max is None:
+            z_max = float(z.detach().max()) if z.numel() else 0.0
         needed = min(s, max(1, math.ceil(z_max + self.ramp)))
         return s - ((s - needed) // self.trim_chunk) * self.trim_chunk
 
-    def cache_size(self, buffer: int = 0) -> int:
+    def cache_size(self, buffer: int = 0, z_max: Optional[float] = None) -> int:
         """Previous positions worth keeping for the next call: the current window (+ ``buffer``
         positions in case the spans grow, reference: 64), minus the current token."""
         if self.dynamic:
             return self.max_span - 1
-        return min(self.max_span, self.window(self.spans()) + buffer) - 1
+        return min(self.max_span, self.window(self.spans(), z_max) + buffer) - 1
 
     def log_mask(self, z: Tensor, span: int) -> Tensor:
         """log m_z(x) for the distance-layout columns x = span-1, ..., 0, in float32 (whatever
@@ -279,10 +283,10 @@ class AdaptiveSpanAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def cache_size(self, buffer: int = 0) -> int:
+    def cache_size(self, buffer: int = 0, z_max: Optional[float] = None) -> int:
         """Previous positions worth keeping for the next call (see :meth:`AdaptiveMask.cache_size`);
         one more when the window excludes the current token."""
-        return min(self.max_span, self.mask.cache_size(buffer) + int(self.exclude_self))
+        return min(self.max_span, self.mask.cache_size(buffer, z_max) + int(self.exclude_self))
 
     def chunk_size(self, m: int, span: int) -> int:
         """Query chunk c minimising the cost of the band attention, estimated as ~10 passes over
@@ -299,7 +303,7 @@ class AdaptiveSpanAttention(nn.Module):
 
     def forward(self, x: Tensor, key_pe: Optional[Tensor] = None, memory: Optional[Tensor] = None,
                 past_kv: Optional[Tuple[Tensor, Tensor]] = None,
-                key_padding_mask: Optional[Tensor] = None):
+                key_padding_mask: Optional[Tensor] = None, z_max: Optional[float] = None):
         if memory is not None and past_kv is not None:
             raise ValueError("give either memory (hidden states) or past_kv (keys/values), "
                              "not both")
@@ -310,7 +314,7 @@ class AdaptiveSpanAttention(nn.Module):
         n_prev = 0 if prev is None else prev.size(-2)
         # L window columns: distances 0..L-1, or 1..L when the current token is excluded (shift)
         shift = int(self.exclude_self)
-        span = min(self.mask.window(z), max(1, n_prev + m - shift))
+        span = min(self.mask.window(z, z_max), max(1, n_prev + m - shift))
         keep = min(n_prev, span - 1 + shift)  # previous positions inside the window
         pad = None
         if key_padding_mask is not None:
@@ -362,7 +366,7 @@ class AdaptiveSpanAttention(nn.Module):
             logits.add_(log_m)
         logits.add_(unskew(torch.matmul(q_win, k_win.transpose(-1, -2)), span)
                     .reshape(b, q.size(1), m, span))
-        if pad is not None and bool(pad.any()):
+        if pad is not None:  # (not checked for any(): a host read, a GPU synchronisation)
             idx = (torch.arange(m, device=q.device).unsqueeze(1)
                    + torch.arange(span, device=q.device).unsqueeze(0))  # key index of (i, j)
             logits = logits.masked_fill(pad[:, idx].unsqueeze(1), mask_value(logits.dtype))
@@ -420,8 +424,8 @@ class AdaptiveSpanLayer(nn.Module):
 
     def forward(self, x: Tensor, key_pe: Tensor, memory: Optional[Tensor] = None,
                 past_kv: Optional[Tuple[Tensor, Tensor]] = None,
-                key_padding_mask: Optional[Tensor] = None):
-        a, new_kv = self.attn(x, key_pe, memory, past_kv, key_padding_mask)
+                key_padding_mask: Optional[Tensor] = None, z_max: Optional[float] = None):
+        a, new_kv = self.attn(x, key_pe, memory, past_kv, key_padding_mask, z_max)
         h = self.attn_norm(x + a)
         if self.ffn is not None:
             h = self.ffn_norm(h + self.ffn(h))
@@ -436,6 +440,18 @@ def span_masks(model: nn.Module) -> Iterator[AdaptiveMask]:
     for mod in model.modules():
         if isinstance(mod, AdaptiveMask):
             yield mod
+
+
+def host_span_maxima(masks: List[AdaptiveMask]) -> List[Optional[float]]:
+    """max z of each mask as a Python float, read in one device -> host copy for all of them (a
+    forward pass needs it per layer to size the window; per layer it would be one GPU
+    synchronisation each). None for dynamic spans: they depend on the layer's input."""
+    static = [m for m in masks if not m.dynamic]
+    if not static:
+        return [None] * len(masks)
+    with torch.no_grad():
+        maxima = iter(torch.stack([m.spans().detach().max() for m in static]).tolist())
+    return [None if m.dynamic else next(maxima) for m in masks]
 
 
 def span_penalty(model: nn.Module) -> Optional[Tensor]:
