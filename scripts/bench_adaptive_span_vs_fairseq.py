@@ -17,9 +17,16 @@ Notes on what differs by design (see docs/adaptive_span.md):
 * fairseq's example predicts M-1 tokens per block (the last target is padding) and its logged
   ``loss`` divides by M; eval-lm below scores both the same way.
 
+``--step-timing N`` times only the training step instead (fairseq's ``Trainer.train_step`` on
+real batches: forward, backward, optimizer; no data loading, logging or evaluation): N steps after
+10 warm-up steps, per run, in ``--step-rounds`` alternating rounds, median; ``--ours-code DIR``
+adds a row with our plugin from another checkout (``DIR/fairseq_attnzoo``, e.g. ``git worktree add
+DIR <commit>``) for before/after comparisons.
+
 Example (the numbers in docs/adaptive_span.md)::
 
     OMP_NUM_THREADS=1 python scripts/bench_adaptive_span_vs_fairseq.py --data data/wiki-gensim/bin
+    python scripts/bench_adaptive_span_vs_fairseq.py --device cuda --step-timing 100
 """
 
 import argparse
@@ -80,14 +87,25 @@ def commands(a):
     runs = {"fairseq examples/adaptive_span": baseline, "attnzoo adaptive_span_lm": ours}
     if a.also_no_renorm:
         runs["attnzoo, --adaptive-span-no-renorm"] = ours + ["--adaptive-span-no-renorm"]
+    if a.ours_code:
+        other = os.path.join(os.path.abspath(a.ours_code), "fairseq_attnzoo")
+        if not os.path.isdir(other):
+            raise SystemExit(f"--ours-code {a.ours_code}: no fairseq_attnzoo/ folder there; give "
+                             "a checkout of this repository (e.g. git worktree add DIR COMMIT)")
+        runs[f"attnzoo adaptive_span_lm ({a.ours_code})"] = [
+            other if x == os.path.join(REPO, "fairseq_attnzoo") else x for x in ours]
     return runs
 
 
-def eval_command(name, a, ckpt):
+def user_dir(cmd):
+    return cmd[cmd.index("--user-dir") + 1]
+
+
+def eval_command(name, a, ckpt, train_cmd):
     if name.startswith("fairseq"):
         extra = ["--user-dir", fairseq_example_dir(), "--task", "truncated_bptt_lm"]
     else:
-        extra = ["--user-dir", os.path.join(REPO, "fairseq_attnzoo"), "--task", "attnzoo_stream_lm"]
+        extra = ["--user-dir", user_dir(train_cmd), "--task", "attnzoo_stream_lm"]
     return fairseq_cli("eval_lm") + [a.data, "--path", ckpt] + (
         ["--cpu"] if a.device == "cpu" else []) + ["--gen-subset",
             a.subset, "--batch-size", str(a.eval_batch), "--tokens-per-sample", str(a.block),
@@ -111,7 +129,70 @@ def inner_logs(log: str):
     return out
 
 
+def time_steps(train_args, steps: int, warmup: int = 10) -> float:
+    """Seconds per ``Trainer.train_step`` for the fairseq-train command line ``train_args`` (run in
+    a fresh process: the two plugins are not imported together)."""
+    import torch
+
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    plugin = user_dir(train_args)
+    sys.path[:] = [x for x in sys.path if os.path.abspath(x or ".") != REPO]  # fairseq adds it
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.logging import metrics
+    from fairseq.trainer import Trainer
+
+    args = options.parse_args_and_arch(options.get_training_parser(), train_args)
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.import_user_module(cfg.common)
+    if "fairseq_attnzoo" in sys.modules:  # the plugin of that checkout, not another one
+        loaded = os.path.dirname(os.path.abspath(sys.modules["fairseq_attnzoo"].__file__))
+        if loaded != os.path.abspath(plugin):
+            raise SystemExit(f"imported {loaded}, not {plugin}")
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    trainer = Trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+    itr = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
+    batches = [next(itr) for _ in range(warmup + steps)]
+    cuda = torch.cuda.is_available() and not cfg.common.cpu
+    with metrics.aggregate("train"):
+        for b in batches[:warmup]:
+            trainer.train_step([b])
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b in batches[warmup:]:
+            trainer.train_step([b])
+        if cuda:
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def step_timing(a, runs, env):
+    """Median seconds per training step of every run, over alternating rounds."""
+    times = {name: [] for name in runs}
+    for rnd in range(a.step_rounds):
+        for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+            cmd = [sys.executable, os.path.abspath(__file__), "--_time-steps", str(a.step_timing),
+                   "--"] + runs[name][3:] + ["--max-update", "1000000", "--save-dir", a.work]
+            out, _ = run(cmd, env)
+            times[name].append(float(re.findall(r"STEP_SECONDS ([0-9.e-]+)", out)[-1]))
+            print(f"[round {rnd + 1}/{a.step_rounds}] {name}: "
+                  f"{times[name][-1] * 1000:.1f} ms/step", flush=True)
+    rows = []
+    for name, ts in times.items():
+        med = sorted(ts)[len(ts) // 2]
+        rows.append({"model": name, "ms/step (median)": med * 1000,
+                     "train tokens/s": a.batch * a.block / med, "rounds": len(ts)})
+    for r in rows:
+        r["speed ratio"] = r["train tokens/s"] / rows[0]["train tokens/s"]
+    return rows
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--_time-steps":  # worker of --step-timing
+        print(f"STEP_SECONDS {time_steps(sys.argv[4:], int(sys.argv[2])):.6f}")
+        return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=os.path.join(REPO, "data/wiki-gensim/bin"))
@@ -139,6 +220,13 @@ def main():
     p.add_argument("--also-no-renorm", action="store_true",
                    help="also train ours without renormalising the masked weights (as fairseq's "
                    "example)")
+    p.add_argument("--step-timing", type=int, default=0, metavar="N",
+                   help="time N training steps per run (Trainer.train_step, no data loading, "
+                   "logging or evaluation) instead of training and evaluating")
+    p.add_argument("--step-rounds", type=int, default=3,
+                   help="alternating rounds of --step-timing (median)")
+    p.add_argument("--ours-code", default=None, metavar="DIR",
+                   help="also run our plugin from another checkout DIR (before/after)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args()
     if not os.path.exists(os.path.join(a.data, "dict.txt")):
@@ -147,6 +235,19 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     runs = commands(a)
     shutil.rmtree(a.work, ignore_errors=True)
+    sys.path.insert(0, HERE)
+    from benchlib import format_table
+
+    if a.step_timing:
+        rows = step_timing(a, runs, env)
+        print(f"\nconfig: {a.layers} layers, d {a.dim}, {a.heads} heads, ffn {a.ffn}, S {a.span}, "
+              f"block {a.block}, batch {a.batch}; {a.step_timing} steps after 10 warm-up, "
+              f"device {a.device}, {a.threads} thread(s); data {a.data}\n")
+        print(format_table(rows))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "rows": rows, "commands": runs}, f, indent=1)
+        return
     logs = {name: [] for name in runs}
     names = list(runs)
     for seg in range(1, a.segments + 1):
@@ -160,7 +261,8 @@ def main():
     rows = []
     for name in names:
         save = os.path.join(a.work, re.sub(r"\W+", "_", name))
-        out, _ = run(eval_command(name, a, os.path.join(save, "checkpoint_last.pt")), env)
+        out, _ = run(eval_command(name, a, os.path.join(save, "checkpoint_last.pt"), runs[name]),
+                     env)
         m = re.search(r"Loss \(base 2\): ([0-9.]+)", out)
         ntok = re.search(r"Evaluated ([0-9,]+) tokens", out)
         tokens = sum(float(r["wpb"]) * 10 for r in logs[name])  # log interval 10 updates
@@ -176,8 +278,6 @@ def main():
     for r in rows:
         r["speed ratio"] = r["train tokens/s"] / base["train tokens/s"]
         r["bpc diff"] = r[f"{a.subset} bpc (eval-lm)"] - base[f"{a.subset} bpc (eval-lm)"]
-    sys.path.insert(0, HERE)
-    from benchlib import format_table
 
     print(f"\nconfig: {a.layers} layers, d {a.dim}, {a.heads} heads, ffn {a.ffn}, S {a.span}, "
           f"block {a.block}, batch {a.batch}, lr {a.lr} (warmup {a.warmup}), clip {a.clip}, "
