@@ -101,8 +101,9 @@ class _ProductTopk(torch.autograd.Function):
             # the overall top-k is among the pairs (a, b) of the two sorted lists; pair (a, b)
             # is beaten by every (a' <= a, b' <= b), so only pairs with (a+1)(b+1) <= knn can
             # make it (~k·ln k of the k² pairs: 119 of 1024 for k = 32)
-            # (index_select: 3x faster than advanced indexing with a 1-D index at these sizes)
-            cand = s1.index_select(-1, a) + s2.index_select(-1, b)  # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩
+            # (gather with an expanded index / index_select: 2-3x faster than advanced indexing)
+            cand = (s1.gather(-1, a.expand(h, e - s, -1))
+                    + s2.gather(-1, b.expand(h, e - s, -1)))  # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩
             best_s, best = cand.topk(knn, dim=-1)
             best_flat = best.view(-1)
             sub1 = i1.gather(-1, a.index_select(0, best_flat).view_as(best))  # chosen sub-keys
@@ -184,8 +185,7 @@ class _WeightedRowSum(torch.autograd.Function):
         grad = grad.contiguous()
         n, m = indices.shape
         flat = indices.reshape(-1)
-        order = torch.argsort(flat)
-        rows_read = flat[order]  # table row of each read, ascending
+        rows_read, order = torch.sort(flat)  # table row of each read, ascending
         token = order // m  # the bag (token) of each sorted read
         grad_table = grad_weights = None
         if ctx.needs_input_grad[2]:  # ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩, in row order
@@ -193,7 +193,7 @@ class _WeightedRowSum(torch.autograd.Function):
             grad_weights = torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad)
             grad_weights = grad_weights.view(n, m)
         if ctx.needs_input_grad[0]:
-            w = weights.reshape(-1)[order]
+            w = weights.reshape(-1).index_select(0, order)
             if ctx.sparse:
                 rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
                 starts = counts.cumsum(0) - counts
