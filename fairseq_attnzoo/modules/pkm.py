@@ -91,7 +91,8 @@ class _ProductTopk(torch.autograd.Function):
         indices = torch.empty(h, n, knn, dtype=torch.long, device=query.device)
         sub = torch.empty(n, h, 2, knn, dtype=torch.long, device=query.device)  # chosen a, b
         keys_t = keys.transpose(2, 3)  # [H, 2, half, n_keys]
-        chunk = max(1, _SCORE_CHUNK // (h * n_keys))
+        # CPU: cache-sized chunks; GPU: one chunk (no per-chunk kernel launches)
+        chunk = n if query.is_cuda else max(1, _SCORE_CHUNK // (h * n_keys))
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             # per half: [H, c, n_keys] scores -> sorted top-knn values and sub-key ids
@@ -141,7 +142,8 @@ class _ProductTopk(torch.autograd.Function):
         return grad_query, grad_keys, None
 
 
-#: elements of one chunk of search scores [H, chunk, n_keys] (4 MB in float32)
+#: elements of one CPU chunk of search scores [H, chunk, n_keys] (4 MB in float32; 512 tokens
+#: at H = 4, n_keys = 512: 256-1024 measured alike, all ~10% faster than one [H, N, n_keys] block)
 _SCORE_CHUNK = 1 << 20
 
 
@@ -163,7 +165,7 @@ class _WeightedRowSum(torch.autograd.Function):
 
     ``nn.EmbeddingBag``'s own backward materialises one d-vector per read -- N·heads·knn rows,
     uncoalesced (1 GB at 4096 tokens, d = 512) -- and reads the table rows for the weight gradient
-    in token order, i.e. at random. Here the reads are sorted by row once (one ``argsort``), and
+    in token order, i.e. at random. Here the reads are sorted by row once (one ``sort``), and
     both gradients are embedding-bag kernels over that order:
 
     * ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩ walks the table rows in increasing order (each read
