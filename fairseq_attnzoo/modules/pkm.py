@@ -143,7 +143,7 @@ class _ProductTopk(torch.autograd.Function):
 
 
 #: elements of one CPU chunk of search scores [H, chunk, n_keys] (4 MB in float32; 512 tokens
-#: at H = 4, n_keys = 512: 256-1024 measured alike, all ~10% faster than one [H, N, n_keys] block)
+#: at H = 4, n_keys = 512: 128-1024 measured alike, ~10% faster than one [H, N, n_keys] block)
 _SCORE_CHUNK = 1 << 20
 
 
