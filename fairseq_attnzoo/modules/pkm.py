@@ -84,7 +84,7 @@ class _ProductTopk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, keys: Tensor, knn: int):
-        h, n, k_dim = query.shape
+        h, n, _ = query.shape
         n_keys, half = keys.size(2), keys.size(3)
         a, b = _candidate_pairs(knn, query.device)
         scores = query.new_empty(h, n, knn)
