@@ -69,6 +69,31 @@ def test_product_topk_gradients_equal_autograd_through_brute_force(n_keys, knn):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_product_topk_in_token_chunks_equals_one_block(monkeypatch):
+    """The CPU search runs in chunks of tokens (cache-sized score blocks): 7 tokens a chunk
+    (a ragged last one) selects the same keys as one block, with the same scores and gradients up
+    to float rounding (the GEMM of a smaller block may sum in another order)."""
+    import fairseq_attnzoo.modules.pkm as pkm
+
+    g = torch.Generator().manual_seed(3)
+    h, n, half, n_keys, knn = 3, 50, 4, 12, 5
+    leaves = [torch.randn(h, n, half, generator=g, requires_grad=True) for _ in range(2)]
+    leaves += [torch.randn(h, n_keys, half, generator=g, requires_grad=True) for _ in range(2)]
+    up = torch.randn(h, n, knn, generator=g)
+
+    def run():
+        scores, idx = product_topk(*leaves, knn)
+        return (scores, idx) + torch.autograd.grad((scores.softmax(-1) * up).sum(), leaves)
+
+    monkeypatch.setattr(pkm, "_SCORE_CHUNK", h * n_keys * n)
+    whole = run()
+    monkeypatch.setattr(pkm, "_SCORE_CHUNK", h * n_keys * 7)
+    chunked = run()
+    assert torch.equal(whole[1], chunked[1])
+    for a, b in zip(whole[:1] + whole[2:], chunked[:1] + chunked[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_memory_read_equals_explicit_weighted_sum_of_values():
     m = _memory(bn=False).eval()
     x = torch.randn(9, 16)
