@@ -343,6 +343,34 @@ def test_adagrad_clip_update():
     assert torch.allclose(q.detach(), expect_q, atol=1e-6)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("clip", [0.0, 0.03])
+def test_adagrad_clip_group_update_equals_one_tensor_at_a_time(clip, weight_decay):
+    """The whole-group (_foreach) update is bit for bit the per-tensor update of the module
+    docstring, over several steps, with a tensor that has no gradient in one of them."""
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (128,), (7, 5, 3)]
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    ref = [p.detach().clone() for p in params]
+    sums = [torch.zeros_like(p) for p in ref]
+    opt = AdagradClip(params, lr=0.07, grad_clip=clip, weight_decay=weight_decay)
+    for it in range(4):
+        grads = [torch.randn(*s) * (it + 1) for s in shapes]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = None if (it == 2 and i == 1) else g.clone()
+            if p.grad is None:
+                continue
+            g = g.add(ref[i], alpha=weight_decay) if weight_decay else g
+            sums[i].addcmul_(g, g)
+            update = g / sums[i].sqrt().add_(1e-10)
+            if clip > 0:
+                update.mul_((clip / (torch.linalg.vector_norm(g) + 1e-10)).clamp_(max=1.0))
+            ref[i].add_(update, alpha=-0.07)
+        opt.step()
+    assert all(torch.equal(p.detach(), r) for p, r in zip(params, ref))
+    assert all(torch.equal(opt.state[p]["sum"], s) for p, s in zip(params, sums))
+
+
 def test_dynamic_span_learns_and_generation_samples(lm_data):
     _, task, model, criterion = _lm(lm_data, extra=["--adaptive-span-dynamic"])
     model.train()

@@ -52,27 +52,39 @@ class AdagradClip(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, clip, eps, wd = group["lr"], group["grad_clip"], group["eps"], group["weight_decay"]
+            params, grads, sums = [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
-                if g.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("adagrad_clip does not support sparse gradients")
-                if wd != 0:
-                    g = g.add(p, alpha=wd)
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = 0
                     state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                state["sum"].addcmul_(g, g)
-                update = g / state["sum"].sqrt().add_(eps)
-                if clip > 0:  # c_p = min(1, clip / ||g||), as a tensor: no host sync
-                    scale = (clip / (torch.linalg.vector_norm(g) + 1e-10)).clamp_(max=1.0)
-                    update.mul_(scale)
-                p.add_(update, alpha=-lr)
+                params.append(p)
+                grads.append(p.grad)
+                sums.append(state["sum"])
+            if params:
+                self._update(params, grads, sums, **{k: group[k] for k in
+                                                    ("lr", "grad_clip", "eps", "weight_decay")})
         return loss
+
+    @staticmethod
+    def _update(params, grads, sums, lr, grad_clip, eps, weight_decay):
+        """All tensors of a group at once (torch's ``_foreach`` kernels: a handful of launches
+        instead of ~10 per tensor), the same arithmetic as one tensor at a time."""
+        if weight_decay != 0:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        torch._foreach_addcmul_(sums, grads, grads)  # G_p += g * g
+        denom = torch._foreach_sqrt(sums)
+        torch._foreach_add_(denom, eps)
+        updates = torch._foreach_div(grads, denom)  # g / (sqrt(G_p) + eps)
+        if grad_clip > 0:  # c_p = min(1, clip / ||g||), one host read for the whole group
+            scale = torch.stack(torch._foreach_norm(grads)).add_(1e-10).reciprocal_()
+            torch._foreach_mul_(updates, scale.mul_(grad_clip).clamp_(max=1.0).tolist())
+        torch._foreach_add_(params, updates, alpha=-lr)
 
 
 @register_optimizer("adagrad_clip", dataclass=AdagradClipConfig)
