@@ -5,11 +5,16 @@
    stock module it replaces, same shapes, alternating, median of repeats, ratio).
 2. ``--train ARCH ...``: end-to-end ``fairseq-train`` words/s of each arch vs the stock
    ``transformer`` on the demo corpus at the demo size, alternating baseline and candidate runs.
+   The demo's character LMs (``adaptive_span_lm_small``, ``all_attention_lm``: their demo flags,
+   on the demo LM data) run against fairseq's stock ``transformer_lm`` at the same size (4 layers,
+   d 128, 4 heads, FFN 512, blocks of 128 bytes without a cache, batch 8, same optimizer).
+   ``--plugin DIR`` runs the candidates with the plugin of another checkout (before/after).
 
 Examples::
 
     python scripts/bench.py --cases synth --threads 2
     python scripts/bench.py --no-cases --train transformer_aop transformer_synth_random
+    python scripts/bench.py --no-cases --train transformer_pkm adaptive_span_lm_small --plugin /tmp/old
 """
 
 import argparse
@@ -41,17 +46,42 @@ def load_cases():
     return benchlib.CASES
 
 
-def train_wps(arch, data, updates, save_dir):
-    """Words/s of one short fairseq-train run (demo size and flags)."""
+# fairseq's stock decoder-only model at the demo LMs' size and optimizer: their baseline
+LM_BASELINE = ("--arch transformer_lm --task language_modeling --sample-break-mode none "
+               "--tokens-per-sample 128 --batch-size 8 --decoder-layers 4 --decoder-embed-dim 128 "
+               "--decoder-attention-heads 4 --decoder-ffn-embed-dim 512 --dropout 0 "
+               "--criterion cross_entropy --optimizer adagrad_clip --lr 0.07 "
+               "--lr-scheduler fixed --warmup-updates 100")
+
+
+def train_command(arch, data, updates, save_dir, plugin=None):
+    """The demo's fairseq-train command of ``arch`` (``transformer_lm``: :data:`LM_BASELINE`),
+    short and without saving or validation; ``plugin``: our package from another checkout."""
     import demo
 
-    spec = demo.DEMO.get(arch, {"flags": ""})
-    cmd = [demo.fairseq_bin("fairseq-train"), data, "--user-dir", demo.USER_DIR, "--arch",
-           spec.get("arch", arch), "--task", "translation", "--max-update", str(updates),
-           "--no-save", "--disable-validation", "--log-format", "json", "--log-interval",
-           str(updates), "--num-workers", "0", "--cpu", "--save-dir", save_dir, "--seed", "1"]
-    cmd += shlex.split(demo.COMMON) + shlex.split(spec.get("flags", ""))
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    quiet = ["--max-update", str(updates), "--no-save", "--disable-validation", "--log-format",
+             "json", "--log-interval", str(updates), "--num-workers", "0", "--cpu", "--save-dir",
+             save_dir, "--seed", "1"]
+    if arch in demo.LM_DEMO:
+        cmd = demo.lm_cmd(arch, demo.LM_DEMO[arch], save_dir, updates, 1) + quiet
+    elif arch == "transformer_lm":
+        cmd = [demo.fairseq_bin("fairseq-train"), demo.LM_DATA, "--user-dir", demo.USER_DIR]
+        cmd += shlex.split(LM_BASELINE) + quiet
+    else:
+        spec = demo.DEMO.get(arch, {"flags": ""})
+        cmd = [demo.fairseq_bin("fairseq-train"), data, "--user-dir", demo.USER_DIR, "--arch",
+               spec.get("arch", arch), "--task", "translation"] + quiet
+        cmd += shlex.split(demo.COMMON) + shlex.split(spec.get("flags", ""))
+    if plugin:
+        cmd = [os.path.join(os.path.abspath(plugin), "fairseq_attnzoo") if x == demo.USER_DIR
+               else x for x in cmd]
+    return cmd
+
+
+def train_wps(arch, data, updates, save_dir, plugin=None):
+    """Words (tokens) per second of one short fairseq-train run (demo size and flags)."""
+    out = subprocess.run(train_command(arch, data, updates, save_dir, plugin), capture_output=True,
+                         text=True)
     if out.returncode != 0:
         raise SystemExit(f"fairseq-train failed for {arch}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     wps = [float(json.loads(l[l.index("{"):])["train_wps"])
@@ -61,21 +91,25 @@ def train_wps(arch, data, updates, save_dir):
     return wps[-1]
 
 
-def bench_train(archs, data, updates, repeats):
+def bench_train(archs, data, updates, repeats, plugin=None):
+    import demo
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp, \
             progress(total=len(archs) * repeats * 2, desc="fairseq-train", unit="run") as bar:
         for arch in archs:
+            baseline = "transformer_lm" if arch in demo.LM_DEMO else "transformer"
             base, cand = [], []
             for i in range(repeats):  # alternate so load drift hits both
-                order = [("transformer", base), (arch, cand)]
-                for name, sink in (order if i % 2 == 0 else order[::-1]):
+                order = [(baseline, base, None), (arch, cand, plugin)]
+                for name, sink, code in (order if i % 2 == 0 else order[::-1]):
                     bar.set_postfix_str(name)
-                    sink.append(train_wps(name, data, updates, tmp))
+                    sink.append(train_wps(name, data, updates, tmp, code))
                     bar.update()
             b, c = statistics.median(base), statistics.median(cand)
-            rows.append({"arch": arch, "words/s": c, "transformer words/s": b, "ratio": c / b,
-                         "updates": updates, "repeats": repeats})
+            rows.append({"arch": arch, "words/s": c, "baseline": baseline,
+                         "baseline words/s": b, "ratio": c / b, "updates": updates,
+                         "repeats": repeats})
             bar.write(benchlib.format_table(rows[-1:]), file=sys.stdout)
     return rows
 
@@ -93,6 +127,9 @@ def main():
     p.add_argument("--train", nargs="*", default=[], help="archs for end-to-end words/s")
     p.add_argument("--train-updates", type=int, default=60)
     p.add_argument("--train-repeats", type=int, default=3)
+    p.add_argument("--plugin", default=None, metavar="DIR",
+                   help="--train: run the candidates with fairseq_attnzoo/ of another checkout "
+                   "DIR (e.g. `git worktree add DIR COMMIT`), for before/after tables")
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
     p.add_argument("--out", default=os.path.join(REPO, "docs/benchmarks.md"),
                    help="append the tables to this markdown file (default %(default)s; '' = no file)")
@@ -124,11 +161,22 @@ def main():
         print(table)
         sections.append(("Sublayer forward+backward (median ms, candidate / baseline)", table))
     if a.train:
-        if not os.path.exists(os.path.join(a.data, "dict.de.txt")):
-            raise SystemExit(f"no binarised demo corpus in {a.data}: run `make data` first")
-        table = benchlib.format_table(bench_train(a.train, a.data, a.train_updates, a.train_repeats))
+        import demo
+
+        if a.plugin and not os.path.isdir(os.path.join(a.plugin, "fairseq_attnzoo")):
+            raise SystemExit(f"--plugin {a.plugin}: no fairseq_attnzoo/ folder there; give a "
+                             "checkout of this repository")
+        needs = {demo.LM_DATA: "dict.txt"} if any(x in demo.LM_DEMO for x in a.train) else {}
+        if any(x not in demo.LM_DEMO for x in a.train):
+            needs[a.data] = "dict.de.txt"
+        for path, name in needs.items():
+            if not os.path.exists(os.path.join(path, name)):
+                raise SystemExit(f"no binarised demo corpus in {path}: run `make data` first")
+        table = benchlib.format_table(bench_train(a.train, a.data, a.train_updates,
+                                                  a.train_repeats, a.plugin))
         print(table)
-        sections.append(("End-to-end fairseq-train words/s vs transformer (demo size)", table))
+        title = "End-to-end fairseq-train words/s vs the stock model (demo size)"
+        sections.append((title + (f", candidates from {a.plugin}" if a.plugin else ""), table))
     if a.out and sections:
         with open(a.out, "a") as f:
             f.write(f"\n## {header}\n\n")
