@@ -56,7 +56,8 @@ LM_BASELINE = ("--arch transformer_lm --task language_modeling --sample-break-mo
 
 def train_command(arch, data, updates, save_dir, plugin=None):
     """The demo's fairseq-train command of ``arch`` (``transformer_lm``: :data:`LM_BASELINE`),
-    short and without saving or validation; ``plugin``: our package from another checkout."""
+    short and without saving or validation; ``plugin``: our package from another checkout
+    (:func:`benchlib.checkout_plugin`)."""
     import demo
 
     quiet = ["--max-update", str(updates), "--no-save", "--disable-validation", "--log-format",
@@ -72,10 +73,7 @@ def train_command(arch, data, updates, save_dir, plugin=None):
         cmd = [demo.fairseq_bin("fairseq-train"), data, "--user-dir", demo.USER_DIR, "--arch",
                spec.get("arch", arch), "--task", "translation"] + quiet
         cmd += shlex.split(demo.COMMON) + shlex.split(spec.get("flags", ""))
-    if plugin:
-        cmd = [os.path.join(os.path.abspath(plugin), "fairseq_attnzoo") if x == demo.USER_DIR
-               else x for x in cmd]
-    return cmd
+    return benchlib.with_user_dir(cmd, plugin) if plugin else cmd
 
 
 def train_wps(arch, data, updates, save_dir, plugin=None):
@@ -163,9 +161,7 @@ def main():
     if a.train:
         import demo
 
-        if a.plugin and not os.path.isdir(os.path.join(a.plugin, "fairseq_attnzoo")):
-            raise SystemExit(f"--plugin {a.plugin}: no fairseq_attnzoo/ folder there; give a "
-                             "checkout of this repository")
+        plugin = benchlib.checkout_plugin(a.plugin, "--plugin") if a.plugin else None
         needs = {demo.LM_DATA: "dict.txt"} if any(x in demo.LM_DEMO for x in a.train) else {}
         if any(x not in demo.LM_DEMO for x in a.train):
             needs[a.data] = "dict.de.txt"
@@ -173,7 +169,7 @@ def main():
             if not os.path.exists(os.path.join(path, name)):
                 raise SystemExit(f"no binarised demo corpus in {path}: run `make data` first")
         table = benchlib.format_table(bench_train(a.train, a.data, a.train_updates,
-                                                  a.train_repeats, a.plugin))
+                                                  a.train_repeats, plugin))
         print(table)
         title = "End-to-end fairseq-train words/s vs the stock model (demo size)"
         sections.append((title + (f", candidates from {a.plugin}" if a.plugin else ""), table))

@@ -88,12 +88,10 @@ def commands(a):
     if a.also_no_renorm:
         runs["attnzoo, --adaptive-span-no-renorm"] = ours + ["--adaptive-span-no-renorm"]
     if a.ours_code:
-        other = os.path.join(os.path.abspath(a.ours_code), "fairseq_attnzoo")
-        if not os.path.isdir(other):
-            raise SystemExit(f"--ours-code {a.ours_code}: no fairseq_attnzoo/ folder there; give "
-                             "a checkout of this repository (e.g. git worktree add DIR COMMIT)")
-        runs[f"attnzoo adaptive_span_lm ({a.ours_code})"] = [
-            other if x == os.path.join(REPO, "fairseq_attnzoo") else x for x in ours]
+        from benchlib import checkout_plugin, with_user_dir
+
+        runs[f"attnzoo adaptive_span_lm ({a.ours_code})"] = with_user_dir(
+            ours, checkout_plugin(a.ours_code, "--ours-code"))
     return runs
 
 

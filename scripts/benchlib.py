@@ -17,6 +17,7 @@ back-propagated. Extra columns (e.g. peak memory) can be given by ``extra=lambda
 """
 
 import gc
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -133,6 +134,23 @@ def run_case(case: SublayerCase, device, repeats: int, dtype=torch.float32) -> D
     del cm, bm, cin, bin_
     gc.collect()
     return row
+
+
+def checkout_plugin(checkout: str, flag: str) -> str:
+    """``fairseq_attnzoo/`` of another checkout of this repository, for before/after runs of the
+    same benchmark (``flag``: the option that named it, for the error)."""
+    path = os.path.join(os.path.abspath(checkout), "fairseq_attnzoo")
+    if not os.path.isdir(path):
+        raise SystemExit(f"{flag} {checkout}: no fairseq_attnzoo/ folder there; give a checkout "
+                         "of this repository (e.g. git worktree add DIR COMMIT)")
+    return path
+
+
+def with_user_dir(cmd: List[str], user_dir: str) -> List[str]:
+    """A copy of the fairseq command line ``cmd`` with the value of its ``--user-dir``
+    replaced."""
+    i = cmd.index("--user-dir") + 1
+    return cmd[:i] + [user_dir] + cmd[i + 1:]
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
