@@ -25,38 +25,7 @@ def _check_fairseq():
             "fairseq-fixed==0.12.3.1 (see README, Installation)")
 
 
-def _allow_fairseq_checkpoints():
-    """fairseq checkpoints pickle an argparse.Namespace; torch>=2.6 loads with weights_only=True.
-    Allow-list just that class instead of disabling the safe loader globally."""
-    import argparse
-
-    import torch
-
-    add = getattr(getattr(torch, "serialization", None), "add_safe_globals", None)
-    if add is not None:
-        add([argparse.Namespace])
-
-
-def _numpy2_compat():
-    """fairseq's TokenBlockDataset (``--sample-break-mode eos/complete``) and bucketed translation
-    data use ``np.compat.long``, which NumPy 2 removed. Restore just that alias (int64)."""
-    import types
-
-    import numpy as np
-
-    if not hasattr(np, "compat"):
-        np.compat = types.SimpleNamespace(long=np.int64)
-    elif not hasattr(np.compat, "long"):  # pragma: no cover
-        np.compat.long = np.int64
-
-
 _check_fairseq()
-_allow_fairseq_checkpoints()
-_numpy2_compat()
-
-from . import cli_hints  # noqa: E402
-
-cli_hints.install()
 
 from . import models  # noqa: E402,F401  (registers the models and every arch)
 
@@ -72,3 +41,8 @@ def _import_all(package: str):
 
 for _package in ("criterions", "tasks", "optim"):
     _import_all(_package)
+
+
+from . import compat  # noqa: E402  (every patch of fairseq/torch/numpy: one table)
+
+compat.apply_all()

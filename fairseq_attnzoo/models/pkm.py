@@ -29,7 +29,6 @@ from typing import List, Optional
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.logging import meters as _fairseq_meters
 from fairseq.logging import metrics
 from fairseq.logging.meters import Meter
 from fairseq.models import register_model_architecture
@@ -179,10 +178,8 @@ class SlotUsageMeter(Meter):
         return round(usage if self.stat == "usage" else kl, 4)
 
 
-# fairseq checkpoints the "valid" aggregator (trainer.valid_step is decorated with
-# metrics.aggregate("valid")) and rebuilds its meters by class name looked up in the globals of
-# fairseq.logging.meters; make the name resolvable there so --restore-file works.
-setattr(_fairseq_meters, SlotUsageMeter.__name__, SlotUsageMeter)
+# fairseq checkpoints the "valid" aggregator and rebuilds its meters by class name from the
+# globals of fairseq.logging.meters: compat.py's "fairseq_meters_slot_usage" registers this class.
 
 
 class UsageLogger:

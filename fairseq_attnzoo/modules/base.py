@@ -29,14 +29,12 @@ an equivalent stand-in otherwise), so the modules work and test without fairseq.
 import contextlib
 import math
 import uuid
-import weakref
 from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 try:  # fairseq's helper, so our state lives in fairseq's incremental_state exactly like its MHA's
     from fairseq.incremental_decoding_utils import FairseqIncrementalState
@@ -57,103 +55,11 @@ except ImportError:  # pragma: no cover - torch-only use
             return incremental_state
 
 
+from .constrained import BoundedParameter, UnitIntervalParameter  # noqa: E402,F401
+from .precision import (  # noqa: E402,F401
+    HALF_DTYPES, Float32Module, float32_region, fp32_softmax, mask_value)
+
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
-
-#: the reduced-precision floating types (model.half(), model.bfloat16(), autocast)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def mask_value(dtype: torch.dtype) -> float:
-    """Finite "minus infinity" for masks: large enough to zero a softmax weight, small enough that
-    a fully masked row stays finite (uniform) instead of NaN. Apply it with ``masked_fill`` (or add
-    it once to finite logits): two of them added together overflow to -inf."""
-    return torch.finfo(dtype).min
-
-
-# ---- reduced precision ---------------------------------------------------------------------------
-def fp32_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """softmax computed in float32 and cast back to ``x``'s dtype (``fairseq.utils.softmax``): the
-    normaliser of an fp16/bf16 row loses the small weights otherwise."""
-    return torch.softmax(x, dim=dim, dtype=torch.float32).to(x.dtype)
-
-
-def float32_region(device) -> contextlib.AbstractContextManager:
-    """A region computed in float32 even under ``torch.autocast`` (``--amp``): autocast is switched
-    off, so float32 inputs give float32 results (cast half inputs with ``.float()``)."""
-    kind = torch.device(device).type
-    if kind not in ("cpu", "cuda", "xpu", "mps"):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=kind, enabled=False)
-
-
-class Float32Module(nn.Module):
-    """A module whose parameters and buffers stay float32 when the model is cast to fp16/bf16
-    (``model.half()``, ``model.to(torch.bfloat16)``: what fairseq's ``--fp16``/``--bf16`` do), as
-    fairseq's ``Fp32BatchNorm``/``Fp32LayerNorm``. For quantities whose resolution matters more than
-    their memory: learned spans (a bfloat16 span near 5,000 rounds to a multiple of 32 positions),
-    batch-norm statistics. A subclass computes in float32 (inputs ``.float()``, outputs cast back).
-    Device moves apply as usual; the float32 values are never rounded through half."""
-
-    def _apply(self, fn, recurse=True):
-        def keep_float32(t: Tensor) -> Tensor:
-            out = fn(t)
-            if t.dtype == torch.float32 and out.dtype in HALF_DTYPES:
-                return t.to(device=out.device)  # from the original: no round trip through half
-            return out
-
-        return super()._apply(keep_float32, recurse)
-
-
-class BoundedParameter(nn.Parameter):
-    """A parameter kept inside [``low``, ``high``] (projected gradient descent): it is clamped after
-    every optimizer step, by a global optimizer step hook (any ``torch.optim`` optimizer, hence
-    fp32, ``--amp`` and ``--memory-efficient-fp16``/``bf16`` training) and, under fairseq's
-    ``FP16Optimizer`` (``--fp16``/``--bf16``), on its fp32 master copy before that is copied into
-    the model (:mod:`fairseq_attnzoo.optim.mixed_precision`). Subclass it to set the bounds; deep copies
-    keep the class, state dicts hold plain tensors."""
-
-    low: float = -math.inf
-    high: float = math.inf
-
-    def __new__(cls, data: Optional[Tensor] = None, requires_grad: bool = True):
-        return super().__new__(cls, data, requires_grad)
-
-    @classmethod
-    def project_tensor_(cls, t: Tensor) -> Tensor:
-        """Clamp ``t`` (this parameter, or a master copy / slice of it) into the bounds, in place."""
-        with torch.no_grad():
-            return t.clamp_(cls.low, cls.high)
-
-    def project_(self) -> "BoundedParameter":
-        self.project_tensor_(self.data)
-        return self
-
-
-class UnitIntervalParameter(BoundedParameter):
-    """A parameter kept in [0, 1] (e.g. an adaptive span as a fraction of the maximum span)."""
-
-    low, high = 0.0, 1.0
-
-
-_BOUNDED_BY_OPTIMIZER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _project_after_step(optimizer, args, kwargs):
-    """Global ``torch.optim`` step post-hook: project the bounded parameters this optimizer
-    updates (cached per optimizer; recomputed when its parameter groups change)."""
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    cached = _BOUNDED_BY_OPTIMIZER.get(optimizer)
-    if cached is None or cached[0] != count:
-        bounded = [p for g in optimizer.param_groups for p in g["params"]
-                   if isinstance(p, BoundedParameter)]
-        cached = (count, bounded)
-        _BOUNDED_BY_OPTIMIZER[optimizer] = cached
-    for p in cached[1]:
-        p.project_()
-
-
-register_optimizer_step_post_hook(_project_after_step)
-
 
 def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=None) -> Tensor:
     """Absolute positions 0,1,2,... of non-pad tokens ([B, T] or [1, T] if no mask); pads get 0.

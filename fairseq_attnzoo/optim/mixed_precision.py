@@ -1,4 +1,4 @@
-"""Two fixes to fairseq's mixed-precision optimizer wrappers, installed when the plugin loads.
+"""Two fixes to fairseq's mixed-precision optimizer wrappers (applied by :mod:`fairseq_attnzoo.compat`).
 
 1. **Parameter constraints under FP16Optimizer** (see below).
 2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
@@ -28,10 +28,7 @@ projection on the tensors the optimizer really updates. Offsets follow fairseq's
 
 from collections import defaultdict
 
-from fairseq.optim.amp_optimizer import AMPOptimizer
-from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
-
-from ..modules.base import BoundedParameter
+from ..modules.constrained import BoundedParameter
 
 
 def project_masters_(fp16_params, fp32_params) -> int:
@@ -58,30 +55,21 @@ def project_masters_(fp16_params, fp32_params) -> int:
     return n
 
 
-def _amp_step(self):
+def amp_step(self):
     """``AMPOptimizer.step``: step the torch optimizer that ``clip_grad_norm`` unscaled (fairseq's
     own passes its wrapper, which the GradScaler then unscales again). Same update otherwise: the
-    wrapper's ``step`` only forwards to this optimizer."""
+    wrapper's ``step`` only forwards to this optimizer. Installed by :mod:`fairseq_attnzoo.compat`."""
     self.scaler.step(self.optimizer)
     self.scaler.update()
 
 
-def install():
-    """Wrap ``FP16Optimizer``'s master -> model copy and fix ``AMPOptimizer.step`` (idempotent)."""
-    if not getattr(AMPOptimizer.step, "_attnzoo", False):
-        _amp_step._attnzoo = True
-        AMPOptimizer.step = _amp_step
-    sync = _FP16OptimizerMixin._sync_fp32_params_to_fp16
-    if getattr(sync, "_attnzoo_projects", False):
-        return
+def projecting_sync(sync):
+    """Wrap ``FP16Optimizer._sync_fp32_params_to_fp16`` to project bounded masters first.
+    Installed by :mod:`fairseq_attnzoo.compat`."""
 
     def _sync_fp32_params_to_fp16(self):
         project_masters_(self.fp16_params, self.fp32_params)
         sync(self)
 
-    _sync_fp32_params_to_fp16._attnzoo_projects = True
     _sync_fp32_params_to_fp16.__doc__ = sync.__doc__
-    _FP16OptimizerMixin._sync_fp32_params_to_fp16 = _sync_fp32_params_to_fp16
-
-
-install()
+    return _sync_fp32_params_to_fp16

@@ -1,0 +1,92 @@
+"""Parameters with a box constraint, kept inside it by projected gradient descent.
+
+A :class:`BoundedParameter` is clamped into [``low``, ``high``] after every optimizer step:
+
+* by a ``torch.optim`` step post-hook (:func:`install_projection_hook`), for any optimizer that
+  updates the model's own parameters (fp32, ``--amp``, ``--memory-efficient-fp16``/``bf16``); the
+  plugin installs it through :mod:`fairseq_attnzoo.compat` (torch-only users call it themselves);
+* under fairseq's ``FP16Optimizer`` (``--fp16``/``--bf16``), on the fp32 master copy before it is
+  copied into the model (:mod:`fairseq_attnzoo.optim.mixed_precision`).
+
+Imports torch only and changes nothing at import time.
+"""
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+
+def _rebuild_bounded(cls, data: Tensor, requires_grad: bool):
+    return cls(data, requires_grad)
+
+
+class BoundedParameter(nn.Parameter):
+    """A parameter kept inside [``low``, ``high``]. Subclass it to set the bounds. Deep copies and
+    pickles keep the class (so the projection goes on); state dicts hold plain tensors."""
+
+    low: float = -math.inf
+    high: float = math.inf
+
+    def __new__(cls, data: Optional[Tensor] = None, requires_grad: bool = True):
+        return super().__new__(cls, data, requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        # nn.Parameter pickles as a plain Parameter; rebuild this class instead
+        return _rebuild_bounded, (type(self), self.detach(), self.requires_grad)
+
+    @classmethod
+    def project_tensor_(cls, t: Tensor) -> Tensor:
+        """Clamp ``t`` (this parameter, or a master copy / slice of it) into the bounds, in place."""
+        with torch.no_grad():
+            return t.clamp_(cls.low, cls.high)
+
+    def project_(self) -> "BoundedParameter":
+        self.project_tensor_(self.data)
+        return self
+
+
+class UnitIntervalParameter(BoundedParameter):
+    """A parameter kept in [0, 1] (e.g. an adaptive span as a fraction of the maximum span)."""
+
+    low, high = 0.0, 1.0
+
+
+#: attribute under which an optimizer caches (ids of its parameters, the bounded ones among them)
+_CACHE = "_attnzoo_bounded_params"
+
+
+def bounded_params_of(optimizer) -> List[BoundedParameter]:
+    """The bounded parameters an optimizer updates. Cached on the optimizer object (optimizers need
+    not be hashable) and keyed by the identity of every parameter in its groups, so a group edited
+    in place (a parameter swapped for another, a group added) is seen at the next step."""
+    key: Tuple[int, ...] = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
+    cached = getattr(optimizer, _CACHE, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    bounded = [p for g in optimizer.param_groups for p in g["params"]
+               if isinstance(p, BoundedParameter)]
+    try:
+        setattr(optimizer, _CACHE, (key, bounded))
+    except AttributeError:  # pragma: no cover - an optimizer with __slots__: no cache
+        pass
+    return bounded
+
+
+def project_after_step(optimizer, args=None, kwargs=None):
+    """``torch.optim`` step post-hook: project the bounded parameters this optimizer updates."""
+    for p in bounded_params_of(optimizer):
+        p.project_()
+
+
+_HOOK = []
+
+
+def install_projection_hook():
+    """Register :func:`project_after_step` as a global ``torch.optim`` step post-hook (once)."""
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(project_after_step))
