@@ -2,7 +2,8 @@
 and the checkpoint conversion script end to end (train -> convert -> generate -> fine-tune)."""
 
 import contextlib
-import importlib.util
+import importlib
+import shlex
 import io
 import os
 
@@ -20,14 +21,11 @@ from fairseq_attnzoo.modules.collab import (
     head_projections,
 )
 
-from zoo_testlib import REPO, USER_DIR, run_cli
+from zoo_testlib import USER_DIR, run_cli
 
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"fairseq_attnzoo.cli.{name}")
 
 
 def _trained_like_mha(d=32, heads=4, kdim=None, seed=0, **kw):
@@ -365,6 +363,26 @@ def test_convert_full_rank_exact_then_generate_and_finetune(vanilla):
     before = torch.load(half, weights_only=False)["model"]
     key = "encoder.layers.0.self_attn.mixing"
     assert not torch.equal(tuned["model"][key], before[key])  # the mixing trains
+
+
+def test_printed_finetune_command_runs_as_printed(vanilla, capsys):
+    """The command printed after a conversion names the checkpoint's data, sizes and optimizer
+    (no placeholder): it parses, builds a model the converted weights load into, and trains."""
+    from fairseq import options, tasks
+
+    root, data, ckpt = vanilla
+    out = str(root / "ft_cmd" / "converted.pt")
+    _script("collab_reparametrize").main([ckpt, out, "--key-dim", "16", "--quiet"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fine-tune: "))
+    argv = shlex.split(line[len("fine-tune: "):])
+    assert argv[0] == "fairseq-train" and "<" not in line
+    args = options.parse_args_and_arch(options.get_training_parser(), argv[1:])
+    assert (args.arch, args.collab_key_dim, args.encoder_embed_dim, args.encoder_layers,
+            args.optimizer, args.data) == ("transformer_collab", 16, 32, 2, "adam", data)
+    model = tasks.setup_task(args).build_model(args)
+    model.load_state_dict(torch.load(out, weights_only=False)["model"], strict=True)
+    lines = run_cli("train", argv[1:] + ["--max-update", "1", "--no-epoch-checkpoints"])
+    assert any("done training" in x for x in lines)
 
 
 def test_convert_accepts_stock_transformer_arch(vanilla):

@@ -23,22 +23,23 @@ dropped (its shapes no longer match); fine-tune with ``--restore-file OUT --rese
 
 Example::
 
-    python scripts/collab_reparametrize.py checkpoints/vanilla/checkpoint_best.pt \\
+    attnzoo-collab-reparametrize checkpoints/vanilla/checkpoint_best.pt \\
         checkpoints/collab64/converted.pt --key-dim 64
     fairseq-generate DATA --user-dir fairseq_attnzoo --path checkpoints/collab64/converted.pt ...
+
+It prints the ``fairseq-train`` command that fine-tunes the converted model: the checkpoint's own
+data, task, model sizes, criterion, optimizer and schedule (every stored setting that differs from
+the defaults), ``--arch transformer_collab``, ``--restore-file OUT`` and the resets, with
+``--save-dir`` next to OUT (``--finetune-save-dir`` to change it). Add e.g. ``--max-update N
+--lr X`` to shorten the schedule (later flags win).
 """
 
 import argparse
 import os
 import re
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-from preplib import add_progress_flag, configure_progress  # noqa: E402
+from fairseq_attnzoo.cli.progress import add_progress_flag, configure_progress
 
 ATTN_KEY = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
 STOCK_ATTN = ("mha", "sdpa")  # concatenated heads with q_proj/k_proj/v_proj/out_proj
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="maximum ALS sweeps per layer (default: 50)")
     p.add_argument("--tol", type=float, default=1e-5,
                    help="stop when the relative error improves by less than this (default: 1e-5)")
+    p.add_argument("--finetune-save-dir", default=None, metavar="DIR",
+                   help="--save-dir of the printed fine-tune command (default: finetune/ in the "
+                   "output's folder)")
     add_progress_flag(p)
     p.add_argument("--quiet", dest="no_progress", action="store_true",
                    help="same as --no-progress")
@@ -130,8 +134,11 @@ def decompose(wq, wk, num_heads: int, key_dim: int, solver: str, n_iter_max: int
     if solver == "als":
         cp = cp_heads(A, B, key_dim, n_iter_max=n_iter_max, tol=tol)
         return (cp.W_Q, cp.mixing, cp.W_K), cp.rel_error, cp.iterations
-    import tensorly as tl
     import torch
+
+    from fairseq_attnzoo.cli import require
+
+    tl = require("tensorly")
     from tensorly.cp_tensor import CPTensor
     from tensorly.decomposition import parafac
 
@@ -165,7 +172,7 @@ def convert(state, key_dim: int, solver: str = "als", n_iter_max: int = 50, tol:
         parser.error(f"--key-dim {key_dim} is above the model's key dimension H·d_k = {full}: "
                      f"expected 1 <= D̃k <= {full}")
     rows = []
-    from preplib import progress as progress_bar
+    from fairseq_attnzoo.cli.progress import progress as progress_bar
 
     it = progress_bar(layers, desc=f"CP rank {key_dim}", unit="layer") if progress else layers
     for prefix, heads in it:
@@ -256,10 +263,20 @@ def main(argv=None):
           f"(mean rel. error {sum(errs) / len(errs):.4f}, max {max(errs):.4f}) in {total:.1f} s "
           f"-> {args.output}")
     print(f"converted model params: {count_params(state['model']):,} (original {before:,})")
-    print("fine-tune: fairseq-train DATA --user-dir fairseq_attnzoo --arch transformer_collab "
-          f"--collab-key-dim {args.key_dim} <your model's size flags> --restore-file "
-          f"{args.output} --reset-optimizer --reset-lr-scheduler --reset-dataloader --reset-meters")
+    print("fine-tune: " + finetune_command(state["cfg"], args.output, args.finetune_save_dir))
     return rows
+
+
+def finetune_command(cfg, output: str, save_dir=None) -> str:
+    """The complete ``fairseq-train`` command that fine-tunes the converted checkpoint ``output``
+    with the settings stored in its ``cfg`` (see the module docstring)."""
+    from fairseq_attnzoo.cli.train_command import format_command, training_command
+
+    output = os.path.abspath(output)
+    save_dir = save_dir or os.path.join(os.path.dirname(output), "finetune")
+    extra = ["--save-dir", save_dir, "--restore-file", output, "--reset-optimizer",
+             "--reset-lr-scheduler", "--reset-dataloader", "--reset-meters"]
+    return format_command("fairseq-train", training_command(cfg, "transformer_collab", extra))
 
 
 if __name__ == "__main__":

@@ -9,18 +9,18 @@ histogram of the slot weights and a heatmap of Z over the n_keys × n_keys produ
 Memories that read one shared value pool (Memory+, ``--pkm-shared-values true``) are reported per
 layer and, summed over those layers, for the pool as a whole (``shared pool``).
 
-    python scripts/plot_pkm_usage.py --path checkpoints/checkpoint_best.pt \\
+    attnzoo-plot pkm-usage --path checkpoints/checkpoint_best.pt \\
         --data data-bin/wikitext-103 --subset valid --out pkm_usage.png
 """
 
 import argparse
 import os
-import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from fairseq_attnzoo.cli import require
+
+USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the plugin package
 
 
 def load(path, data, user_dir, cpu):
@@ -92,7 +92,7 @@ def plot(counts, mems, out):
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's root logger is verbose
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,17 +121,18 @@ def plot(counts, mems, out):
     fig.savefig(out, dpi=110)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--path", required=True, help="fairseq checkpoint")
     p.add_argument("--data", required=True, help="binarised data directory of the checkpoint's task")
     p.add_argument("--subset", default="valid")
-    p.add_argument("--user-dir", default=os.path.join(REPO, "fairseq_attnzoo"))
+    p.add_argument("--user-dir", default=USER_DIR)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--max-batches", type=int, default=None, help="stop early (default: all)")
     p.add_argument("--out", default="pkm_usage.png")
     p.add_argument("--cpu", action="store_true")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    require("matplotlib")
     from fairseq_attnzoo.modules.pkm import usage_stats
 
     model, task = load(a.path, a.data, a.user_dir, a.cpu)

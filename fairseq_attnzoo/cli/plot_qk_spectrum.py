@@ -15,17 +15,14 @@ query/key subspace, i.e. that collaborative heads with a small D̃k lose little.
 For collaborative layers (``transformer_collab`` checkpoints) the products are
 W̃Q diag(m_i) W̃Kᵀ and the same curve is drawn.
 
-    python scripts/plot_qk_spectrum.py checkpoints/vanilla/checkpoint_best.pt -o qk_spectrum.png
+    attnzoo-plot qk-spectrum checkpoints/vanilla/checkpoint_best.pt -o qk_spectrum.png
 """
 
 import argparse
 import os
 import re
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from fairseq_attnzoo.cli import require
 
 ATTN = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
 THRESHOLDS = (0.9, 0.95, 0.99)
@@ -145,7 +142,7 @@ def format_table(curves) -> str:
 def plot_panels(panels, out: str, with_projections: bool = False) -> str:
     """Side-by-side spectra: ``panels`` = [(title, curves)], e.g. a model before and after its
     conversion to collaborative heads. -> out"""
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -170,6 +167,7 @@ def main(argv=None):
     p.add_argument("--with-projections", action="store_true",
                    help="also draw the spectrum of the concatenated W_Q (dashed)")
     args = p.parse_args(argv)
+    require("matplotlib")
     if not os.path.isfile(args.checkpoint):
         p.error(f"checkpoint {args.checkpoint!r} not found: expected a fairseq .pt file")
     curves = load_curves(args.checkpoint, center=args.center)

@@ -7,22 +7,19 @@ Reads ``decoder.layers.<i>.attn.mask.span`` (z / S per head) and the model's S f
 For dynamic spans (``--adaptive-span-dynamic``) the span depends on the input; the plot shows
 S * sigmoid(b), the span of an input the predictor maps to zero.
 
-    python scripts/plot_spans.py checkpoints/demo_span/checkpoint_best.pt --out spans.png
+    attnzoo-plot spans checkpoints/demo_span/checkpoint_best.pt --out spans.png
 """
 
 import argparse
-import os
 import re
-import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fairseq_attnzoo.cli import require
 
 
 def load_spans(path: str):
     """-> (S, R, [per layer: tensor of z per head]) from a fairseq checkpoint."""
-    sys.path.insert(0, REPO)
     import fairseq_attnzoo  # noqa: F401  (allow-lists argparse.Namespace for torch.load)
     from fairseq import checkpoint_utils
 
@@ -58,7 +55,7 @@ def plot_spans(s: int, r: int, spans, out: str, title: str) -> str:
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -84,13 +81,14 @@ def plot_spans(s: int, r: int, spans, out: str, title: str) -> str:
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
     p.add_argument("--out", default=None, help="PNG path (default: <checkpoint dir>/spans.png)")
     p.add_argument("--title", default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    require("matplotlib")
     s, r, spans = load_spans(a.checkpoint)
     print(f"S = {s}, R = {r}; span z per head (positions), sorted:")
     print(format_spans(spans))

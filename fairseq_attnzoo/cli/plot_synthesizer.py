@@ -2,7 +2,7 @@
 """Plot the synthesized self-attention of a trained Synthesizer checkpoint, next to the dot-product
 attention of a vanilla checkpoint on the same sentence, and print the learned mixture weights.
 
-    python scripts/plot_synthesizer_attention.py --checkpoint ckpt/synth/checkpoint_best.pt \\
+    attnzoo-plot synthesizer --checkpoint ckpt/synth/checkpoint_best.pt \\
         --data data-bin/demo --sentence "▁the ▁cat ▁sat" [--target "..."] \\
         [--vanilla-checkpoint ckpt/base/checkpoint_best.pt] [--spm-model spm.model] --out-dir plots
 
@@ -15,20 +15,16 @@ Writes ``<out>/synth_<side>.png`` (layers x heads), ``<out>/vanilla_<side>.png``
 import argparse
 import logging
 import os
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from fairseq import checkpoint_utils
+from fairseq.modules import MultiheadAttention
 
-# the repository root, normalised: fairseq's --user-dir check compares the plugin's import path
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fairseq_attnzoo  # noqa: E402,F401  (registers the archs)
-from fairseq import checkpoint_utils  # noqa: E402
-from fairseq.modules import MultiheadAttention  # noqa: E402
-
-from fairseq_attnzoo.models.synthesizer import format_mixture_weights  # noqa: E402
-from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention  # noqa: E402
+import fairseq_attnzoo  # noqa: F401  (registers the archs)
+from fairseq_attnzoo.cli import require
+from fairseq_attnzoo.models.synthesizer import format_mixture_weights
+from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
 Maps = Dict[str, List[torch.Tensor]]  # side -> per layer [H, Tq, Tk]
 
@@ -112,7 +108,7 @@ def run(model, task, src: torch.Tensor, tgt: Optional[torch.Tensor]) -> Maps:
 
 
 def plot_grid(maps: List[torch.Tensor], labels_q, labels_k, title: str, path: str):
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -139,7 +135,7 @@ def plot_grid(maps: List[torch.Tensor], labels_q, labels_k, title: str, path: st
 
 def plot_compare(synth: List[torch.Tensor], vanilla: List[torch.Tensor], labels_q, labels_k,
                  side: str, path: str):
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -186,7 +182,7 @@ def mixture_log(train_log: str) -> Dict[str, List[Tuple[int, float]]]:
 
 def plot_mixture_log(curves: Dict[str, List[Tuple[int, float]]], out: str, title: str) -> str:
     """alpha of the first mixture component per layer over training. -> out"""
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -220,6 +216,7 @@ def main(argv=None):
                    "on the same data, plotted next to the synthesizer")
     p.add_argument("--out-dir", default="synth_plots")
     args = p.parse_args(argv)
+    require("matplotlib")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     os.makedirs(args.out_dir, exist_ok=True)
 

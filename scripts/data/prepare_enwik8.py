@@ -42,15 +42,13 @@ from __future__ import annotations
 import argparse
 import bz2
 import glob
-import os
 import subprocess
 import sys
 import time
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from preplib import (  # noqa: E402
+from scripts.data.preplib import (
     PrepError, add_progress_flag, binarize, configure_progress, fail, fetch_url, is_cached,
     progress, run_main, write_stats,
 )

@@ -8,7 +8,7 @@ Source
     (``par_id...``, ``hd_id...``, ``bm_id...``; a few older ones are ``par_123``/``hd_123``) in both
     languages and sentence pairs align exactly by (help file, id). ``apt-get download`` needs no root.
 
-Pipeline (``python scripts/prepare_libreoffice.py --help`` for the options)
+Pipeline (``python -m scripts.data.prepare_libreoffice --help`` for the options)
     1. ``apt-get download`` both packages into ``--cache`` and ``dpkg-deb -x`` them there (skipped when
        already there; ``--debs DIR`` uses .deb files or extracted trees you provide instead).
     2. Parse every help page with the stdlib ``html.parser``. The text of an element is its visible
@@ -64,8 +64,7 @@ from collections import Counter, defaultdict
 from html.parser import HTMLParser
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from preplib import (  # noqa: E402
+from scripts.data.preplib import (
     PrepError, add_progress_flag, binarize, configure_progress, encode_file, is_cached, progress,
     run_main, train_spm, write_lines, write_stats,
 )

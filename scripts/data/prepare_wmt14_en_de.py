@@ -60,8 +60,7 @@ import tarfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from preplib import (  # noqa: E402
+from scripts.data.preplib import (
     PrepError, add_progress_flag, binarize, configure_progress, count_lines, encode_file,
     fetch_url, is_cached, progress, read_lines, run_main, train_spm, write_lines, write_stats,
 )

@@ -1,0 +1,29 @@
+"""Console commands of fairseq-attnzoo (``setup.py``'s ``console_scripts``; each module also runs
+as ``python -m fairseq_attnzoo.cli.<name>``):
+
+==================================  ==========================================================
+command                             module
+==================================  ==========================================================
+``attnzoo-archs [ARCH]``            :mod:`.archs`: every arch, its flags, defaults, sublayers
+``attnzoo-sample``                  :mod:`.sample`: sample or beam-search from an LM checkpoint
+``attnzoo-average-checkpoints``     :mod:`.average_checkpoints`: average the last N checkpoints
+``attnzoo-collab-reparametrize``    :mod:`.collab_reparametrize`: MHA -> collaborative heads
+``attnzoo-plot KIND ...``           :mod:`.plot`: spans, pkm-usage, qk-spectrum, synthesizer
+==================================  ==========================================================
+
+Importing this package has no side effects; each command imports ``fairseq_attnzoo`` (which
+registers the archs) when it runs.
+"""
+
+import importlib
+
+ANALYSIS_HINT = "pip install 'fairseq-attnzoo[analysis]'"
+
+
+def require(module: str, extra: str = "analysis"):
+    """Import an optional dependency, or exit with one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(f"error: this command needs {module.split('.')[0]}, which is not "
+                         f"installed: run `pip install 'fairseq-attnzoo[{extra}]'`") from None
