@@ -16,4 +16,13 @@ setup(
         "test": ["pytest"],
         "analysis": ["matplotlib", "tensorly", "tqdm"],
     },
+    entry_points={
+        "console_scripts": [
+            "attnzoo-archs = fairseq_attnzoo.cli.archs:main",
+            "attnzoo-sample = fairseq_attnzoo.cli.sample:main",
+            "attnzoo-average-checkpoints = fairseq_attnzoo.cli.average_checkpoints:main",
+            "attnzoo-collab-reparametrize = fairseq_attnzoo.cli.collab_reparametrize:cli_main",
+            "attnzoo-plot = fairseq_attnzoo.cli.plot:main",
+        ],
+    },
 )

@@ -2,9 +2,9 @@
 """Average the weights of the last N fairseq checkpoints (Vaswani et al. 2017: "the last 5
 checkpoints"), for generation.
 
-    python scripts/average_checkpoints.py --inputs checkpoints/wmt14_en_de/ARCH --last 5 \\
+    attnzoo-average-checkpoints --inputs checkpoints/wmt14_en_de/ARCH --last 5 \\
         --output checkpoints/wmt14_en_de/ARCH/checkpoint.avg5.pt
-    python scripts/average_checkpoints.py --inputs a.pt b.pt c.pt --output avg.pt
+    attnzoo-average-checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 
 A directory input selects its update checkpoints ``checkpoint_<epoch>_<updates>.pt`` (from
 ``--save-interval-updates``) with the highest update counts, or, when there are none, its epoch

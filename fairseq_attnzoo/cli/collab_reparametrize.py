@@ -279,5 +279,11 @@ def finetune_command(cfg, output: str, save_dir=None) -> str:
     return format_command("fairseq-train", training_command(cfg, "transformer_collab", extra))
 
 
-if __name__ == "__main__":
+def cli_main():
+    """Console entry point (``main`` returns the per-layer rows for callers)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    cli_main()
