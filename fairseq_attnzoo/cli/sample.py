@@ -1,39 +1,54 @@
-#!/usr/bin/env python
-"""Sample a continuation of a text prompt from a byte-level LM checkpoint (enwik8 format).
+"""``attnzoo-sample``: continue a text prompt with a language-model checkpoint of any vocabulary.
 
-Uses fairseq's own ``SequenceGenerator`` (``task.build_generator``) with incremental decoding:
-sampling (top-k / top-p / temperature) or beam search, both of which the adaptive-span and
-All-Attention decoders support (``reorder_incremental_state``). The prompt's bytes are the
-prefix; the newline byte is fairseq's ``</s>``, as in ``scripts/prepare_enwik8.py``.
+Takes fairseq's own generation flags (``fairseq-interactive``'s parser: ``--path``, ``--beam``,
+``--sampling``, ``--sampling-topk``, ``--sampling-topp``, ``--temperature``, ``--bpe``,
+``--tokenizer``, ``--remove-bpe``, ``--cpu``, ``--seed``) and decodes with fairseq's
+``SequenceGenerator`` and incremental decoding. The prompt is the forced prefix; ``--len`` tokens
+follow it. Text goes through the same steps as ``fairseq-interactive``: tokenizer and BPE encode,
+``Dictionary.encode_line``; then ``Dictionary.string`` (``--remove-bpe``), BPE and tokenizer
+decode. Byte-level dictionaries (symbols ``0``..``255``, as ``scripts/data/prepare_enwik8.py``
+writes them, newline = ``</s>``) are recognised and read and written as UTF-8 text.
 
-    python scripts/sample_lm.py --path checkpoints/demo_span/checkpoint_best.pt \\
-        --data data/wiki-gensim/bin --prompt "The history of " --len 200 --topk 10
+    attnzoo-sample data/wiki-gensim/bin --path checkpoints/span/checkpoint_best.pt \\
+        --prompt "The history of " --len 200 --sampling --sampling-topk 10
+    attnzoo-sample data-bin/wikitext-103 --path checkpoints/pkm/checkpoint_best.pt \\
+        --prompt "the history of" --len 50 --beam 4           # word-level, beam search
+    attnzoo-sample DATA --path CKPT --bpe sentencepiece --sentencepiece-model spm.model \\
+        --prompt "Die Geschichte" --len 40 --sampling          # sentencepiece pieces
+    attnzoo-sample DATA --path CKPT --bpe subword_nmt --bpe-codes codes --remove-bpe \\
+        --prompt "the history" --len 40 --sampling             # subword-nmt (@@ ) pieces
 
-(``fairseq-interactive`` works too with ``--task attnzoo_stream_lm``, but its input lines must be
-space-separated byte values such as ``84 104 101``.)
+Translation checkpoints are refused in one line (``fairseq-interactive`` translates).
 """
 
-import argparse
-import os
 import sys
+from typing import List
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NEWLINE = 10
 
 
-def encode(text: str, dictionary) -> torch.Tensor:
+def is_byte_dictionary(dictionary) -> bool:
+    """True when every ordinary symbol is a byte value ``0``..``255`` (enwik8-style data)."""
+    symbols = dictionary.symbols[dictionary.nspecial:]
+    return bool(symbols) and all(s.isdigit() and int(s) < 256 for s in symbols
+                                 if not s.startswith("madeupword"))
+
+
+def encode_bytes(text: str, dictionary) -> torch.Tensor:
     """Bytes -> token ids ("116" -> id); the newline byte is </s>."""
-    ids = [dictionary.eos() if b == 10 else dictionary.index(str(b)) for b in text.encode("utf-8")]
+    ids = [dictionary.eos() if b == _NEWLINE else dictionary.index(str(b))
+           for b in text.encode("utf-8")]
     return torch.tensor(ids, dtype=torch.long)
 
 
-def decode(ids, dictionary) -> str:
+def decode_bytes(ids, dictionary) -> str:
     out = bytearray()
     for i in ids:
         i = int(i)
         if i == dictionary.eos():
-            out.append(10)
+            out.append(_NEWLINE)
         elif i >= dictionary.nspecial:
             sym = dictionary[i]
             if sym.isdigit() and int(sym) < 256:
@@ -41,67 +56,97 @@ def decode(ids, dictionary) -> str:
     return out.decode("utf-8", errors="replace")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--path", required=True, help="checkpoint")
-    p.add_argument("--data", required=True, help="binarised data dir (for dict.txt)")
-    p.add_argument("--prompt", default="The ")
-    p.add_argument("--len", type=int, default=200, help="bytes to generate")
-    p.add_argument("--beam", type=int, default=1, help="beam search instead of sampling if > 1")
-    p.add_argument("--topk", type=int, default=-1, help="sample from the k most likely bytes")
-    p.add_argument("--topp", type=float, default=-1.0, help="nucleus sampling")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--num", type=int, default=1, help="number of samples")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--cpu", action="store_true")
-    a = p.parse_args()
+def build_parser():
+    from fairseq import options
 
-    sys.path.insert(0, REPO)
+    parser = options.get_generation_parser(interactive=True)
+    group = parser.add_argument_group("attnzoo-sample")
+    group.add_argument("--prompt", default="The ", help="text the samples continue (default: "
+                       "%(default)r)")
+    group.add_argument("--len", type=int, default=200,
+                       help="tokens generated after the prompt (bytes for byte-level data)")
+    group.add_argument("--num", type=int, default=1, help="number of samples (default 1)")
+    parser.set_defaults(beam=1, nbest=1, user_dir=None)
+    return parser
+
+
+def _fail(message: str):
+    raise SystemExit(f"error: {message}")
+
+
+def main(argv: List[str] = None) -> int:
     import fairseq_attnzoo  # noqa: F401  (registers the models, task, criterion, optimizer)
-    from argparse import Namespace
+    from fairseq import checkpoint_utils, options, utils
+    from fairseq.data import encoders
+    from fairseq.models import FairseqEncoderDecoderModel
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq import checkpoint_utils, utils
-
-    utils.set_torch_seed(a.seed)
+    args = options.parse_args_and_arch(build_parser(), argv)
+    if args.path is None:
+        _fail("--path CHECKPOINT is required")
+    if args.len < 1 or args.num < 1:
+        _fail(f"--len {args.len} and --num {args.num} must be positive")
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.set_torch_seed(cfg.common.seed)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [a.path], arg_overrides={"data": a.data})
-    use_cuda = torch.cuda.is_available() and not a.cpu
+        [args.path], arg_overrides={"data": args.data})
+    if isinstance(models[0], FairseqEncoderDecoderModel):
+        _fail(f"{args.path} is a translation model: attnzoo-sample continues language models; "
+              "translate with fairseq-interactive")
+    use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     for m in models:
         m.eval()
         if use_cuda:
             m.cuda()
-    d = task.source_dictionary
-    prefix = encode(a.prompt, d).unsqueeze(0).repeat(a.num, 1)
-    if prefix.size(1) == 0:
-        raise SystemExit("--prompt must not be empty")
-    sampling = a.beam <= 1
-    total = prefix.size(1) + a.len  # the generator's lengths include the prefix
-    gen_args = Namespace(beam=max(1, a.beam), nbest=1, max_len_a=0, max_len_b=total,
-                         min_len=total, sampling=sampling, sampling_topk=a.topk,
-                         sampling_topp=a.topp, temperature=a.temperature, unnormalized=False,
-                         lenpen=1.0, unkpen=0.0, no_repeat_ngram_size=0, match_source_len=False,
-                         diverse_beam_groups=-1, diverse_beam_strength=0.5, diversity_rate=-1.0,
-                         constraints=None, prefix_allowed_tokens_fn=None, score_reference=False,
-                         print_alignment=None, no_early_stop=False, eos_token=None,
-                         iter_decode_max_iter=10, iter_decode_eos_penalty=0.0,
-                         iter_decode_force_max_iter=False, iter_decode_with_beam=1,
-                         iter_decode_with_external_reranker=False, retain_iter_history=False,
-                         retain_dropout=False, retain_dropout_modules=None, decoding_format=None,
-                         lm_path=None, lm_weight=0.0)
-    generator = task.build_generator(models, gen_args)
-    lengths = torch.full((a.num,), prefix.size(1))
+    d = task.target_dictionary
+    byte_level = is_byte_dictionary(d)
+    tokenizer = encoders.build_tokenizer(cfg.tokenizer)
+    bpe = encoders.build_bpe(cfg.bpe)
+    if byte_level and (tokenizer is not None or bpe is not None or cfg.common_eval.post_process):
+        _fail("the dictionary is byte-level (symbols 0..255): drop --bpe/--tokenizer/--remove-bpe")
+    if byte_level:
+        prefix = encode_bytes(args.prompt, d)
+    else:
+        text = args.prompt
+        if tokenizer is not None:
+            text = tokenizer.encode(text)
+        if bpe is not None:
+            text = bpe.encode(text)
+        prefix = d.encode_line(text, add_if_not_exist=False, append_eos=False).long()
+        known = prefix[prefix != d.unk()]
+        if prefix.numel() and known.numel() == 0:
+            _fail(f"none of the prompt's tokens is in the dictionary ({len(d):,} symbols, e.g. "
+                  f"{' '.join(d.symbols[d.nspecial:d.nspecial + 5])}): pass the --bpe/--tokenizer "
+                  "the data was made with (e.g. --bpe sentencepiece --sentencepiece-model M), "
+                  "or write the prompt in the dictionary's tokens")
+    if prefix.numel() == 0:
+        _fail("--prompt must not be empty")
+    prefix = prefix.unsqueeze(0).repeat(args.num, 1)
+    total = prefix.size(1) + args.len  # the generator's lengths include the prefix
+    cfg.generation.max_len_a, cfg.generation.max_len_b = 0, total
+    cfg.generation.min_len = total
+    generator = task.build_generator(models, cfg.generation)
+    lengths = torch.full((args.num,), prefix.size(1))
     sample = {"net_input": {"src_tokens": prefix, "src_lengths": lengths}}
     if use_cuda:
         sample = utils.move_to_cuda(sample)
-    with torch.no_grad():
-        hyps = task.inference_step(generator, models, sample, prefix_tokens=sample["net_input"]
-                                   ["src_tokens"])
+    hyps = task.inference_step(generator, models, sample, prefix_tokens=sample["net_input"]
+                               ["src_tokens"])
+    mode = "sampling" if cfg.generation.sampling else f"beam {cfg.generation.beam}"
     for i, h in enumerate(hyps):
-        text = decode(h[0]["tokens"], d)
-        print(f"--- sample {i} ({'beam ' + str(a.beam) if not sampling else 'sampling'}) ---")
+        tokens = h[0]["tokens"].cpu()
+        if byte_level:
+            text = decode_bytes(tokens, d)
+        else:
+            text = d.string(tokens, cfg.common_eval.post_process)
+            if bpe is not None:
+                text = bpe.decode(text)
+            if tokenizer is not None:
+                text = tokenizer.decode(text)
+        print(f"--- sample {i} ({mode}) ---")
         print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The console commands (fairseq_attnzoo/cli/): each runs in-process through ``main(argv)`` and
+from another directory as ``python -m fairseq_attnzoo.cli.<name>``."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fairseq_attnzoo  # noqa: F401
+from fairseq_attnzoo.cli import archs as archs_cli
+from fairseq_attnzoo.cli import sample as sample_cli
+
+from zoo_testlib import REPO, USER_DIR, make_mono_text, preprocess, run_cli, zoo_archs
+
+TINY_LM = ["--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed-dim", "16",
+           "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2",
+           "--tokens-per-sample", "16", "--task", "language_modeling", "--optimizer", "adam",
+           "--lr", "1e-3", "--max-tokens", "256", "--max-update", "2", "--cpu", "--num-workers",
+           "0", "--disable-validation", "--no-epoch-checkpoints", "--user-dir", USER_DIR,
+           "--seed", "1"]
+
+
+def _run_module(name, *argv):
+    """``python -m fairseq_attnzoo.cli.NAME`` with cwd=/ (not the repository)."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", f"fairseq_attnzoo.cli.{name}", *argv], cwd="/",
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_archs_lists_every_zoo_arch_from_another_directory():
+    out = _run_module("archs", "--list")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == zoo_archs()
+    mt = archs_cli.zoo_archs(task="translation", method="synth")
+    assert mt and all(a.startswith("transformer_synth") for a in mt)
+    assert archs_cli.zoo_archs(method="none") == ["attnzoo_lm", "attnzoo_transformer"]
+
+
+def test_archs_detail_shows_slots_flags_and_paper_symbols(capsys):
+    assert archs_cli.main(["transformer_pkm"]) == 0
+    text = capsys.readouterr().out
+    assert "decoder ffn (--decoder-ffn): ffn 0-2, pkm 3, ffn 4-5" in text
+    assert "--pkm-knn 32" in text and "top-k" in text  # default and the paper's symbol
+    assert archs_cli.main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"{a}  [" in listing for a in zoo_archs())
+
+
+def test_archs_unknown_name_is_one_line_with_a_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        archs_cli.main(["transformer_pkn"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "did you mean transformer_pkm" in err[-1]
+
+
+def _bpe_lm(root):
+    """A word-level LM whose words are split into subword-nmt pieces ('w1@@ 2')."""
+    make_mono_text(str(root))
+    for split in ("train", "valid", "test"):
+        path = root / f"{split}.txt"
+        lines = path.read_text().splitlines()
+        path.write_text("\n".join(" ".join(w[:2] + "@@ " + w[2:] if len(w) > 2 else w
+                                           for w in line.split()) for line in lines) + "\n")
+    preprocess(["--only-source", "--trainpref", f"{root}/train.txt", "--validpref",
+                f"{root}/valid.txt", "--destdir", f"{root}/bin", "--workers", "1"])
+    run_cli("train", [f"{root}/bin", "--save-dir", f"{root}/ck", *TINY_LM])
+    return f"{root}/bin", f"{root}/ck/checkpoint_last.pt"
+
+
+def test_sample_word_and_bpe_vocabularies(tmp_path, capsys):
+    data, ckpt = _bpe_lm(tmp_path)
+    common = [data, "--path", ckpt, "--cpu", "--len", "6", "--sampling", "--sampling-topk", "5"]
+    assert sample_cli.main(common + ["--prompt", "w1@@ 2 w1@@ 4"]) == 0
+    raw = capsys.readouterr().out.strip().splitlines()[-1]
+    assert raw.startswith("w1@@ 2 w1@@ 4") and len(raw.split()) == 4 + 6
+    assert sample_cli.main(common + ["--prompt", "w1@@ 2 w1@@ 4", "--remove-bpe"]) == 0
+    text = capsys.readouterr().out.strip().splitlines()[-1]
+    assert text.startswith("w12 w14") and "@@" not in text
+    with pytest.raises(SystemExit) as e:
+        sample_cli.main(common + ["--prompt", "zebra"])
+    assert "none of the prompt's tokens is in the dictionary" in str(e.value)
+    assert "--bpe" in str(e.value) and "\n" not in str(e.value)
