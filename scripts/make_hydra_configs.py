@@ -7,8 +7,12 @@ fairseq's ``convert_namespace_to_omegaconf``, and the flags the recipe sets are 
 section, to ``examples/<recipe>/config/<name>.yaml``. The model's size keys are written too, so
 that ``model.decoder_layers=4`` overrides them without hydra's ``+``.
 
-    python scripts/make_hydra_configs.py            # (re)write every config
-    python scripts/make_hydra_configs.py --check    # exit 1 if a config differs from its recipe
+    python -m scripts.make_hydra_configs            # (re)write every config (repository root)
+    python -m scripts.make_hydra_configs --check    # exit 1 if a config differs from its recipe
+
+The archs come from the registry (:func:`fairseq_attnzoo.cli.archs.zoo_archs`): every translation
+arch (and fairseq's ``transformer``) for the WMT recipe, every language-modelling arch for the
+WikiText-103 recipe.
 
 Train with one (from the repository root)::
 
@@ -25,18 +29,8 @@ from typing import Dict, List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WMT_ARCHS = ("transformer attnzoo_transformer transformer_synth_dense transformer_synth_random "
-             "transformer_synth_fixed_random transformer_synth_factorized_dense "
-             "transformer_synth_factorized_random transformer_synth_random_dense "
-             "transformer_synth_dense_vanilla transformer_synth_random_vanilla transformer_aop "
-             "transformer_aop_h16 transformer_collab transformer_collab_fork transformer_pkm").split()
 ENWIK8_CONFIGS = ("adaptive_span_small", "adaptive_span", "adaptive_span_large", "all_attention",
                   "all_attention_large")
-LM_ARCHS = ("transformer_lm_pkm transformer_lm_memplus transformer_lm_synth_dense transformer_lm_synth_random "
-            "transformer_lm_synth_fixed_random transformer_lm_synth_factorized_dense "
-            "transformer_lm_synth_factorized_random transformer_lm_synth_random_dense "
-            "transformer_lm_synth_dense_vanilla transformer_lm_synth_random_vanilla "
-            "transformer_lm_aop attnzoo_lm").split()
 
 # fairseq's config groups in the order they are written; a flag goes to the first that has it
 SECTIONS = ("common", "distributed_training", "dataset", "optimization", "checkpoint", "task",
@@ -49,8 +43,10 @@ SIZES = ("encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_layers", "encode
 
 def recipes() -> List[Tuple[str, str, List[str], Dict[str, str], int]]:
     """(config path, recipe, argv, environment, which printed command) for every config."""
+    from fairseq_attnzoo.cli.archs import zoo_archs
+
     out = []
-    for arch in WMT_ARCHS:
+    for arch in ["transformer"] + zoo_archs(task="translation"):
         out.append((f"examples/wmt14_en_de/config/{arch}.yaml", "examples/wmt14_en_de/train.sh",
                     [arch], {}, 0))
     for name in ENWIK8_CONFIGS:
@@ -59,7 +55,7 @@ def recipes() -> List[Tuple[str, str, List[str], Dict[str, str], int]]:
         if name != "adaptive_span_small" and name != "adaptive_span":  # those have no fine-tune
             out.append((f"examples/enwik8/config/{name}_finetune.yaml",
                         "examples/enwik8/train.sh", [name], {}, 1))
-    for arch in LM_ARCHS:
+    for arch in zoo_archs(task="language_modeling"):
         out.append((f"examples/pkm_lm/config/{arch}.yaml", "examples/pkm_lm/run.sh", ["train"],
                     {"ARCH": arch}, 0))
     return out
@@ -68,7 +64,10 @@ def recipes() -> List[Tuple[str, str, List[str], Dict[str, str], int]]:
 def dry_run(recipe: str, argv: List[str], env: Dict[str, str], index: int) -> List[str]:
     """The ``index``-th fairseq-train command the recipe prints with DRY_RUN=1 (one GPU), as the
     argument list after the program, with repository paths made relative."""
-    full_env = dict(os.environ, DRY_RUN="1", GPUS="1", PYTHON="python", **env)
+    # PYTHON=python keeps the printed commands generic; PATH makes it this interpreter (the
+    # recipes ask it for the registry's arch list)
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    full_env = dict(os.environ, DRY_RUN="1", GPUS="1", PYTHON="python", PATH=path, **env)
     for var in ("DATA", "SAVE", "FP16", "UPDATE_FREQ", "MAX_TOKENS", "MAX_UPDATE", "LR"):
         full_env.pop(var, None)  # the recipe's defaults, never the caller's settings
     r = subprocess.run(["bash", os.path.join(REPO, recipe), *argv], capture_output=True,
@@ -175,7 +174,6 @@ def render(cfg: Dict, path: str, recipe: str, argv: List[str], env: Dict[str, st
 
 def generate() -> Dict[str, str]:
     """{config path: yaml text} for every config."""
-    sys.path.insert(0, REPO)
     import logging
 
     import fairseq_attnzoo  # noqa: F401  (registers our archs, tasks, criterions, optimizers)
@@ -217,7 +215,7 @@ def main(argv=None) -> int:
     if a.check:
         if stale:
             print(f"{len(stale)} config(s) differ from their recipes: {', '.join(stale)}; run "
-                  "python scripts/make_hydra_configs.py", file=sys.stderr)
+                  "python -m scripts.make_hydra_configs", file=sys.stderr)
             return 1
         print(f"{len(configs)} configs agree with their recipes")
         return 0

@@ -1,7 +1,6 @@
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/ and the repository root are on sys.path through pytest.ini's `pythonpath`
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402

@@ -85,10 +85,12 @@ train)
                 --optimizer pkm_adam --pkm-values-lr 1e-3) ;;
     transformer_lm_synth_*)  # N = the 512-token block (the synthesised tables cover every position)
         METHOD+=(--synth-max-len 512) ;;
-    transformer_lm_aop|attnzoo_lm|attnzoo_lm_sdpa) ;;
-    *)
-        echo "run.sh: unknown ARCH '$ARCH'; known: transformer_lm_pkm transformer_lm_memplus transformer_lm_synth_* transformer_lm_aop attnzoo_lm attnzoo_lm_sdpa" >&2
-        exit 2 ;;
+    *)  # any other registered LM arch (attnzoo-archs --list --task language_modeling): as it is
+        KNOWN="$(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task language_modeling)"
+        if [[ " $(echo $KNOWN) " != *" $ARCH "* ]]; then
+            echo "run.sh: unknown ARCH '$ARCH'; known:" $KNOWN >&2
+            exit 2
+        fi ;;
     esac
     PRECISION=()
     if [[ "${FP16:-0}" == 1 ]]; then

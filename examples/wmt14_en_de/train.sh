@@ -22,13 +22,11 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 PYTHON="${PYTHON:-python}"
-KNOWN="transformer attnzoo_transformer transformer_synth_dense transformer_synth_random \
-transformer_synth_fixed_random transformer_synth_factorized_dense transformer_synth_factorized_random \
-transformer_synth_random_dense transformer_synth_dense_vanilla transformer_synth_random_vanilla \
-transformer_aop transformer_aop_h16 transformer_collab transformer_collab_fork transformer_pkm"
+# every translation arch of the plugin, from its registry (attnzoo-archs --list --task translation)
+known() { echo transformer $(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task translation); }
 
 if [[ $# -lt 1 ]]; then
-    echo "usage: $0 ARCH [fairseq-train flags...]; ARCH is one of: $KNOWN" >&2
+    echo "usage: $0 ARCH [fairseq-train flags...]; ARCH is one of: $(known)" >&2
     exit 2
 fi
 ARCH="$1"
@@ -84,9 +82,12 @@ case "$ARCH" in
         OPTIM=(--optimizer pkm_adam --pkm-values-lr 1e-3)
         EXTRA="--fp16-no-flatten-grads"  # pkm_adam refuses fairseq's flattened fp16 buffer; multi-GPU uses dense values automatically
         ;;
-    *)
-        echo "train.sh: unknown ARCH '$ARCH'; known: $KNOWN" >&2
-        exit 2
+    *)  # any other registered translation arch: its preset as it is
+        if [[ " $(known) " != *" $ARCH "* ]]; then
+            echo "train.sh: unknown ARCH '$ARCH'; known: $(known)" >&2
+            exit 2
+        fi
+        EXTRA=""
         ;;
 esac
 read -r -a EXTRA_ARGS <<< "$EXTRA"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmarks (``make bench``): not tests, numbers for docs/.
 
-1. Sublayer cases from ``scripts/bench_cases/*.py`` (forward+backward of a method's module vs the
+1. Sublayer cases from ``scripts/bench/cases/*.py`` (forward+backward of a method's module vs the
    stock module it replaces, same shapes, alternating, median of repeats, ratio).
 2. ``--train ARCH ...``: end-to-end ``fairseq-train`` words/s of each arch vs the stock
    ``transformer`` on the demo corpus at the demo size, alternating baseline and candidate runs.
@@ -12,14 +12,16 @@
 
 Examples::
 
-    python scripts/bench.py --cases synth --threads 2
-    python scripts/bench.py --no-cases --train transformer_aop transformer_synth_random
-    python scripts/bench.py --no-cases --train transformer_pkm adaptive_span_lm_small --plugin /tmp/old
+    python -m scripts.bench.bench --cases synth --threads 2
+    python -m scripts.bench.bench --no-cases --train transformer_aop transformer_synth_random
+    python -m scripts.bench.bench --no-cases --train transformer_pkm adaptive_span_lm_small --plugin /tmp/old
+
+(run from the repository root: ``scripts`` is a package).
 """
 
 import argparse
 import glob
-import importlib.util
+import importlib
 import json
 import os
 import shlex
@@ -29,20 +31,19 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from fairseq_attnzoo.cli.progress import add_progress_flag, configure_progress, progress
+from scripts.bench import benchlib
+from scripts.demo import config as demo
+from scripts.demo.config import REPO
 
-import benchlib  # noqa: E402
-from preplib import add_progress_flag, configure_progress, progress  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_cases():
-    for path in sorted(glob.glob(os.path.join(HERE, "bench_cases", "*.py"))):
-        name = "bench_cases_" + os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    for path in sorted(glob.glob(os.path.join(HERE, "cases", "*.py"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        if not name.startswith("_"):
+            importlib.import_module(f"scripts.bench.cases.{name}")
     return benchlib.CASES
 
 
@@ -58,18 +59,17 @@ def train_command(arch, data, updates, save_dir, plugin=None):
     """The demo's fairseq-train command of ``arch`` (``transformer_lm``: :data:`LM_BASELINE`),
     short and without saving or validation; ``plugin``: our package from another checkout
     (:func:`benchlib.checkout_plugin`)."""
-    import demo
-
     quiet = ["--max-update", str(updates), "--no-save", "--disable-validation", "--log-format",
              "json", "--log-interval", str(updates), "--num-workers", "0", "--cpu", "--save-dir",
              save_dir, "--seed", "1"]
-    if arch in demo.LM_DEMO:
-        cmd = demo.lm_cmd(arch, demo.LM_DEMO[arch], save_dir, updates, 1) + quiet
+    lm_rows = demo.lm_rows()
+    if arch in lm_rows:
+        cmd = demo.lm_cmd(arch, lm_rows[arch], save_dir, updates, 1) + quiet
     elif arch == "transformer_lm":
         cmd = [demo.fairseq_bin("fairseq-train"), demo.LM_DATA, "--user-dir", demo.USER_DIR]
         cmd += shlex.split(LM_BASELINE) + quiet
     else:
-        spec = demo.DEMO.get(arch, {"flags": ""})
+        spec = demo.mt_rows().get(arch, {"flags": ""})
         cmd = [demo.fairseq_bin("fairseq-train"), data, "--user-dir", demo.USER_DIR, "--arch",
                spec.get("arch", arch), "--task", "translation"] + quiet
         cmd += shlex.split(demo.COMMON) + shlex.split(spec.get("flags", ""))
@@ -90,13 +90,12 @@ def train_wps(arch, data, updates, save_dir, plugin=None):
 
 
 def bench_train(archs, data, updates, repeats, plugin=None):
-    import demo
-
+    lm_rows = demo.lm_rows()
     rows = []
     with tempfile.TemporaryDirectory() as tmp, \
             progress(total=len(archs) * repeats * 2, desc="fairseq-train", unit="run") as bar:
         for arch in archs:
-            baseline = "transformer_lm" if arch in demo.LM_DEMO else "transformer"
+            baseline = "transformer_lm" if arch in lm_rows else "transformer"
             base, cand = [], []
             for i in range(repeats):  # alternate so load drift hits both
                 order = [(baseline, base, None), (arch, cand, plugin)]
@@ -141,7 +140,7 @@ def main():
     torch.manual_seed(0)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
-    header = (f"{time.strftime('%Y-%m-%d %H:%M')} | `python scripts/bench.py {' '.join(sys.argv[1:])}`"
+    header = (f"{time.strftime('%Y-%m-%d %H:%M')} | `python -m scripts.bench.bench {' '.join(sys.argv[1:])}`"
               f" | torch {torch.__version__} | device {device}"
               f"{' ' + torch.cuda.get_device_name() if device.type == 'cuda' else ''}"
               f" | threads {a.threads} | {a.dtype}")
@@ -159,11 +158,10 @@ def main():
         print(table)
         sections.append(("Sublayer forward+backward (median ms, candidate / baseline)", table))
     if a.train:
-        import demo
-
+        lm_rows = demo.lm_rows()
         plugin = benchlib.checkout_plugin(a.plugin, "--plugin") if a.plugin else None
-        needs = {demo.LM_DATA: "dict.txt"} if any(x in demo.LM_DEMO for x in a.train) else {}
-        if any(x not in demo.LM_DEMO for x in a.train):
+        needs = {demo.LM_DATA: "dict.txt"} if any(x in lm_rows for x in a.train) else {}
+        if any(x not in lm_rows for x in a.train):
             needs[a.data] = "dict.de.txt"
         for path, name in needs.items():
             if not os.path.exists(os.path.join(path, name)):

@@ -25,8 +25,8 @@ DIR <commit>``) for before/after comparisons.
 
 Example (the numbers in docs/adaptive_span.md)::
 
-    OMP_NUM_THREADS=1 python scripts/bench_adaptive_span_vs_fairseq.py --data data/wiki-gensim/bin
-    python scripts/bench_adaptive_span_vs_fairseq.py --device cuda --step-timing 100
+    OMP_NUM_THREADS=1 python -m scripts.bench.bench_adaptive_span_vs_fairseq --data data/wiki-gensim/bin
+    python -m scripts.bench.bench_adaptive_span_vs_fairseq --device cuda --step-timing 100
 """
 
 import argparse
@@ -38,8 +38,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def fairseq_example_dir() -> str:
@@ -88,7 +87,7 @@ def commands(a):
     if a.also_no_renorm:
         runs["attnzoo, --adaptive-span-no-renorm"] = ours + ["--adaptive-span-no-renorm"]
     if a.ours_code:
-        from benchlib import checkout_plugin, with_user_dir
+        from scripts.bench.benchlib import checkout_plugin, with_user_dir
 
         runs[f"attnzoo adaptive_span_lm ({a.ours_code})"] = with_user_dir(
             ours, checkout_plugin(a.ours_code, "--ours-code"))
@@ -228,13 +227,12 @@ def main():
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args()
     if not os.path.exists(os.path.join(a.data, "dict.txt")):
-        raise SystemExit(f"no binarised data in {a.data}: run `python scripts/prepare_enwik8.py "
+        raise SystemExit(f"no binarised data in {a.data}: run `python -m scripts.data.prepare_enwik8 "
                          "--gensim` first")
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     runs = commands(a)
     shutil.rmtree(a.work, ignore_errors=True)
-    sys.path.insert(0, HERE)
-    from benchlib import format_table
+    from scripts.bench.benchlib import format_table
 
     if a.step_timing:
         rows = step_timing(a, runs, env)

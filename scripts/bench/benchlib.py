@@ -2,9 +2,9 @@
 
 A *sublayer case* times forward+backward of one module against a baseline module of the same
 shapes, in the same process, alternating candidate and baseline over several repeats, and reports
-medians and the ratio. Cases are registered from ``scripts/bench_cases/<method>.py``::
+medians and the ratio. Cases are registered from ``scripts/bench/cases/<method>.py``::
 
-    from benchlib import SublayerCase, register_case
+    from scripts.bench.benchlib import SublayerCase, register_case
 
     register_case(SublayerCase(
         group="ffn", name="aop1 vs ffn", note="tokens 4096, d 512",

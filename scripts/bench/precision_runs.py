@@ -3,7 +3,7 @@
 
 For each (arch, precision in --fp16 / --bf16 / --amp): ``fairseq-train`` for ``--updates`` updates
 at the demo size on the demo data (translation archs: the LibreOffice de-en corpus, flags of
-scripts/demo.py; LMs: the gensim Wikipedia extract, bytes), then ``fairseq-generate`` (BLEU on the
+scripts/demo/config.py; LMs: the gensim Wikipedia extract, bytes), then ``fairseq-generate`` (BLEU on the
 valid split, beam 5, same precision) or ``fairseq-eval-lm`` (valid bits per token, same precision).
 Reported per run: the loss of the first and last logged interval, how often fp16 loss scaling hit
 an overflow, the final loss scale, the score, and seconds. Runs go ``--jobs`` at a time (on one GPU
@@ -11,7 +11,7 @@ the small demo models leave it mostly idle; on CPU use 1).
 
 Needs a GPU for --fp16/--bf16 (fairseq refuses them with --cpu). Example (docs/gpu.md)::
 
-    python scripts/precision_runs.py --jobs 8 --updates 100 --out docs/gpu_precision.md
+    python -m scripts.bench.precision_runs --jobs 8 --updates 100 --out docs/gpu_precision.md
 """
 
 import argparse
@@ -25,12 +25,10 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-
-import benchlib  # noqa: E402
-import demo  # noqa: E402
+from fairseq_attnzoo.cli.archs import task_of, zoo_archs
+from scripts.bench import benchlib
+from scripts.demo import config as demo
+from scripts.demo.config import REPO
 
 PRECISION_FLAGS = {"fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
 # the LMs of the extension point (language_modeling task) at the span LMs' demo size, on bytes
@@ -38,32 +36,10 @@ LM_SMALL = ("--task language_modeling --sample-break-mode none --tokens-per-samp
             "--max-tokens 2048 --decoder-layers 4 --decoder-embed-dim 128 --decoder-ffn-embed-dim "
             "512 --decoder-attention-heads 4 --dropout 0 --optimizer adam --adam-betas (0.9,0.98) "
             "--lr 0.001 --lr-scheduler inverse_sqrt --warmup-updates 50 --clip-norm 1.0")
-# method size flags at the demo size for archs the demo table has no row for
-EXTRA = {
-    "synth": "--synth-max-len 256",
-    "pkm": "--pkm-n-keys 128 --pkm-k-dim 64 --pkm-heads 4 --pkm-knn 16",
-}
-
-
-def zoo_archs():
-    from fairseq.models import ARCH_MODEL_REGISTRY
-
-    return sorted(a for a, c in ARCH_MODEL_REGISTRY.items() if getattr(c, "zoo_task", None))
 
 
 def kind(arch):
-    from fairseq.models import ARCH_MODEL_REGISTRY
-
-    task = ARCH_MODEL_REGISTRY[arch].zoo_task
-    return {"translation": "mt", "language_modeling": "lm"}.get(task, "stream")
-
-
-def method_flags(arch):
-    flags = []
-    for key, value in EXTRA.items():
-        if key in arch:
-            flags += shlex.split(value)
-    return flags
+    return {"translation": "mt", "language_modeling": "lm"}.get(task_of(arch), "stream")
 
 
 def train_cmd(arch, precision, a, save):
@@ -75,22 +51,16 @@ def train_cmd(arch, precision, a, save):
     if a.device == "cpu":
         common.append("--cpu")
     if k == "mt":
-        spec = demo.DEMO.get(arch, {})
-        flags = shlex.split(demo.COMMON) + shlex.split(spec.get("flags", ""))
-        if arch not in demo.DEMO:
-            flags += method_flags(arch)
+        flags = shlex.split(demo.COMMON) + demo.method_flags(arch)
         cmd = [demo.fairseq_bin("fairseq-train"), a.data_mt, "--task", "translation"] + flags
     elif k == "lm":
         cmd = [demo.fairseq_bin("fairseq-train"), a.data_lm] + shlex.split(LM_SMALL) + \
-            method_flags(arch)
+            demo.method_flags(arch)
         if "synth" in arch:
             cmd += ["--synth-max-len", "128"]
     else:
-        spec = demo.LM_DEMO.get(arch, {})
         cmd = [demo.fairseq_bin("fairseq-train"), a.data_lm] + shlex.split(demo.LM_COMMON) + \
-            shlex.split(spec.get("flags", ""))
-        if "all_attention" in arch and arch not in demo.LM_DEMO:
-            cmd += ["--persistent-memory-size", "512"]
+            demo.method_flags(arch)
     cmd += common
     opts = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--optimizer"]
     opt = opts[-1] if opts else "adam"  # the last --optimizer wins (argparse)
@@ -205,7 +175,7 @@ def main():
 
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         with open(a.out, "a") as f:
-            f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} | `python scripts/precision_runs.py "
+            f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')} | `python -m scripts.bench.precision_runs "
                     f"{' '.join(sys.argv[1:])}` | torch {torch.__version__} | {dev}\n\n{table}")
     bad = [r for r in rows if r.get("status") != "ok"]
     if bad:

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Offline demo: train small models of each arch on the LibreOffice help German->English corpus
+"""Offline demo (``make demo``, or ``python -m scripts.demo.demo`` from the repository root): train
+small models of each arch on the LibreOffice help German->English corpus
 with the stock fairseq CLIs, decode the test set with beam search and print a results table
 (arch, params, train words/s, BLEU and chrF with sacrebleu), then draw each row's method picture
-into a report (docs/demo/README.md, scripts/demo_report.py). Run through ``make demo``.
+into a report (docs/demo/README.md, scripts/demo/report.py). Run through ``make demo``.
 
 Every arch gets the same model size and the same update budget (``--max-update``), so the table
 compares architectures, not budgets. Derived rows (a converted checkpoint, a fine-tune) start from
-the checkpoint of the row they name in ``DEMO[arch]["from"]``.
+the checkpoint of the row they name in ``"from"`` (``DERIVED`` in scripts/demo/config.py, which
+also holds the demo size and each method's flags; the arch rows come from the registry).
 
 Rows run two at a time on two cores (``--jobs``; each fairseq process gets one thread: two
 one-thread trainings do ~1.55x the work of one two-thread training here, docs/demo.md), so every
@@ -28,71 +30,10 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
+from scripts.bench.benchlib import format_table as markdown
+from scripts.demo.config import (LM_DATA, REPO, fairseq_bin, lm_cmd, lm_rows, make_command,
+                                 mt_rows, train_cmd)
 
-# one model size for every MT arch: d 128, ffn 512, 4 heads, 2+2 layers, shared embeddings.
-# Tuned for a short CPU budget on this corpus (measured, docs/demo_results.md): residual dropout 0
-# (a 2-epoch run underfits; 0.1 cost ~3 valid ppl at 1,500 updates), Adam lr 2e-3 with post-norm
-# (1e-3 and 4e-3 were clearly worse, pre-norm at 3e-3 slightly worse).
-COMMON = ("--encoder-embed-dim 128 --encoder-ffn-embed-dim 512 --encoder-attention-heads 4 "
-          "--encoder-layers 2 --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 "
-          "--decoder-attention-heads 4 --decoder-layers 2 --share-all-embeddings "
-          "--dropout 0.0 --attention-dropout 0.1 --weight-decay 0.0001 "
-          "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 "
-          "--optimizer adam --adam-betas (0.9,0.98) --lr 0.002 --lr-scheduler inverse_sqrt "
-          "--warmup-updates 300 --clip-norm 1.0 --max-tokens 1024 --max-source-positions 256 "
-          "--max-target-positions 256 --skip-invalid-size-inputs-valid-test")
-
-# arch -> method-specific flags at the demo size (each method's docs/ page explains them)
-DEMO = {
-    "transformer": {"flags": "", "notes": "stock fairseq transformer (baseline)"},
-    "attnzoo_transformer": {"flags": "", "notes": "same model through the extension point"},
-    "transformer_synth_random": {"flags": "--synth-max-len 256", "notes": "Synthesizer R"},
-    "transformer_synth_dense": {"flags": "--synth-max-len 256", "notes": "Synthesizer D"},
-    "transformer_synth_random_vanilla": {"flags": "--synth-max-len 256", "notes": "Synthesizer R+V"},
-    "transformer_synth_fixed_random": {"flags": "--synth-max-len 256", "notes": "Synthesizer fixed R"},
-    "transformer_synth_factorized_random": {"flags": "--synth-max-len 256", "notes": "Synthesizer FR"},
-    "transformer_synth_factorized_dense": {"flags": "--synth-max-len 256", "notes": "Synthesizer FD"},
-    "transformer_synth_random_dense": {"flags": "--synth-max-len 256", "notes": "Synthesizer R+D"},
-    "transformer_synth_dense_vanilla": {"flags": "--synth-max-len 256", "notes": "Synthesizer D+V"},
-    # AOP sizes with exactly the FFN's 131,072 weights at d 128 / d_ff 512 (h_p d_pk = d, n_p = 384)
-    "transformer_aop": {"flags": "--aop-heads 4 --aop-key-dim 32 --aop-value-dim 32 --aop-slots 384",
-                        "notes": "AOP (FFN = attention over parameters)"},
-    "transformer_pkm": {"flags": "--pkm-n-keys 128 --pkm-k-dim 64 --pkm-heads 4 --pkm-knn 16 "
-                                 "--optimizer pkm_adam --pkm-values-lr 0.005",
-                        "notes": "product-key memory, 16,384 slots, sparse value updates"},
-    "transformer_collab": {"flags": "--collab-key-dim 128",
-                           "notes": "collaborative heads from scratch, D~k 128 (= H d_k at this size)"},
-    "transformer_collab64": {"arch": "transformer_collab", "flags": "--collab-key-dim 64",
-                             "notes": "collaborative heads from scratch, D~k 64 (half)"},
-    # derived rows: re-parametrise the vanilla checkpoint (CP decomposition), then fine-tune it
-    "collab_convert64": {"from": "transformer", "notes": "vanilla converted to D~k 64, no fine-tune",
-                         "convert": "{repo}/scripts/collab_reparametrize.py {src} {out} "
-                                    "--key-dim 64 --quiet"},
-    "collab_convert32": {"from": "transformer", "notes": "vanilla converted to D~k 32, no fine-tune",
-                         "convert": "{repo}/scripts/collab_reparametrize.py {src} {out} "
-                                    "--key-dim 32 --quiet"},
-    "collab_convert64_ft": {"arch": "transformer_collab", "from": "collab_convert64",
-                            "flags": "--collab-key-dim 64 --lr 0.0005 --warmup-updates 50",
-                            "max_update": 300, "notes": "converted D~k 64 + 300 fine-tune updates"},
-    # control for the fine-tune row: the vanilla model given the same 300 extra updates
-    "transformer_cont300": {"arch": "transformer", "from": "transformer",
-                            "flags": "--lr 0.0005 --warmup-updates 50", "max_update": 300,
-                            "notes": "vanilla + the same 300 updates (control for the fine-tune)"},
-}
-# character LMs on the gensim Wikipedia extract (enwik8 format): a short run each, valid bpc
-LM_DATA = os.path.join(REPO, "data/wiki-gensim/bin")
-LM_COMMON = ("--task attnzoo_stream_lm --tokens-per-sample 128 --batch-size 8 --batch-size-valid 8 "
-             "--decoder-layers 4 --decoder-embed-dim 128 --decoder-attention-heads 4 --attn-span 512 "
-             "--dropout 0 --criterion attnzoo_span_loss --optimizer adagrad_clip --lr 0.07 "
-             "--lr-scheduler fixed --warmup-updates 100")
-LM_DEMO = {
-    "adaptive_span_lm_small": {"flags": "--decoder-ffn-embed-dim 512", "notes": "adaptive span"},
-    "all_attention_lm": {"flags": "--persistent-memory-size 512 --no-layer-spans",
-                         "notes": "All-Attention: persistent memory, no FFN"},
-}
 DEFAULT_LM_ARCHS = ["adaptive_span_lm_small"]  # all_attention_lm via LM_ARCHS
 
 # the baseline plus one representative of each method (collaborative heads: the baseline converted
@@ -152,32 +93,6 @@ def sh(cmd, log_path, tag, threads, echo=True):
     return lines
 
 
-def fairseq_bin(name):
-    path = os.path.join(os.path.dirname(sys.executable), name)
-    return path if os.path.exists(path) else name
-
-
-def train_cmd(arch, spec, data, save, max_update, seed, restore=None):
-    cmd = [fairseq_bin("fairseq-train"), data, "--user-dir", USER_DIR, "--arch",
-           spec.get("arch", arch), "--task", "translation", "--save-dir", save,
-           "--max-update", str(max_update), "--seed", str(seed), "--log-format", "json",
-           "--log-interval", "100", "--no-epoch-checkpoints", "--keep-last-epochs", "1",
-           "--num-workers", "0", "--cpu", "--validate-interval-updates", str(max_update)]
-    cmd += shlex.split(COMMON) + shlex.split(spec.get("flags", ""))
-    if restore:  # fine-tune a derived checkpoint: fresh optimizer, schedule and data order
-        cmd += ["--restore-file", restore, "--reset-optimizer", "--reset-dataloader",
-                "--reset-meters", "--reset-lr-scheduler"]
-    return cmd
-
-
-def lm_cmd(arch, spec, save, max_update, seed):
-    cmd = [fairseq_bin("fairseq-train"), LM_DATA, "--user-dir", USER_DIR, "--arch", arch, "--cpu",
-           "--save-dir", save, "--max-update", str(max_update), "--seed", str(seed),
-           "--log-format", "json", "--log-interval", "100", "--num-workers", "0",
-           "--no-epoch-checkpoints", "--validate-interval-updates", str(max_update)]
-    return cmd + shlex.split(LM_COMMON) + shlex.split(spec.get("flags", ""))
-
-
 def generate_cmd(ckpt, data, beam):
     return [fairseq_bin("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", ckpt,
             "--gen-subset", "test", "--beam", str(beam), "--batch-size", "64",
@@ -186,14 +101,19 @@ def generate_cmd(ckpt, data, beam):
 
 
 def parse_train(lines):
-    params = wps = None
+    """(all parameters, memory parameters, train words/s) from fairseq-train's log. fairseq logs
+    the shared parameters and the expert-tagged ones (product-key memory value tables) on two
+    lines; the model has their sum."""
+    counts, wps = {}, None
     for line in lines:
-        m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", line)
+        m = re.search(r"num\. (shared|expert) model params: ([\d,]+)", line)
         if m:
-            params = int(m.group(1).replace(",", ""))
+            counts[m.group(1)] = int(m.group(2).replace(",", ""))
         if '"train_wps"' in line:
             wps = float(json.loads(line[line.index("{"):])["train_wps"])
-    return params, wps
+    if "shared" not in counts:
+        return None, None, wps
+    return counts["shared"] + counts.get("expert", 0), counts.get("expert", 0), wps
 
 
 def score(lines, data, out_dir):
@@ -252,7 +172,7 @@ class Row:
             return [lm_cmd(self.name, spec, self.save, a.lm_max_update, a.seed)], None
         if "convert" in spec:
             ckpt = os.path.join(self.dir, "converted.pt")
-            conv = [sys.executable] + [c.format(src=parent.ckpt, out=ckpt, repo=REPO)
+            conv = [sys.executable] + [c.format(src=parent.ckpt, out=ckpt)
                                        for c in shlex.split(spec["convert"])]
             return [conv, generate_cmd(ckpt, a.data, a.beam)], ckpt
         ckpt = os.path.join(self.save, "checkpoint_last.pt")
@@ -288,7 +208,7 @@ class Row:
                                   (re.search(r"converted model params: ([\d,]+)", x) for x in lines)
                                   if m), None)
         else:
-            row["params"], row["wps"] = parse_train(lines)
+            row["params"], row["memory_params"], row["wps"] = parse_train(lines)
         if self.lm:
             bpc = [float(json.loads(x[x.index("{"):])["valid_bpc"]) for x in lines
                    if '"valid_bpc"' in x]
@@ -351,17 +271,14 @@ def _count(r, key, spec):
 
 
 def format_table(rows):
-    from benchlib import format_table as markdown
-
     return markdown([{"arch": r["arch"], "params": _count(r, "params", ","),
+                      "of which memory": _count(r, "memory_params", ","),
                       "train words/s": _count(r, "wps", ".0f"), "train s": f"{r['train_s']:.0f}",
                       "BLEU": f"{r['bleu']:.2f}", "chrF": f"{r['chrf']:.2f}",
                       "notes": r.get("notes", "")} for r in rows])
 
 
 def format_lm_table(rows, updates):
-    from benchlib import format_table as markdown
-
     return (f"Character LMs (gensim Wikipedia extract, enwik8 format, {updates} updates):\n\n"
             + markdown([{"arch": r["arch"], "params": _count(r, "params", ","),
                          "train tokens/s": _count(r, "wps", ".0f"),
@@ -369,16 +286,12 @@ def format_lm_table(rows, updates):
                          "notes": r.get("notes", "")} for r in rows]))
 
 
-def make_command(archs, lm_archs):
-    """The ``make demo`` command that trains these rows."""
-    return f"make demo ARCHS=\"{' '.join(archs)}\" LM_ARCHS=\"{' '.join(lm_archs) or 'none'}\""
-
-
 def split_names(text):
     return [x for x in re.split(r"[,\s]+", text or "") if x and x != "none"]
 
 
-def main():
+def main(argv=None):
+    DEMO, LM_DEMO = mt_rows(), lm_rows()
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=" ".join(DEFAULT_ARCHS),
@@ -403,8 +316,8 @@ def main():
                    help="markdown table written here ('' = none; default %(default)s)")
     p.add_argument("--report", default=os.path.join(REPO, "docs/demo"),
                    help="picture report of the trained rows written here as README.md + PNGs "
-                        "(scripts/demo_report.py; '' = none; default %(default)s)")
-    a = p.parse_args()
+                        "(scripts/demo/report.py; '' = none; default %(default)s)")
+    a = p.parse_args(argv)
     archs, lm_archs = split_names(a.archs), split_names(a.lm_archs)
     unknown = [x for x in archs if x not in DEMO] + [x for x in lm_archs if x not in LM_DEMO]
     if unknown:
@@ -417,10 +330,10 @@ def main():
                              f"in --archs")
     if lm_archs and not os.path.exists(os.path.join(LM_DATA, "dict.txt")):
         raise SystemExit(f"no binarised character data in {LM_DATA}: run "
-                         "`make data` (scripts/prepare_enwik8.py --gensim) first")
+                         "`make data` (python -m scripts.data.prepare_enwik8 --gensim) first")
     if archs and not os.path.exists(os.path.join(a.data, "dict.de.txt")):
         raise SystemExit(f"no binarised corpus in {a.data} (dict.de.txt missing): run "
-                         "`make data` (scripts/prepare_libreoffice.py) first")
+                         "`make data` (python -m scripts.data.prepare_libreoffice) first")
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "2")))
     jobs = a.jobs or (2 if threads >= 2 else 1)
     if jobs < 1:
@@ -452,10 +365,10 @@ def main():
             f.write(table + footer + "\n")
         print(f"table written to {a.results}")
     if a.report:
-        import demo_report
+        from scripts.demo import report
 
-        path = demo_report.write_report(demo_report.demo_rows(a.out, archs + lm_archs, done),
-                                        a.report, a.data, make_command(archs, lm_archs))
+        path = report.write_report(report.demo_rows(a.out, archs + lm_archs, done),
+                                   a.report, a.data, make_command(archs, lm_archs))
         print(f"report written to {path}")
 
 

@@ -1,43 +1,40 @@
 #!/usr/bin/env python
 """The demo's picture report: ``docs/demo/README.md`` with one PNG per trained row, drawn by the
-plotters in scripts/ from the demo's own checkpoints (``make demo`` writes it after its table).
+plotters of ``attnzoo-plot`` (fairseq_attnzoo/cli/) from the demo's own checkpoints (``make demo``
+writes it after its table).
 
 =======================================  =======================================================
 row                                      picture (plotter)
 =======================================  =======================================================
-adaptive-span / All-Attention LM         learned span per layer and head (plot_spans.py)
-transformer_pkm                          slot usage over the product-key grid (plot_pkm_usage.py)
+adaptive-span / All-Attention LM         learned span per layer and head (plot_spans)
+transformer_pkm                          slot usage over the product-key grid (plot_pkm_usage)
 transformer_synth_*                      synthesized self-attention next to the vanilla
                                          model's dot-product attention on one test sentence, and
-                                         the logged mixture weights (plot_synthesizer_attention.py)
-collab_convert* / transformer_collab*    QK energy spectrum before / after (plot_qk_spectrum.py)
+                                         the logged mixture weights (plot_synthesizer)
+collab_convert* / transformer_collab*    QK energy spectrum before / after (plot_qk_spectrum)
 =======================================  =======================================================
 
 Rows without a method picture (the vanilla baseline, AOP) are listed with their scores only.
 Regenerate from an earlier run's checkpoints without training::
 
-    python scripts/demo_report.py --out work/demo        # reads work/demo/results.json
+    python -m scripts.demo.report --out work/demo        # reads work/demo/results.json
 """
 
 import argparse
 import json
 import logging
 import os
-import sys
 from typing import Dict, List, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for path in (HERE, REPO):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from scripts.demo import config
+from scripts.demo.config import REPO
 
 PKM_MAX_BATCHES = 50  # valid batches of --max-tokens 4096 the usage is measured on
 SENTENCE_MAX_TOKENS = 20  # the synthesizer picture uses the first test sentence this short
 
 
 class DemoRow:
-    """Where a demo row's files are: ``out/<name>/`` as written by scripts/demo.py."""
+    """Where a demo row's files are: ``out/<name>/`` as written by scripts/demo/demo.py."""
 
     def __init__(self, name: str, spec: dict, result: dict, out: str, lm: bool):
         self.name, self.spec, self.result, self.lm = name, spec, result, lm
@@ -71,7 +68,7 @@ def _score_line(row: DemoRow) -> str:
 # ---- one picture per kind ---------------------------------------------------------------------
 
 def spans_picture(row: DemoRow, docs: str) -> str:
-    import plot_spans
+    from fairseq_attnzoo.cli import plot_spans
 
     s, r, spans = plot_spans.load_spans(row.ckpt)
     png = plot_spans.plot_spans(s, r, spans, os.path.join(docs, f"{row.name}_spans.png"),
@@ -83,7 +80,7 @@ def spans_picture(row: DemoRow, docs: str) -> str:
 
 
 def pkm_picture(row: DemoRow, docs: str, data: str) -> str:
-    import plot_pkm_usage
+    from fairseq_attnzoo.cli import plot_pkm_usage
     from fairseq_attnzoo.modules.pkm import usage_stats
 
     model, task = plot_pkm_usage.load(row.ckpt, data, os.path.join(REPO, "fairseq_attnzoo"), True)
@@ -108,7 +105,7 @@ def _first_short_example(task, split: str = "test"):
 
 
 def synth_pictures(row: DemoRow, docs: str, data: str, vanilla: Optional[DemoRow]) -> str:
-    import plot_synthesizer_attention as psa
+    from fairseq_attnzoo.cli import plot_synthesizer as psa
 
     from fairseq_attnzoo.models.synthesizer import mixture_weights
 
@@ -144,7 +141,7 @@ def synth_pictures(row: DemoRow, docs: str, data: str, vanilla: Optional[DemoRow
 
 
 def spectrum_picture(row: DemoRow, docs: str, parent: Optional[DemoRow]) -> str:
-    import plot_qk_spectrum as qk
+    from fairseq_attnzoo.cli import plot_qk_spectrum as qk
 
     after = qk.load_curves(row.ckpt)
     panels = []
@@ -183,9 +180,9 @@ def write_report(rows: List[DemoRow], docs: str, data: str, command: str) -> str
     vanilla = next((r for r in rows if r.arch in ("transformer", "attnzoo_transformer")
                     and not r.parent and not r.convert), None)
     lines = ["# Demo report: what the methods learned", "",
-             f"Pictures from the checkpoints of one `{command}` run, drawn by the plotters in "
-             "`scripts/` (`scripts/demo_report.py` calls them; "
-             "`python scripts/demo_report.py --out work/demo` redraws them without training). "
+             f"Pictures from the checkpoints of one `{command}` run, drawn by the plotters of "
+             "`attnzoo-plot` (`scripts/demo/report.py` calls them; "
+             "`python -m scripts.demo.report --out work/demo` redraws them without training). "
              "Scores and timings: [docs/demo_results.md](../demo_results.md).", ""]
     for row in rows:
         kind = row.kind()
@@ -203,7 +200,7 @@ def write_report(rows: List[DemoRow], docs: str, data: str, command: str) -> str
                          "and its QK spectrum appear next to the Synthesizer and collaborative "
                          "rows.")
         else:
-            lines.append("No picture: there is no plotter for this method in scripts/ yet.")
+            lines.append("No picture: `attnzoo-plot` has no plotter for this method yet.")
         lines.append("")
     path = os.path.join(docs, "README.md")
     with open(path, "w") as f:
@@ -212,19 +209,16 @@ def write_report(rows: List[DemoRow], docs: str, data: str, command: str) -> str
 
 
 def demo_rows(out: str, names: List[str], results: Dict[str, dict]) -> List[DemoRow]:
-    import demo
-
+    mt, lms = config.mt_rows(), config.lm_rows()
     rows = []
     for name in names:
-        lm = name in demo.LM_DEMO
-        spec = demo.LM_DEMO[name] if lm else demo.DEMO[name]
+        lm = name in lms
+        spec = lms[name] if lm else mt[name]
         rows.append(DemoRow(name, spec, results[name], out, lm))
     return rows
 
 
 def main(argv=None):
-    import demo
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(REPO, "work/demo"),
                    help="the demo's working directory (results.json, one folder per row)")
@@ -240,7 +234,7 @@ def main(argv=None):
     rows = demo_rows(a.out, list(results), results)
     mt = [r.name for r in rows if not r.lm]
     lm = [r.name for r in rows if r.lm]
-    path = write_report(rows, a.docs, a.data, demo.make_command(mt, lm))
+    path = write_report(rows, a.docs, a.data, config.make_command(mt, lm))
     print(f"report written to {path}")
 
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from benchlib import SublayerCase, peak_memory_mb, register_case
+from scripts.bench.benchlib import SublayerCase, peak_memory_mb, register_case
 from fairseq_attnzoo.modules.adaptive_span import AdaptiveSpanAttention
 
 D, HEADS, M, S, B = 512, 8, 512, 8192, 1
@@ -47,15 +47,13 @@ def _cpu_peak_mb_subprocess(ratio: float) -> float:
     """CPU peak in a fresh process with a fixed malloc mmap threshold, so that freed tensors go back
     to the OS and the resident high-water mark follows live memory (glibc's adaptive threshold
     would otherwise keep freed blocks of an earlier, larger run resident)."""
-    scripts = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import importlib.util, sys; sys.path.insert(0, {0!r}); "
-            "spec = importlib.util.spec_from_file_location('case', {1!r}); "
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print(m.peak_mb({2!r}, m.torch.device('cpu')))").format(
-                scripts, os.path.abspath(__file__), ratio)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    code = ("from scripts.bench.cases import adaptive_span as m; "
+            "print(m.peak_mb({0!r}, m.torch.device('cpu')))").format(ratio)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
+                         check=True, cwd=repo)  # python -c imports from its working directory
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -5,7 +5,7 @@ Paper: AOP steps are ~30% slower than the baseline; our goal is <= 1.10x for the
 import torch
 import torch.nn as nn
 
-from benchlib import SublayerCase, register_case
+from scripts.bench.benchlib import SublayerCase, register_case
 from fairseq_attnzoo.modules.aop import AttentionOverParameters
 
 D, FFN, T, B = 512, 2048, 128, 32  # 4096 tokens, time-first like fairseq

@@ -7,7 +7,7 @@ shared key/query dimensions D̃k in {512, 256, 128, 64} (512 = the concatenated 
 import torch
 import torch.nn as nn
 
-from benchlib import SublayerCase, register_case
+from scripts.bench.benchlib import SublayerCase, register_case
 from fairseq.modules.multihead_attention import MultiheadAttention
 
 from fairseq_attnzoo.modules.collab import CollaborativeAttention

@@ -15,7 +15,7 @@ docs/benchmarks.md says how to install it beside the venv."""
 import torch
 import torch.nn as nn
 
-from benchlib import SublayerCase, peak_memory_mb, register_case
+from scripts.bench.benchlib import SublayerCase, peak_memory_mb, register_case
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory
 from fairseq_attnzoo.optim.pkm_optimizer import SparseDenseAdam
 

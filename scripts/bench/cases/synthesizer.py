@@ -6,7 +6,7 @@ Target (issue): pure Random <= 0.55x of MHA at L=512 (FLOP ratio ~0.5: no Q/K pr
 """
 
 import torch
-from benchlib import SublayerCase, register_case
+from scripts.bench.benchlib import SublayerCase, register_case
 from fairseq.modules import MultiheadAttention
 
 from fairseq_attnzoo.models.synthesizer import VARIANTS
