@@ -10,7 +10,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.attnzoo-installed
 THREADS ?= 2
 # demo: which rows (ARCHS, LM_ARCHS; LM_ARCHS=none for no LM row) and any other option
-# (DEMO_ARGS, e.g. "--max-update 3000 --rerun"); see scripts/demo.py --help and docs/demo.md
+# (DEMO_ARGS, e.g. "--max-update 3000 --rerun"); see python -m scripts.demo.demo --help and docs/demo.md
 ARCHS   ?=
 LM_ARCHS ?=
 DEMO_ARGS ?=
@@ -28,15 +28,15 @@ test: install
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup tests
 
 data: install
-	OMP_NUM_THREADS=$(THREADS) $(VPY) scripts/prepare_libreoffice.py --workers $(THREADS)
-	OMP_NUM_THREADS=$(THREADS) $(VPY) scripts/prepare_enwik8.py --gensim --workers $(THREADS)
+	OMP_NUM_THREADS=$(THREADS) $(VPY) -m scripts.data.prepare_libreoffice --workers $(THREADS)
+	OMP_NUM_THREADS=$(THREADS) $(VPY) -m scripts.data.prepare_enwik8 --gensim --workers $(THREADS)
 
 demo: data
-	OMP_NUM_THREADS=$(THREADS) $(VPY) scripts/demo.py $(if $(ARCHS),--archs "$(ARCHS)") \
+	OMP_NUM_THREADS=$(THREADS) $(VPY) -m scripts.demo.demo $(if $(ARCHS),--archs "$(ARCHS)") \
 	  $(if $(LM_ARCHS),--lm-archs "$(LM_ARCHS)") $(DEMO_ARGS)
 
 bench: data
-	$(VPY) scripts/bench.py $(BENCH_ARGS)
+	$(VPY) -m scripts.bench.bench $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -5,7 +5,6 @@ import contextlib
 import importlib
 import shlex
 import io
-import os
 
 import pytest
 import torch

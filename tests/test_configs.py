@@ -12,10 +12,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from preptest_util import load_script
+from scripts import make_hydra_configs as make_configs
 from zoo_testlib import REPO, USER_DIR, model_class, quiet, run_cli, tiny_flags
 
-make_configs = load_script("make_hydra_configs")
 
 
 def test_configs_agree_with_recipes():
@@ -31,7 +30,7 @@ def test_configs_agree_with_recipes():
         with open(os.path.join(REPO, path)) as f:
             if f.read() != text:
                 stale.append(path)
-    assert not stale, f"rerun python scripts/make_hydra_configs.py: {stale}"
+    assert not stale, f"rerun python -m scripts.make_hydra_configs: {stale}"
     on_disk = {os.path.relpath(p, REPO) for p in glob.glob(f"{REPO}/examples/*/config/*.yaml")}
     assert on_disk == set(configs), "a config without a recipe"
 

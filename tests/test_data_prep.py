@@ -1,13 +1,13 @@
-"""Offline tests of scripts/prepare_libreoffice.py and scripts/prepare_enwik8.py on tiny inputs."""
+"""Offline tests of scripts/data/prepare_libreoffice.py and scripts/data/prepare_enwik8.py on tiny
+inputs."""
 import json
 import os
 import shutil
 
 import pytest
-from preptest_util import load_script
+from scripts.data import prepare_enwik8 as ew
+from scripts.data import prepare_libreoffice as lo
 
-lo = load_script("prepare_libreoffice")
-ew = load_script("prepare_enwik8")
 
 PAGE = """<!DOCTYPE html><html><head><title>T</title><script>var x = "<p id='par_id9'>no</p>";</script>
 </head><body><p id="bm_module">boilerplate</p><div id="DisplayArea">

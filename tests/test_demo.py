@@ -1,5 +1,6 @@
-"""scripts/demo.py without training: argument errors, the row scheduler and the row cache; the
-picture report (scripts/demo_report.py) from a tiny fake demo run."""
+"""scripts/demo/ without training: argument errors, the row scheduler, the row cache, the rows
+derived from the registry and the parameter counts; the picture report (scripts/demo/report.py)
+from a tiny fake demo run."""
 import json
 import os
 import subprocess
@@ -9,14 +10,16 @@ import time
 import types
 
 import pytest
-from preptest_util import SCRIPTS, load_script
+from preptest_util import ROOT
 
-demo = load_script("demo")
+from fairseq_attnzoo.cli import collab_reparametrize
+from fairseq_attnzoo.cli.archs import zoo_archs
+from scripts.demo import config, demo
 
 
 def run_demo(*args):
-    return subprocess.run([sys.executable, str(SCRIPTS / "demo.py"), *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "scripts.demo.demo", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -91,9 +94,10 @@ def test_scheduler_reuses_cached_rows_unless_rerun():
 def test_row_key_changes_with_commands_and_parent(tmp_path):
     a = types.SimpleNamespace(out=str(tmp_path), data="/data", max_update=10, lm_max_update=5,
                               seed=1, beam=5)
-    base = demo.Row("transformer", demo.DEMO["transformer"], a)
+    rows = config.mt_rows()
+    base = demo.Row("transformer", rows["transformer"], a)
     base.prepare(None)
-    child = demo.Row("collab_convert64", demo.DEMO["collab_convert64"], a)
+    child = demo.Row("collab_convert64", rows["collab_convert64"], a)
     child.prepare(base)
     key = child.key
     assert "--key-dim" in child.cmds[0] and base.ckpt in child.cmds[0]
@@ -124,7 +128,7 @@ def _train_row(out, name, arch, data, max_update=2):
 def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
     import re
 
-    conv = load_script("collab_reparametrize")
+    conv = collab_reparametrize
     out, docs = tmp_path / "work", tmp_path / "docs"
     vanilla = _train_row(out, "transformer", "attnzoo_transformer", mt_data)
     _train_row(out, "transformer_synth_random_dense", "transformer_synth_random_dense", mt_data)
@@ -141,13 +145,13 @@ def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
     (out / "results.json").write_text(json.dumps(results))
     # the command line, in a fresh interpreter (the plotters' imports must not clash with
     # fairseq's --user-dir import of the checkpoints)
-    r = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPTS / "demo_report.py"), "--out",
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "scripts.demo.report", "--out",
                         str(out), "--docs", str(docs), "--data", mt_data], capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"report written to {docs / 'README.md'}" in r.stdout
     text = (docs / "README.md").read_text()
-    assert demo.make_command(names[:-1], names[-1:]) in text
+    assert config.make_command(names[:-1], names[-1:]) in text
     for n in names:
         assert f"## {n}\n" in text
     assert "BLEU 1.50, chrF 20.25" in text and "valid bpc 5.125" in text
@@ -164,3 +168,28 @@ def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
     assert "Final weights: encoder.layers.0.self_attn: random 0." in text
     assert "The baseline" in text.split("## transformer\n")[1].split("##")[0]
     assert "no plotter" in text.split("## transformer_aop")[1]
+
+
+def test_rows_come_from_the_registry_with_each_methods_flags():
+    rows = config.mt_rows()
+    assert set(zoo_archs(task="translation")) | {"transformer"} <= set(rows)
+    assert set(config.lm_rows()) == set(zoo_archs(task="attnzoo_stream_lm"))
+    assert "--synth-max-len 256" in rows["transformer_synth_dense_vanilla"]["flags"]
+    assert "--pkm-knn 16" in rows["transformer_pkm"]["flags"]
+    assert "--aop-slots 384" in rows["transformer_aop_h16"]["flags"]
+    assert rows["attnzoo_transformer"]["flags"] == ""
+    assert "--no-layer-spans" in config.lm_rows()["all_attention_lm"]["flags"]
+
+
+def test_params_count_the_memory_tables_too():
+    """fairseq logs the expert-tagged PKM value tables on a line of their own: the demo's params
+    are the sum, and the memory part is reported separately."""
+    lines = ["[fairseq_cli.train] num. shared model params: 1,179,904 (num. trained: 1,179,904)",
+             "[fairseq_cli.train] num. expert model params: 4194304 (num. trained: 4194304)",
+             '[train] {"epoch": 1, "train_wps": "2500.5"}']
+    assert demo.parse_train(lines) == (5_374_208, 4_194_304, 2500.5)
+    assert demo.parse_train(lines[:1]) == (1_179_904, 0, None)
+    table = demo.format_table([{"arch": "transformer_pkm", "params": 5_374_208,
+                                "memory_params": 4_194_304, "wps": 2500.5, "train_s": 10,
+                                "bleu": 1.0, "chrf": 2.0}])
+    assert "5,374,208" in table and "4,194,304" in table and "of which memory" in table

@@ -651,15 +651,10 @@ def test_pool_usage_is_logged_per_layer_and_for_the_pool():
 
 
 def test_plot_script_reports_the_shared_pool(lm_data):
-    import importlib.util
-    import os
+    from zoo_testlib import build
 
-    from zoo_testlib import REPO, build
+    from fairseq_attnzoo.cli import plot_pkm_usage as plot
 
-    spec = importlib.util.spec_from_file_location(
-        "plot_pkm_usage", os.path.join(REPO, "scripts", "plot_pkm_usage.py"))
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
     _, task, model, _ = build("transformer_lm_memplus", lm_data, ["--decoder-layers", "2"])
     counts, mems, tokens = plot.collect(model.eval(), task, "valid", 512, max_batches=2)
     assert sorted(counts) == ["decoder.layers.0.ffn", "decoder.layers.1.ffn"] and tokens > 0

@@ -1,5 +1,5 @@
-"""Offline tests of the WMT'14 En-De recipe: scripts/prepare_wmt14_en_de.py,
-scripts/average_checkpoints.py and the shell scripts in examples/wmt14_en_de/."""
+"""Offline tests of the WMT'14 En-De recipe: scripts/data/prepare_wmt14_en_de.py,
+attnzoo-average-checkpoints and the shell scripts in examples/wmt14_en_de/."""
 import io
 import random
 import subprocess
@@ -10,12 +10,13 @@ import urllib.request
 
 import pytest
 import torch
-from preptest_util import ROOT, load_script
+from preptest_util import ROOT
+
+from fairseq_attnzoo.cli import average_checkpoints as avg
+from scripts.data import prepare_wmt14_en_de as wmt
 
 EXAMPLE = ROOT / "examples" / "wmt14_en_de"
 
-wmt = load_script("prepare_wmt14_en_de")
-avg = load_script("average_checkpoints")
 
 EN = "the a cat dog sees big small house runs fast red blue old new man woman".split()
 DE = "der ein katze hund sieht gross klein haus rennt schnell rot blau alt neu mann frau".split()
@@ -293,7 +294,7 @@ def test_generate_sh_dry_run():
     r = _sh("generate.sh", "transformer_aop", DRY_RUN="1", SAVE="/tmp/ck")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "average_checkpoints.py --inputs /tmp/ck --last 5" in lines[0]
+    assert "-m fairseq_attnzoo.cli.average_checkpoints --inputs /tmp/ck --last 5" in lines[0]
     assert "-m fairseq_cli.generate" in lines[1] and "--beam 4 --lenpen 0.6" in lines[1]
     assert "--remove-bpe sentencepiece" in lines[1]
     assert "--path /tmp/ck/checkpoint.avg5.pt" in lines[1]

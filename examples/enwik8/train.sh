@@ -9,14 +9,14 @@
 #   adaptive_span_large   24 layers, d 768 (paper: 0.98 enwik8, 1.07 text8), 150k + 20k at lr/10
 #   all_attention         18 layers, N 1024, no FFN (paper: 1.01 enwik8, 1.11 text8), 450k + 30k
 #   all_attention_large   36 layers, N 2048 (paper: 0.98 enwik8, 1.08 text8), 200k + 10k
-# DATA: data/enwik8/bin (default; scripts/prepare_enwik8.py --download), data/text8/bin
+# DATA: data/enwik8/bin (default; python -m scripts.data.prepare_enwik8 --download), data/text8/bin
 # (examples/enwik8/prepare_text8.py), or the offline stand-in data/wiki-gensim/bin.
 #
 # GPUS (default: all visible) x --batch-size x UPDATE_FREQ = the global batch (64 sequences);
 # --update-freq U on one GPU computes exactly the update of U GPUs (streams are laid out by
 # batch x GPUs x U). With fp16 add: --fp16 --fp16-no-flatten-grads (per-tensor clipping).
 # DRY_RUN=1 prints the fairseq-train command(s) instead of running them. The same settings as
-# fairseq-hydra-train configs: examples/enwik8/config/ (scripts/make_hydra_configs.py).
+# fairseq-hydra-train configs: examples/enwik8/config/ (python -m scripts.make_hydra_configs).
 set -euo pipefail
 CONFIG=${1:?usage: train.sh CONFIG [DATA] [flags...]}
 DATA=${2:-data/enwik8/bin}

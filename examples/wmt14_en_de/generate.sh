@@ -44,7 +44,7 @@ fi
 AVG_CMD=()
 if [[ -z "${CKPT:-}" ]]; then
     CKPT="$SAVE/checkpoint.avg$N_AVG.pt"
-    AVG_CMD=("$PYTHON" "$ROOT/scripts/average_checkpoints.py" --inputs "$SAVE" --last "$N_AVG"
+    AVG_CMD=("$PYTHON" -m fairseq_attnzoo.cli.average_checkpoints --inputs "$SAVE" --last "$N_AVG"
         --output "$CKPT")
 fi
 GEN_CMD=("$PYTHON" -m fairseq_cli.generate "$DATA/bin"

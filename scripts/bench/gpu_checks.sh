@@ -2,11 +2,11 @@
 # The GPU checks recorded in docs/gpu.md, on a machine that has torch + CUDA but no package index
 # (wheels and the fairseq sdist carried in .whl/, the demo data in data/; docs/gpu.md "Setup").
 #
-#   bash scripts/gpu_checks.sh setup            install fairseq & co into /tmp/site
-#   bash scripts/gpu_checks.sh sweep  OUT       tests/test_precision.py on the GPU's kernels
-#   bash scripts/gpu_checks.sh runs   OUT ARCH...   scripts/precision_runs.py (--fp16, --amp)
-#   bash scripts/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
-#   bash scripts/gpu_checks.sh nccl   OUT       sparse PKM values / Memory+ through NCCL (world 1)
+#   bash scripts/bench/gpu_checks.sh setup            install fairseq & co into /tmp/site
+#   bash scripts/bench/gpu_checks.sh sweep  OUT       tests/test_precision.py on the GPU's kernels
+#   bash scripts/bench/gpu_checks.sh runs   OUT ARCH...   scripts/bench/precision_runs.py (--fp16, --amp)
+#   bash scripts/bench/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
+#   bash scripts/bench/gpu_checks.sh nccl   OUT       sparse PKM values / Memory+ through NCCL (world 1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -27,17 +27,17 @@ sweep)
     ;;
 runs)
     shift 2
-    timeout "${TIMEOUT:-300}" python3 scripts/precision_runs.py --jobs "${JOBS:-16}" --updates 100 \
+    timeout "${TIMEOUT:-300}" python -m scripts.bench.precision_runs --jobs "${JOBS:-16}" --updates 100 \
         --precisions fp16 amp --archs "$@" --json "$OUT/runs.json" --out "$OUT/runs.md" \
         --work /tmp/prec > "$OUT/runs.log" 2>&1
     echo "runs rc $?"; grep -c '"status": "ok"' "$OUT/runs.log"; grep -v '"status": "ok"' \
         "$OUT/runs.log" | grep '^\[' | cut -c1-300
     ;;
 bench)
-    timeout "${TIMEOUT:-200}" python3 scripts/bench.py --device cuda --repeats 10 \
+    timeout "${TIMEOUT:-200}" python -m scripts.bench.bench --device cuda --repeats 10 \
         --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1
     echo "bench rc $?"; tail -25 "$OUT/bench.log" | cut -c1-400
-    timeout "${SPAN_TIMEOUT:-150}" python3 scripts/bench_adaptive_span_vs_fairseq.py --device cuda \
+    timeout "${SPAN_TIMEOUT:-150}" python -m scripts.bench.bench_adaptive_span_vs_fairseq --device cuda \
         --updates 200 --segments 2 --json "$OUT/span_vs_fairseq.json" --work /tmp/spanb \
         > "$OUT/span.log" 2>&1
     echo "span rc $?"; tail -8 "$OUT/span.log"
