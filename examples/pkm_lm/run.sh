@@ -86,7 +86,9 @@ train)
     transformer_lm_synth_*)  # N = the 512-token block (the synthesised tables cover every position)
         METHOD+=(--synth-max-len 512) ;;
     *)  # any other registered LM arch (attnzoo-archs --list --task language_modeling): as it is
-        KNOWN="$(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task language_modeling)"
+        KNOWN="$(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task language_modeling 2>/dev/null)" || {
+            echo "run.sh: '$PYTHON' cannot list the plugin's archs: set PYTHON to the interpreter with fairseq and this plugin" >&2
+            exit 2; }
         if [[ " $(echo $KNOWN) " != *" $ARCH "* ]]; then
             echo "run.sh: unknown ARCH '$ARCH'; known:" $KNOWN >&2
             exit 2

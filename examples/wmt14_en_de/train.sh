@@ -23,10 +23,18 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 PYTHON="${PYTHON:-python}"
 # every translation arch of the plugin, from its registry (attnzoo-archs --list --task translation)
-known() { echo transformer $(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task translation); }
+known() {
+    local names
+    if ! names="$(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task translation 2>/dev/null)"; then
+        echo "train.sh: '$PYTHON' cannot list the plugin's archs: set PYTHON to the interpreter with fairseq and this plugin" >&2
+        exit 2
+    fi
+    echo transformer $names
+}
 
 if [[ $# -lt 1 ]]; then
-    echo "usage: $0 ARCH [fairseq-train flags...]; ARCH is one of: $(known)" >&2
+    KNOWN="$(known)" || exit 2
+    echo "usage: $0 ARCH [fairseq-train flags...]; ARCH is one of: $KNOWN" >&2
     exit 2
 fi
 ARCH="$1"
@@ -83,8 +91,9 @@ case "$ARCH" in
         EXTRA="--fp16-no-flatten-grads"  # pkm_adam refuses fairseq's flattened fp16 buffer; multi-GPU uses dense values automatically
         ;;
     *)  # any other registered translation arch: its preset as it is
-        if [[ " $(known) " != *" $ARCH "* ]]; then
-            echo "train.sh: unknown ARCH '$ARCH'; known: $(known)" >&2
+        KNOWN="$(known)" || exit 2
+        if [[ " $KNOWN " != *" $ARCH "* ]]; then
+            echo "train.sh: unknown ARCH '$ARCH'; known: $KNOWN" >&2
             exit 2
         fi
         EXTRA=""

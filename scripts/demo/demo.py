@@ -31,8 +31,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from scripts.bench.benchlib import format_table as markdown
-from scripts.demo.config import (LM_DATA, REPO, fairseq_bin, lm_cmd, lm_rows, make_command,
-                                 mt_rows, train_cmd)
+from scripts.demo.config import (LM_DATA, REPO, USER_DIR, fairseq_bin, lm_cmd, lm_rows,
+                                 make_command, mt_rows, train_cmd)
 
 DEFAULT_LM_ARCHS = ["adaptive_span_lm_small"]  # all_attention_lm via LM_ARCHS
 
