@@ -224,6 +224,62 @@ def _fp16_master_projection():
         _FP16OptimizerMixin._sync_fp32_params_to_fp16)
 
 
+# ---- fairseq --bf16 on GPUs and CPUs ---------------------------------------------------------------
+
+def _call_main():
+    from fairseq.distributed import utils as distributed_utils
+
+    return distributed_utils.call_main
+
+
+def tpu_requested(argv) -> bool:
+    """Whether the command line asked for TPUs itself (fairseq's ``--tpu``)."""
+    return any(a == "--tpu" for a in argv)
+
+
+def xla_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def bf16_without_tpu(cfg, argv) -> bool:
+    """Turn off the ``--tpu`` that fairseq 0.12's ``--bf16`` implied, when the user did not ask for
+    TPUs and torch_xla is not installed; returns whether it did. fairseq's own bf16 path is then
+    what trains: the model in bfloat16, fp32 master weights in ``FP16Optimizer`` (no loss scaling),
+    on the GPU (or the CPU with ``--cpu``), exactly as ``fairseq-hydra-train common.bf16=true``."""
+    common = cfg.common
+    if not (common.bf16 and common.tpu) or tpu_requested(argv) or xla_available():
+        return False
+    for section in cfg.values():  # common, distributed_training, task, optimizer copy the flag
+        if hasattr(section, "get") and section.get("tpu", False) is True:
+            section.tpu = False
+    logger.info("--bf16 without --tpu: training in bfloat16 with fp32 master weights on "
+                f"{'the CPU' if common.cpu else 'CUDA'} (fairseq's bf16 path; compat entry "
+                "fairseq_bf16_without_tpu)")
+    return True
+
+
+@patch("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
+       "fairseq 0.12's --bf16 implies --tpu, so fairseq-train --bf16 dies without torch_xla; "
+       "unless --tpu is given or torch_xla is installed, train with fairseq's own bf16 path "
+       "(bfloat16 model, fp32 masters) on the GPU/CPU, as the hydra path already does",
+       known_source(_call_main, "c2a32fa44fa277a6"))
+def _bf16_without_tpu():
+    import sys
+
+    from fairseq.distributed import utils as distributed_utils
+
+    call_main = distributed_utils.call_main
+
+    def patched_call_main(cfg, main, **kwargs):
+        bf16_without_tpu(cfg, sys.argv[1:])
+        return call_main(cfg, main, **kwargs)
+
+    patched_call_main.__doc__ = call_main.__doc__
+    distributed_utils.call_main = patched_call_main
+
+
 # ---- fairseq logging -----------------------------------------------------------------------------
 
 @patch("fairseq_meters_slot_usage", "fairseq.logging.meters (module globals)",

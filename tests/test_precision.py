@@ -343,3 +343,40 @@ def test_bf16_on_gpu_hint():
 
     hint = hint_for(AttributeError("'NoneType' object has no attribute 'xla_device'"))
     assert hint and "--bf16" in hint and "--amp" in hint
+
+
+@pytest.mark.parametrize("arch", ["transformer_synth_random", "transformer_lm_aop",
+                                  "transformer_collab", "adaptive_span_lm_small"])
+def test_cli_bf16_train_without_tpu(arch, data_for, tmp_path):
+    """fairseq-train --bf16 (fairseq 0.12 turns on --tpu and dies without torch_xla): the compat
+    entry fairseq_bf16_without_tpu trains with fairseq's own bf16 path (bfloat16 model, fp32
+    masters in FP16Optimizer, no loss scale), here on the CPU."""
+    data = data_for(arch)
+    logs = run_cli("train", tiny_flags(arch, data) + [
+        "--bf16", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update",
+        "3", "--save-dir", str(tmp_path), "--no-save", "--log-format", "json", "--log-interval",
+        "1", "--seed", "1", "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
+        "--disable-validation"] + list(getattr(model_class(arch), "zoo_cli_train_flags", [])))
+    assert any("--bf16 without --tpu" in line for line in logs), logs[-20:]
+    inner = json_logs(logs, "train_inner")
+    assert [int(r["num_updates"]) for r in inner] == [1, 2, 3], logs[-20:]
+    assert all(math.isfinite(float(r["loss"])) for r in inner)
+    assert "loss_scale" not in inner[-1]  # bf16: no loss scaling (fp16 logs one)
+
+
+def test_bf16_keeps_tpu_when_asked():
+    """--tpu on the command line, or torch_xla installed: fairseq's TPU path is left alone."""
+    from omegaconf import OmegaConf
+
+    from fairseq_attnzoo import compat
+
+    def cfg():
+        return OmegaConf.create({"common": {"bf16": True, "tpu": True, "cpu": False},
+                                 "optimizer": {"tpu": True}, "task": {"tpu": True}})
+
+    c = cfg()
+    assert compat.bf16_without_tpu(c, ["data", "--bf16", "--tpu"]) is False and c.common.tpu
+    c = cfg()
+    assert compat.bf16_without_tpu(c, ["data", "--bf16"]) is (not compat.xla_available())
+    if not compat.xla_available():
+        assert not c.common.tpu and not c.optimizer.tpu and not c.task.tpu
