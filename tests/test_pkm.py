@@ -500,15 +500,58 @@ def _explicit_read(m, x):
     return torch.einsum("hnk,hnkd->nd", torch.softmax(s, -1), m.values.weight[i])
 
 
-def test_gated_output_equals_its_formula():
-    """out = W₂(m(x) ⊙ SiLU(W₁ x)), with m(x) the plain memory read and no biases."""
+def test_legacy_gated_output_equals_its_formula():
+    """The pre-issue-23 form (``gated=True``, checkpoints storing --pkm-gated-output true):
+    out = W₂(m(x) ⊙ SiLU(W₁ x)), with m(x) the plain memory read and no biases."""
     m = _memory(bn=False, gated=True, v_dim=12).eval()
+    assert m.swilu == "legacy"
     assert m.out_proj is None and m.gate_proj.bias is None and m.gate_out.bias is None
     x = torch.randn(5, 2, 16)
     flat = x.reshape(-1, 16)
     w1, w2 = m.gate_proj.weight, m.gate_out.weight  # [v_dim, d], [d, v_dim]
     ref = (_explicit_read(m, flat) * torch.nn.functional.silu(flat @ w1.t())) @ w2.t()
     torch.testing.assert_close(m(x).reshape(-1, 16), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_swilu_output_is_the_reference_form():
+    """--pkm-swilu-output (facebookresearch/memory's swilu_projection): W₁, W₂ with biases and
+    N(0, d_out^-½) weights; the gate reads the input AFTER input dropout; value dropout acts on the
+    output of W₂ -- out = Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃) ) + b₂), x̃ = Drop_in(x)."""
+    torch.manual_seed(0)
+    m = ProductKeyMemory(64, 64, n_keys=12, heads=2, knn=5, k_dim=8, v_dim=48,
+                         query_batchnorm=False, swilu="reference", input_dropout=0.3,
+                         value_dropout=0.2)
+    assert m.gate_proj.bias is not None and m.gate_out.bias is not None
+    for lin in (m.gate_proj, m.gate_out):  # N(0, 64^-½): std 0.125 over 3,072 weights
+        assert abs(lin.weight.std().item() - 0.125) < 0.01 and abs(lin.weight.mean()) < 0.01
+    x = torch.randn(5, 2, 64)
+    flat = x.reshape(-1, 64)
+    w1, b1, w2, b2 = m.gate_proj.weight, m.gate_proj.bias, m.gate_out.weight, m.gate_out.bias
+    m.eval()
+    ref = (_explicit_read(m, flat) * F.silu(flat @ w1.t() + b1)) @ w2.t() + b2
+    torch.testing.assert_close(m(x).reshape(-1, 64), ref, rtol=1e-5, atol=1e-5)
+    m.train()  # the same two dropout draws, in the reference's order
+    torch.manual_seed(7)
+    out = m(x).reshape(-1, 64)
+    torch.manual_seed(7)
+    xd = F.dropout(flat, 0.3, True)  # 1st draw: the input, shared by the query and the gate
+    read = _explicit_read(m.eval(), xd)  # (eval: no second input dropout inside the query)
+    ref = F.dropout((read * F.silu(xd @ w1.t() + b1)) @ w2.t() + b2, 0.2, True)  # 2nd: output
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_memplus_init_is_the_references():
+    """--pkm-init memplus: sub-keys uniform(±1/√k_dim), Xavier-uniform query weight (XLM's init:
+    ±1/√(k_dim/2), nn.Linear's)."""
+    torch.manual_seed(0)
+    kw = dict(n_keys=64, heads=2, knn=4, k_dim=32, query_batchnorm=False)
+    xlm = ProductKeyMemory(64, 64, **kw)
+    ours = ProductKeyMemory(64, 64, init="memplus", **kw)
+    assert xlm.keys.abs().max() <= 1 / math.sqrt(16) and xlm.keys.abs().max() > 0.9 / math.sqrt(16)
+    assert ours.keys.abs().max() <= 1 / math.sqrt(32) and ours.keys.abs().max() > 0.9 / math.sqrt(32)
+    bound = math.sqrt(6 / (64 + 2 * 32))  # Xavier-uniform bound of the [H·k_dim, d] weight
+    assert bound * 0.9 < ours.query_proj.weight.abs().max() <= bound
+    assert xlm.query_proj.weight.abs().max() <= 1 / math.sqrt(64)
 
 
 def test_qk_norm_search_uses_normalised_queries_and_keys():
@@ -585,11 +628,12 @@ def test_memplus_preset_builds_one_pool_for_all_memory_layers(lm_data):
     args, task, model, criterion = build("transformer_lm_memplus", lm_data,
                                          ["--optimizer", "pkm_adam", "--decoder-layers", "3"])
     assert args.decoder_ffn == "pkm,pkm,pkm"  # spread over 3 layers: 0, 1, 2
-    assert (args.pkm_shared_values, args.pkm_gated_output, args.pkm_qk_norm,
-            args.pkm_query_batchnorm) == ("true", "true", "true", "false")
+    assert (args.pkm_shared_values, args.pkm_swilu_output, args.pkm_qk_norm,
+            args.pkm_query_batchnorm) == ("true", "true", "false", "false")
     mems = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
     assert len(mems) == 3 and all(m.values is mems[0].values for m in mems)
-    assert all(m.gated and m.qk_norm and m.query_bn is None and m.sparse for m in mems)
+    assert all(m.swilu == "reference" and not m.qk_norm and m.query_bn is None and m.sparse
+               for m in mems)
     tables = [n for n, p in model.named_parameters() if getattr(p, "param_group", None)]
     assert tables == ["decoder.layers.0.ffn.values.weight"]
     assert model._ddp_params_and_buffers_to_ignore == tables  # sparse: left to pkm_adam
@@ -616,6 +660,55 @@ def test_memplus_preset_builds_one_pool_for_all_memory_layers(lm_data):
 
 def coalesced_rows(grad):
     return grad.coalesce().indices()[0].tolist()
+
+
+def test_memplus_preset_is_the_papers_memory_plus():
+    """transformer_lm_memplus = Memory+ as Berges et al. define it: 1024 half-keys (Table 4:
+    k_dim = d/2, value dim = d), 4 heads, k 32, three memory layers at 4, 12, 20 of 24 (Table 3),
+    one shared pool, the swilu output with biases, no qk-norm (ours, a separate flag), no batch
+    norm; a model built from it has exactly that form (tiny sizes: d 32, n_keys 8)."""
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-layers",
+                                            "24", "--decoder-embed-dim", "1024"])
+    assert (args.pkm_n_keys, args.pkm_k_dim, args.pkm_value_dim, args.pkm_heads,
+            args.pkm_knn) == (1024, 512, 0, 4, 32)  # value dim 0 = d_model
+    assert [i for i, s in enumerate(args.decoder_ffn.split(",")) if s == "pkm"] == [4, 12, 20]
+    assert (args.pkm_shared_values, args.pkm_swilu_output, args.pkm_qk_norm,
+            args.pkm_query_batchnorm, args.pkm_init) == ("true", "true", "false", "false",
+                                                         "memplus")
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-embed-dim",
+                                            "256"])
+    assert args.pkm_k_dim == 128  # d/2 follows the model dim
+
+    from fairseq_attnzoo.models.pkm import build_pkm
+
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-embed-dim",
+                                            "32", "--pkm-n-keys", "8", "--pkm-knn", "4"])
+    m = build_pkm(_spec(args)).eval()
+    assert (m.k_dim, m.v_dim, m.size, m.swilu, m.init) == (16, 32, 64, "reference", "memplus")
+    assert m.gate_proj.bias is not None and m.gate_out.bias is not None and m.out_proj is None
+    x = torch.randn(3, 2, 32)
+    flat = x.reshape(-1, 32)
+    g, o = m.gate_proj, m.gate_out
+    ref = o(_explicit_read(m, flat) * F.silu(g(flat)))
+    torch.testing.assert_close(m(x).reshape(-1, 32), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_deprecated_gated_output_flag_gives_the_old_form():
+    """Checkpoints written before issue 23 store --pkm-gated-output; it still builds the old
+    form (no biases), the preset does not turn the reference form on over it, and asking for
+    both forms is refused in one line."""
+    from fairseq_attnzoo.models.pkm import build_pkm
+
+    small = ["--task", "language_modeling", "--decoder-embed-dim", "32", "--pkm-n-keys", "8",
+             "--pkm-knn", "4", "--pkm-k-dim", "16"]
+    args = _args("transformer_lm_memplus", small + ["--pkm-gated-output", "true"])
+    m = build_pkm(_spec(args))
+    assert m.swilu == "legacy" and m.gate_proj.bias is None and m.gate_out.bias is None
+    args = _args("transformer_lm_pkm", small + ["--pkm-gated-output", "true",
+                                                "--pkm-swilu-output", "true"])
+    with pytest.raises(ValueError, match="--pkm-swilu-output") as e:
+        build_pkm(_spec(args))
+    assert "\n" not in str(e.value)
 
 
 def test_spread_layer_selection():
