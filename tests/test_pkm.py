@@ -288,18 +288,118 @@ def test_multiply_grads_scales_sparse_gradients():
 
 
 def test_clip_grad_norm_handles_sparse_gradients():
+    """Norms over coalesced sparse gradients; the values are clipped separately from the rest
+    (both references), each set to the threshold; the returned (logged) norm is over all."""
     m = _memory(sparse=True).train()
     opt = _pkm_adam(m)
     m(torch.randn(6, 2, 16)).square().sum().backward()
     m(torch.randn(6, 2, 16)).square().sum().backward()  # accumulated (--update-freq 2): duplicates
     assert not m.values.weight.grad.is_coalesced()
+    names = [n for n, _ in m.named_parameters()]
     dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for p in m.parameters()]
-    ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense]))
-    total = opt.clip_grad_norm(ref.item() / 4)
+    norm = lambda gs: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))  # noqa: E731
+    ref = norm(dense)
+    ref_values = norm([g for n, g in zip(names, dense) if n == "values.weight"])
+    ref_model = norm([g for n, g in zip(names, dense) if n != "values.weight"])
+    limit = min(ref_values, ref_model).item() / 4
+    total = opt.clip_grad_norm(limit)
     torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
     clipped = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in m.parameters()]
-    for a, b in zip(clipped, dense):
-        torch.testing.assert_close(a, b / 4, rtol=1e-4, atol=1e-7)
+    for n, a, b in zip(names, clipped, dense):
+        own = ref_values if n == "values.weight" else ref_model
+        torch.testing.assert_close(a, b * limit / own, rtol=1e-4, atol=1e-7)
+
+
+def _grads(m, x, value_scale=1.0):
+    m.zero_grad()
+    m(x).square().sum().backward()
+    m.values.weight.grad.mul_(value_scale)
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_value_gradients_are_clipped_separately():
+    """--pkm-values-clip-norm: huge value gradients do not shrink the rest (a joint norm would),
+    the values get their own threshold, and 0 leaves them unclipped."""
+    x = torch.randn(5, 2, 16)
+    m = _memory(sparse=False).train()
+    for values_clip, expect_values in ((-1, 1.0), (0.5, 0.5), (0, None)):
+        opt = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_clip_norm=values_clip),
+                      list(m.parameters()))
+        before = _grads(m, x, value_scale=1e4)
+        opt.clip_grad_norm(1.0)
+        model_norm = torch.linalg.vector_norm(torch.stack([
+            torch.linalg.vector_norm(g) for n, g in before.items() if n != "values.weight"]))
+        for n, p in m.named_parameters():
+            if n == "values.weight":
+                got = torch.linalg.vector_norm(p.grad)
+                want = (torch.linalg.vector_norm(before[n]) if expect_values is None
+                        else torch.tensor(expect_values))
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            else:  # clipped by the model's own norm only
+                torch.testing.assert_close(p.grad, before[n] * min(1.0, 1.0 / model_norm.item()),
+                                           rtol=1e-4, atol=1e-7)
+
+
+def test_value_lr_constant_or_following_the_schedule():
+    m = _memory()
+    follow = _pkm_adam(m, values_lr=1e-2, lr=1e-3)
+    const = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr=1e-2,
+                                  pkm_values_lr_schedule="constant"), list(m.parameters()))
+    for opt in (follow, const):
+        opt.set_lr(2e-4)  # e.g. warmup
+    assert [g["lr"] for g in follow.param_groups] == [2e-4, pytest.approx(2e-3)]
+    assert [g["lr"] for g in const.param_groups] == [2e-4, 1e-2]  # XLM: constant 1e-3-style
+    state = const.state_dict()
+    again = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr=1e-2,
+                                  pkm_values_lr_schedule="constant"), list(m.parameters()))
+    again.load_state_dict(state)
+    again.set_lr(5e-5)
+    assert [g["lr"] for g in again.param_groups] == [5e-5, 1e-2]
+
+
+def test_value_weight_decay_and_betas():
+    """--pkm-values-weight-decay: decoupled decay of the values (facebookresearch/memory's AdamW
+    decays them with the rest); --pkm-values-betas: their own betas (XLM's value Adam)."""
+    m = _memory(sparse=False)
+    opt = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr=1e-2, pkm_values_weight_decay=0.1,
+                                weight_decay=0.0, pkm_values_betas="(0.9, 0.95)"),
+                  list(m.parameters()))
+    group = opt.param_groups[1]
+    assert group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.95)
+    assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    before = m.values.weight.detach().clone()
+    opt.step()  # zero gradient: only the decay moves the values, by lr·wd·v
+    torch.testing.assert_close(m.values.weight.detach(), before * (1 - 1e-2 * 0.1))
+    for bad, match in ((dict(pkm_values_betas="0.9"), "--pkm-values-betas"),
+                       (dict(pkm_values_lr_schedule="cosine"), "--pkm-values-lr-schedule"),
+                       (dict(pkm_values_clip_norm=-2.0), "--pkm-values-clip-norm"),
+                       (dict(pkm_values_weight_decay=-1.0), "--pkm-values-weight-decay")):
+        with pytest.raises(ValueError, match=match) as e:
+            PKMAdam(PKMAdamConfig(lr=[1e-3], **bad), list(m.parameters()))
+        assert "\n" not in str(e.value)
+
+
+#: the two published value-optimiser recipes as pkm_adam flags (docs/pkm.md)
+XLM_RECIPE = ["--pkm-values-lr", "1e-3", "--pkm-values-lr-schedule", "constant",
+              "--pkm-values-betas", "(0.9, 0.999)", "--pkm-values-weight-decay", "0"]
+MEMPLUS_RECIPE = ["--adam-betas", "(0.9, 0.95)", "--weight-decay", "0.1", "--pkm-values-lr",
+                  "1e-3", "--pkm-values-lr-schedule", "follow", "--pkm-values-weight-decay", "0.1"]
+
+
+@pytest.mark.parametrize("arch,recipe", [("transformer_lm_pkm", XLM_RECIPE),
+                                         ("transformer_lm_memplus", MEMPLUS_RECIPE)])
+def test_published_value_recipes_run_through_fairseq_train(arch, recipe, lm_data, tmp_path):
+    from zoo_testlib import run_cli, tiny_flags
+
+    log = run_cli("train", tiny_flags(arch, lm_data) + recipe + [
+        "--optimizer", "pkm_adam", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", "2", "--clip-norm", "1.0", "--max-tokens", "400", "--max-update", "3",
+        "--no-save", "--disable-validation", "--log-interval", "1", "--log-format", "json",
+        "--num-workers", "0", "--seed", "1", "--save-dir", str(tmp_path)])
+    assert any("pkm_values_gnorm" in line for line in log), "separate value clip not logged"
+    assert any('"num_updates": "3"' in line for line in log)
 
 
 def test_dense_mode_trains_under_pkm_adam():
