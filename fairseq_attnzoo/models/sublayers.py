@@ -60,8 +60,9 @@ class SublayerSpec:
     args: Any  # the full model config / namespace (untyped; every flag of the model)
     #: state shared by the sublayers of one model (cross-layer parameter sharing)
     shared: Dict[str, Any] = field(default_factory=lambda: current_shared())
-    #: the method's typed options (an instance of its ``options`` dataclass), filled in by
-    #: :func:`build_sublayer` when left None; None for methods without options
+    #: the method's typed options (an instance of its ``options`` dataclass, shared by the
+    #: model's sublayers: read, never write), filled in by :func:`build_sublayer` when left
+    #: None; None for methods without options
     options: Any = None
 
 
@@ -229,22 +230,19 @@ def _convert(value, kind, flag: str):
         return value
     if kind is bool:
         return to_bool(value, flag)
-    if kind is int:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+    if kind in (int, float) and isinstance(value, str):
         try:
-            if isinstance(value, bool) or not isinstance(value, (int, str)):
-                raise ValueError
-            return int(value)
+            value = kind(value.strip())
         except ValueError:
-            raise ValueError(f"{flag} must be an integer, got {value!r}") from None
+            pass
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{flag} must be an integer, got {value!r}")
     if kind is float:
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{flag} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{flag} must be a number, got {value!r}")
+        return float(value)
     if kind is str:
         return str(value)
     return value
@@ -341,6 +339,8 @@ def validate_sublayer_args(args, decoder_only: bool = False) -> Dict[str, List[s
 def build_sublayer(name: str, spec: SublayerSpec) -> nn.Module:
     entry = SUBLAYER_REGISTRY[name]
     assert entry.builder is not None, f"{name} is built by fairseq's own layer"
+    # users meet this as layer_names' one-line error on the slot flag
+    assert spec.slot in entry.slots, f"{name} is a {'/'.join(entry.slots)} module, not {spec.slot}"
     if spec.options is None:
         spec.options = options_for(name, spec.args)
     return entry.builder(spec)

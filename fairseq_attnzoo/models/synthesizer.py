@@ -122,8 +122,6 @@ def _log_mixture(module: SynthesizerAttention, name: str):
 
 
 def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> SynthesizerAttention:
-    if spec.slot != "self_attn":
-        raise ValueError("Synthesizer replaces self-attention only: keep --cross-attn mha")
     o: SynthesizerConfig = spec.options
     _check_positions(spec, o.synth_max_len)
     module = SynthesizerAttention(
