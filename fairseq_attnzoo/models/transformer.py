@@ -298,9 +298,9 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         args = _as_namespace(args)
-        validate_sublayer_args(args)
         _check_supported(args)
-        with sharing_scope():
+        with sharing_scope():  # one model: shared state, and each method's options built once
+            validate_sublayer_args(args)
             return super().build_model(args, task)
 
     @classmethod
@@ -327,10 +327,10 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
     @classmethod
     def build_model(cls, args, task):
         args = _as_namespace(args)
-        validate_sublayer_args(args, decoder_only=True)
         _check_supported(args)
-        model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
-        with sharing_scope():
+        with sharing_scope():  # one model: shared state, and each method's options built once
+            validate_sublayer_args(args, decoder_only=True)
+            model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
             model.decoder = ZooLMDecoder(TransformerConfig.from_namespace(args),
                                          task.target_dictionary, model.decoder.embed_tokens,
                                          no_encoder_attn=True)
