@@ -138,7 +138,8 @@ def test_a_changed_target_is_skipped_with_a_warning_and_left_unchanged():
 
 def test_disable_one_entry_by_name():
     got = _python(_STATE.format(prelude=""),
-                  **{compat.ENV_DISABLE: "fairseq_amp_single_unscale, numpy_compat_long"})
+                  **{compat.ENV_DISABLE: "fairseq_amp_single_unscale, numpy_compat_long,amp"})
+    assert "no compat patch named amp; the names are torch_safe_globals_namespace" in got["stderr"]
     assert got["status"]["fairseq_amp_single_unscale"] == compat.DISABLED
     assert got["status"]["numpy_compat_long"] == compat.DISABLED
     assert got["amp_digest"] == AMP_DIGEST and not got["np_compat"]
