@@ -88,6 +88,10 @@ def disabled_names() -> set:
 def apply_all() -> Dict[str, str]:
     """Apply every entry not yet handled in this process; returns :func:`status`."""
     off = disabled_names()
+    unknown = sorted(off - {p.name for p in PATCHES} - {"all"})
+    if unknown:
+        logger.warning(f"{ENV_DISABLE}: no compat patch named {', '.join(unknown)}; the names are "
+                       f"{', '.join(p.name for p in PATCHES)} (or all)")
     new = []
     for p in PATCHES:
         if p.name in _STATUS:

@@ -157,7 +157,7 @@ def test_factorized_parameter_counts():
 def test_factorized_dense_tiles_every_pair():
     # column j = q*a + p is A[p] * B[q]: all a*b products appear exactly once
     m = make("factorized_dense", factor_a=4, factor_b=3)
-    from fairseq_attnzoo.modules.base import AttnContext
+    from fairseq_attnzoo.modules.attention import AttnContext
 
     x = torch.randn(1, 5, D)
     ctx = AttnContext(m, None, None, None, 1, 5, False)

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import ZooFeedForward
+from .feedforward import ZooFeedForward
 
 
 SCALE_AT = ("use", "init")

@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .base import AttnContext, ZooAttention, init_like_fairseq_mha
+from .attention import AttnContext, ZooAttention
+from .sdpa import init_like_fairseq_mha
 
 MIXING_INITS = ("random", "concatenate", "xavier", "ones")
 SCALINGS = ("key_dim", "head_dim")  # 1/sqrt(D̃k/H) (EPFL package) | 1/sqrt(d/H) (fairseq fork)

@@ -32,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import AttnContext, ZooAttention, fp32_softmax, mask_value
+from .attention import AttnContext, ZooAttention
+from .precision import fp32_softmax, mask_value
 
 #: the logit synthesizers; several of them make a mixture
 COMPONENTS = ("dense", "random", "factorized_dense", "factorized_random", "vanilla")

@@ -13,7 +13,7 @@
    learning at unigram statistics under ``--amp`` on an H100 (docs/gpu.md). The fix steps the same
    torch optimizer the scaler unscaled.
 
-Constraints: a :class:`~fairseq_attnzoo.modules.base.BoundedParameter` (e.g. an adaptive span) is projected into
+Constraints: a :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (e.g. an adaptive span) is projected into
 its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
 in which the optimizer updates the model's own parameters: fp32, ``--amp`` (``AMPOptimizer``: fp32
 parameters) and ``--memory-efficient-fp16``/``--memory-efficient-bf16`` (the optimizer steps the
