@@ -235,7 +235,7 @@ def test_stream_cache_equals_one_long_forward(lm_data):
         fresh = model(tokens[:, 20:40], stream_pos=torch.full((3,), 7))[0]
         assert (fresh - model(tokens[:, 20:40])[0]).abs().max() < 1e-5
     model.train()  # training keeps its own cache: eval's is untouched
-    assert {k[0] for k in model.decoder._streams} == {"eval"}
+    assert {k[0] for k in model.decoder.stack.streams} == {"eval"}
 
 
 _HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "equal"}
