@@ -24,6 +24,7 @@ The archs register through :func:`~fairseq_attnzoo.models.registry.register_arch
 zoo arch: presets over the model's base arch, which fills :class:`AdaptiveSpanLMConfig`'s defaults.
 """
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional
 
@@ -39,6 +40,8 @@ from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, regi
 from ..modules.adaptive_span import AdaptiveMask, clamp_spans, layer_spans, span_penalty
 from ..modules.span_stack import AdaptiveSpanStack
 from .registry import apply_base_arch, fill_unset, register_arch, register_base_arch
+
+logger = logging.getLogger(__name__)
 
 MAX_POSITIONS = 10**6  # relative positions over a stream: no absolute limit
 WEIGHT_INITS = ("fairseq_example", "torch_default")
@@ -163,12 +166,18 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
 
     def upgrade_state_dict_named(self, state_dict, name):
         """Checkpoints written before the stack was a module kept ``key_pe`` and ``layers.*`` on
-        the decoder: they now live under ``stack.``."""
+        the decoder: they now live under ``stack.``. (The parameter order changed with them, so
+        such a checkpoint's optimizer state does not fit: resume with ``--reset-optimizer``.)"""
         prefix = f"{name}." if name else ""
-        for key in list(state_dict):
-            rest = key[len(prefix):]
-            if key.startswith(prefix) and (rest == "key_pe" or rest.startswith("layers.")):
-                state_dict[f"{prefix}stack.{rest}"] = state_dict.pop(key)
+        old = [key for key in state_dict if key.startswith(prefix) and (
+            key[len(prefix):] == "key_pe" or key[len(prefix):].startswith("layers."))]
+        for key in old:
+            state_dict[f"{prefix}stack.{key[len(prefix):]}"] = state_dict.pop(key)
+        if old:
+            logger.warning("adaptive-span checkpoint from before the layer stack module: "
+                           "parameters renamed to %sstack.*; to resume training from it, pass "
+                           "--reset-optimizer (its optimizer state follows the old parameter "
+                           "order)", prefix)
         return state_dict
 
     # -- fairseq decoder API -------------------------------------------------------------------

@@ -81,8 +81,8 @@ def register_base_arch(model: str, base: Callable, tiny: Optional[Mapping[str, A
 
 
 def register_arch(model: str, name: str, post: Optional[Callable] = None,
-                  tiny: Optional[Mapping[str, Any]] = None, test: Optional[Mapping[str, Any]] = None,
-                  **preset) -> Callable:
+                  tiny: Optional[Mapping[str, Any]] = None,
+                  test: Optional[Mapping[str, Any]] = None, **preset) -> Callable:
     """Register an arch of a zoo model: ``preset`` overrides defaults the user did not set, then
     the model's base arch fills the rest; the optional ``post(args)`` runs after all defaults are
     filled (e.g. to derive dependent limits). ``tiny``/``test``: this arch's test hooks, on top of
