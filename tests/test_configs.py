@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from preptest_util import load_script
-from zoo_testlib import REPO, USER_DIR, model_class, quiet, run_cli, tiny_flags
+from zoo_testlib import REPO, USER_DIR, quiet, run_cli, tiny_flags, train_flags
 
 make_configs = load_script("make_hydra_configs")
 
@@ -178,7 +178,7 @@ def test_tensorboard_gets_custom_metrics(arch, tags, data_for, tmp_path):
         "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update", "2",
         "--no-save", "--log-format", "json", "--log-interval", "1", "--seed", "1",
         "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
-        "--tensorboard-logdir", logdir] + list(getattr(model_class(arch), "zoo_cli_train_flags", []))
+        "--tensorboard-logdir", logdir] + train_flags(arch)
     _fresh_tensorboard_writers()
     try:
         run_cli("train", flags)

@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from zoo_testlib import (USER_DIR, build, decode_steps, is_lm, json_logs, lm_extra, model_class,
-                         run_cli, sweep_batch, tiny_flags, zoo_archs)
+from zoo_testlib import (USER_DIR, build, decode_steps, is_lm, json_logs, lm_extra, run_cli,
+                         sweep_batch, tiny_flags, train_flags, zoo_archs)
 
 ARCHS = zoo_archs()
 #: the sweep runs on CPU in `make test`; ATTNZOO_TEST_DEVICE=cuda runs it on a GPU's kernels
@@ -302,7 +302,7 @@ def test_cli_amp_train(arch, data_for, tmp_path):
         "--amp", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update",
         "3", "--save-dir", str(tmp_path), "--no-save", "--log-format", "json", "--log-interval",
         "1", "--seed", "1", "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
-        "--disable-validation"] + list(getattr(model_class(arch), "zoo_cli_train_flags", [])))
+        "--disable-validation"] + train_flags(arch))
     inner = json_logs(logs, "train_inner")
     assert [int(r["num_updates"]) for r in inner] == [1, 2, 3], logs[-20:]
     assert all(math.isfinite(float(r["loss"])) for r in inner)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from zoo_testlib import (USER_DIR, build, is_lm, json_logs, model_class, run_cli, tiny_flags,
-                         zoo_archs)
+from zoo_testlib import (USER_DIR, build, eval_flags, is_lm, json_logs, model_class, run_cli,
+                         tiny_flags, train_flags, zoo_archs)
 from zoo_testlib import decode_steps as _decode_steps
 from zoo_testlib import lm_extra as _lm_extra
 from zoo_testlib import sweep_batch as _batch
@@ -90,7 +90,7 @@ def _train_flags(arch, data, save_dir, max_update):
         str(max_update), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "json",
         "--log-interval", "1", "--seed", "1", "--num-workers", "0",
         "--skip-invalid-size-inputs-valid-test",
-    ] + list(getattr(model_class(arch), "zoo_cli_train_flags", []))
+    ] + train_flags(arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -109,7 +109,7 @@ def test_cli_train_generate_resume(arch, data_for, tmp_path):
         out = run_cli("eval_lm", [data, "--user-dir", USER_DIR, "--path", ckpt, "--cpu",
                                   "--gen-subset", "valid", "--max-tokens", "400",
                                   "--task", cls.zoo_task]
-                      + list(getattr(cls, "zoo_cli_eval_flags", ["--tokens-per-sample", "24"])))
+                      + eval_flags(arch))
         ppl = [line for line in out if "Perplexity" in line or "perplexity" in line.lower()]
         assert ppl, out[-10:]
     else:

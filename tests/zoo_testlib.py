@@ -1,8 +1,10 @@
 """Helpers for the generic sweep: arch discovery, tiny configs, tiny data, in-process fairseq CLIs.
 
-Every arch registered on a model class with a ``zoo_task`` attribute is swept automatically; a
-model class may add ``zoo_test_flags`` (extra CLI flags its task needs, e.g. a criterion) and
-``zoo_tiny`` (its own size overrides); sublayers add theirs through ``register_sublayer(tiny=...)``.
+Every arch registered on a model class with a ``zoo_task`` attribute is swept automatically. An
+arch's own test hooks (size overrides, extra CLI flags its task needs, e.g. a criterion, eval-lm
+flags, tolerances) come from the arch registry (``register_arch``/``register_base_arch`` with
+``tiny=``/``test=``, read by :func:`hooks`); sublayers add theirs through
+``register_sublayer(tiny=...)``.
 """
 
 import contextlib
@@ -20,6 +22,7 @@ import fairseq_attnzoo  # noqa: F401  (registers everything)
 from fairseq import options, tasks
 from fairseq.models import ARCH_MODEL_REGISTRY
 
+from fairseq_attnzoo.models.registry import ArchTests, arch_tests
 from fairseq_attnzoo.models.sublayers import SLOT_FLAGS, layer_names, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +46,22 @@ def zoo_archs() -> List[str]:
 
 def model_class(arch):
     return ARCH_MODEL_REGISTRY[arch]
+
+
+def hooks(arch) -> ArchTests:
+    """The arch's test hooks from the registry (tiny sizes, flags, eval-lm flags, tolerances)."""
+    return arch_tests(arch)
+
+
+def train_flags(arch) -> List[str]:
+    """Extra flags of fairseq-train runs of ``arch``."""
+    return list(hooks(arch).train_flags)
+
+
+def eval_flags(arch) -> List[str]:
+    """fairseq-eval-lm flags of an LM arch."""
+    flags = hooks(arch).eval_flags
+    return ["--tokens-per-sample", "24"] if flags is None else list(flags)
 
 
 def is_lm(arch) -> bool:
@@ -75,9 +94,9 @@ def tiny_flags(arch: str, data: str) -> List[str]:
     """Size flags that make ``arch`` tiny, plus its task/criterion flags."""
     cls = model_class(arch)
     sizes = dict(TINY_LM if is_lm(arch) else TINY_MT)
-    sizes.update(getattr(cls, "zoo_tiny", {}))
+    sizes.update(hooks(arch).tiny)
     head = [data, "--user-dir", USER_DIR, "--arch", arch, "--task", cls.zoo_task, "--cpu"]
-    head += list(getattr(cls, "zoo_test_flags", []))
+    head += list(hooks(arch).flags)
     names = _sublayer_names(arch, head + to_flags(sizes))
     sizes.update(tiny_overrides(names))
     return head + to_flags(sizes)

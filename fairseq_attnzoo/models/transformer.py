@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fairseq.distributed import fsdp_wrap
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import register_model
 from fairseq.models.transformer import (
     TransformerConfig,
     TransformerDecoderBase,
@@ -36,6 +36,7 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
 from .sublayers import (
     SublayerSpec,
     add_sublayer_args,
@@ -347,24 +348,6 @@ def zoo_lm_base(args):
     fill_sublayer_defaults(args, decoder_only=True)
 
 
-def register_arch(model: str, name: str, post=None, **preset):
-    """Register an arch of a zoo model: ``preset`` overrides defaults the user did not set; the
-    optional ``post(args)`` runs after all defaults are filled (e.g. to derive dependent limits)."""
-    base = {"attnzoo_transformer": zoo_mt_base, "attnzoo_lm": zoo_lm_base}[model]
-
-    def arch(args):
-        for key, value in preset.items():
-            if getattr(args, key, None) is None:
-                setattr(args, key, value)
-        base(args)
-        if post is not None:
-            post(args)
-
-    arch.__name__ = name
-    arch.__doc__ = f"{name}: {preset}"
-    register_model_architecture(model, name)(arch)
-    return arch
-
-
-register_model_architecture("attnzoo_transformer", "attnzoo_transformer")(zoo_mt_base)
-register_model_architecture("attnzoo_lm", "attnzoo_lm")(zoo_lm_base)
+# the base arch functions of the two models (every other arch: register_arch, a preset over these)
+register_base_arch("attnzoo_transformer", zoo_mt_base)
+register_base_arch("attnzoo_lm", zoo_lm_base)
