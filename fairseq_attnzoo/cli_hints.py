@@ -1,8 +1,9 @@
 """One line for every error a user can cause, in the fairseq command-line tools.
 
 Installed (compat entry ``fairseq_cli_hints``) only when the running program is a fairseq console
-script (``fairseq-train``, ``fairseq-hydra-train``, ``fairseq-generate``, ...) and our plugin was
-loaded (``--user-dir``). For an uncaught exception the hook prints
+script (``fairseq-train``, ``fairseq-hydra-train``, ``fairseq-generate``, ..., or ``python -m
+fairseq_cli.<name>``) and our plugin was loaded (``--user-dir``). For an uncaught exception the
+hook prints
 
 - our own errors (:class:`~fairseq_attnzoo.errors.ZooConfigError`, or a ``ValueError`` raised by a
   ``raise`` statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
@@ -25,7 +26,13 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def program() -> str:
-    return os.path.basename(sys.argv[0] if sys.argv else "")
+    """The fairseq console script running (``fairseq-train``, ...; ``python -m fairseq_cli.train``
+    counts as ``fairseq-train``), else the program's file name."""
+    path = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(path)
+    if os.path.basename(os.path.dirname(path)) == "fairseq_cli" and name.endswith(".py"):
+        return "fairseq-" + name[:-3].replace("_", "-")
+    return name
 
 
 def in_console_script() -> bool:
@@ -172,7 +179,7 @@ def one_line(exc: BaseException):
 
 def install():
     prog = program()
-    if not prog.startswith("fairseq-") or getattr(sys.excepthook, "_attnzoo", False):
+    if not in_console_script() or getattr(sys.excepthook, "_attnzoo", False):
         return
     previous = sys.excepthook
     if prog == "fairseq-hydra-train":

@@ -240,7 +240,9 @@ def _register_meter():
 # ---- fairseq command-line tools ------------------------------------------------------------------
 
 @patch("fairseq_cli_hints", "sys.excepthook (fairseq-* console scripts only)",
-       "errors a user can cause end in one line naming the problem and the fix",
+       "errors a user can cause end in one line naming the problem and the fix, without the "
+       "traceback (ATTNZOO_TRACEBACK=1 shows it); fairseq-hydra-train gets HYDRA_FULL_ERROR=1 so "
+       "that its job's errors reach the hook",
        _always)
 def _cli_hints():
     from . import cli_hints
