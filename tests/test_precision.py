@@ -346,7 +346,8 @@ def test_bf16_on_gpu_hint():
 
 
 @pytest.mark.parametrize("arch", ["transformer_synth_random", "transformer_lm_aop",
-                                  "transformer_collab", "adaptive_span_lm_small"])
+                                  "transformer_collab", "transformer_lm_pkm",
+                                  "adaptive_span_lm_small"])
 def test_cli_bf16_train_without_tpu(arch, data_for, tmp_path):
     """fairseq-train --bf16 (fairseq 0.12 turns on --tpu and dies without torch_xla): the compat
     entry fairseq_bf16_without_tpu trains with fairseq's own bf16 path (bfloat16 model, fp32
