@@ -39,6 +39,8 @@ demo: data
 	OMP_NUM_THREADS=$(THREADS) $(VPY) scripts/demo.py $(if $(ARCHS),--archs "$(ARCHS)") \
 	  $(if $(LM_ARCHS),--lm-archs "$(LM_ARCHS)") $(DEMO_ARGS)
 
+# tables are appended to results/benchmarks.md (ignored by git); docs/benchmarks.md keeps the
+# published ones
 bench: data
 	$(VPY) scripts/bench.py $(BENCH_ARGS)
 
