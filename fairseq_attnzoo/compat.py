@@ -6,8 +6,9 @@ each entry whose check passes and logs one line per entry: ``applied``, ``skippe
 is not the version we know, so we leave it alone and say so) or ``disabled``.
 
 Opt out with the environment variable ``ATTNZOO_COMPAT_DISABLE``: a comma-separated list of entry
-names, or ``all``. :func:`status` says what happened to each entry; ``attnzoo-archs --compat``
-prints it. Nothing else in the package patches another library at import time.
+names, or ``all``. :func:`status` says what happened to each entry; :func:`describe` prints
+the table (``python -c "from fairseq_attnzoo import compat; print(compat.describe())"``).
+Nothing else in the package patches another library at import time.
 
 For fairseq functions, "the version we know" is the SHA-256 of the function's source (first 16 hex
 digits) as shipped by ``fairseq-fixed==0.12.3.1``: a fairseq that changed the function gets no

@@ -85,6 +85,7 @@ HYDRA_CASES = {
 }
 
 
+@pytest.mark.slow
 def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
     """The real ``fairseq-hydra-train`` (tests/hydra_runner.py: a fresh process that imports our
     plugin only through common.user_dir) on tiny data with size overrides, one config of each

@@ -16,7 +16,7 @@ from zoo_testlib import zoo_archs
 
 ARCHS = zoo_archs()
 HERE = os.path.dirname(os.path.abspath(__file__))
-pytestmark = pytest.mark.xdist_group("ddp")
+pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 
 
 SPARSE_ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus"]

@@ -120,6 +120,7 @@ def _train_row(out, name, arch, data, max_update=2):
     return str(save / "checkpoint_last.pt")
 
 
+@pytest.mark.slow
 def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
     import re
 

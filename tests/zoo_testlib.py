@@ -23,7 +23,8 @@ from fairseq import options, tasks
 from fairseq.models import ARCH_MODEL_REGISTRY
 
 from fairseq_attnzoo.models.registry import ArchTests, arch_tests
-from fairseq_attnzoo.models.sublayers import SLOT_FLAGS, layer_names, tiny_overrides
+from fairseq_attnzoo.models.sublayers import (SLOT_FLAGS, SUBLAYER_REGISTRY, layer_names,
+                                              tiny_overrides)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
@@ -64,6 +65,21 @@ def eval_flags(arch) -> List[str]:
     return ["--tokens-per-sample", "24"] if flags is None else list(flags)
 
 
+def one_per_wiring(archs: List[str]) -> list:
+    """pytest params for an end-to-end sweep: the first arch of each (model class, task, test
+    flags) -- what a command-line run exercises beyond the modules -- as is, the others marked
+    ``slow`` (``make test`` runs them all, ``make test-fast`` the first of each)."""
+    import pytest
+
+    seen, out = set(), []
+    for arch in archs:
+        cls = model_class(arch)
+        key = (cls, cls.zoo_task, tuple(hooks(arch).flags))
+        out.append(arch if key not in seen else pytest.param(arch, marks=pytest.mark.slow))
+        seen.add(key)
+    return out
+
+
 def is_lm(arch) -> bool:
     return model_class(arch).zoo_task != "translation"
 
@@ -80,14 +96,25 @@ def to_flags(overrides: Dict) -> List[str]:
     return out
 
 
-def _sublayer_names(arch: str, base_args: List[str]) -> List[str]:
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, base_args)
+def sublayers_of(args) -> List[str]:
+    """The registered sublayer names a parsed config builds."""
     names = set()
     for attr in SLOT_FLAGS:
         if getattr(args, attr, None) is not None:
             names.update(layer_names(args, attr))
     return sorted(names)
+
+
+def tolerance(args, check: str, default: float) -> float:
+    """The bound of a named generic check: ``default``, unless a sublayer of this config registered
+    a looser one (``register_sublayer(tolerances={check: ...})``)."""
+    return max([default] + [SUBLAYER_REGISTRY[n].tolerances[check] for n in sublayers_of(args)
+                            if check in SUBLAYER_REGISTRY[n].tolerances])
+
+
+def _sublayer_names(arch: str, base_args: List[str]) -> List[str]:
+    parser = options.get_training_parser()
+    return sublayers_of(options.parse_args_and_arch(parser, base_args))
 
 
 def tiny_flags(arch: str, data: str) -> List[str]:
@@ -144,6 +171,24 @@ def sweep_batch(task, args, split="train", n=8, seed=0):
 
 def lm_extra(arch):
     return ["--sample-break-mode", "eos"] if model_class(arch).zoo_task == "language_modeling" else []
+
+
+def decoder_inputs(model, arch, net_input):
+    """(decoder tokens, encoder output or None) of a batch, for LMs and translation models."""
+    if is_lm(arch):
+        return net_input["src_tokens"], None
+    enc = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+    return net_input["prev_output_tokens"], enc
+
+
+def incremental_vs_full(model, tokens, encoder_out, pad: int, transform=None) -> float:
+    """max |full forward - token-by-token decoding| over non-pad positions (after ``transform``,
+    e.g. log-softmax). The one incremental == full check of the sweep and the precision sweep."""
+    transform = transform or (lambda x: x)
+    full = transform(model.decoder(tokens, encoder_out=encoder_out)[0])
+    step = transform(decode_steps(model, tokens, encoder_out)[0])
+    keep = tokens.ne(pad).unsqueeze(-1)
+    return ((full - step).abs() * keep).max().item()
 
 
 def decode_steps(model, tokens, encoder_out, new_order=None, reorder_at=None):

@@ -22,7 +22,8 @@ off). The builder reads them typed from ``spec.options``: an instance built once
 model's config (:func:`build_options`: unset fields take the dataclass default, values are
 converted to the field's type, the dataclass's ``validate()`` runs), so a bad value fails before
 any module is built, in one line naming the flag. ``tiny`` shrinks the method's own sizes for the
-generic tests.
+generic tests;
+``tolerances`` loosens a named generic check where the method has a documented reason.
 
 Sublayers that share parameters across layers (product-key memory's shared value pool) keep them
 in ``spec.shared``: one dict for all sublayers built inside one :func:`sharing_scope` (the zoo
@@ -98,13 +99,17 @@ class SublayerEntry:
     options: Optional[type]
     tiny: Dict[str, Any]
     description: str
+    #: looser bounds for named checks of the generic tests, where the method is exact but a
+    #: documented discrete effect moves the number (e.g. ``reduced_precision_step``: top-k reads)
+    tolerances: Dict[str, float] = field(default_factory=dict)
 
 
 SUBLAYER_REGISTRY: Dict[str, SublayerEntry] = {}
 
 
 def register_sublayer(name: str, slots, options: Optional[type] = None,
-                      tiny: Optional[Dict[str, Any]] = None, description: str = ""):
+                      tiny: Optional[Dict[str, Any]] = None, description: str = "",
+                      tolerances: Optional[Dict[str, float]] = None):
     slots = tuple(slots)
     for s in slots:
         if s not in SLOTS:
@@ -114,7 +119,8 @@ def register_sublayer(name: str, slots, options: Optional[type] = None,
         if name in SUBLAYER_REGISTRY and SUBLAYER_REGISTRY[name].builder is not fn:
             raise ValueError(f"sublayer {name!r} is registered twice")
         SUBLAYER_REGISTRY[name] = SublayerEntry(name, slots, fn, options, dict(tiny or {}),
-                                                description or (fn.__doc__ or "").strip())
+                                                description or (fn.__doc__ or "").strip(),
+                                                dict(tolerances or {}))
         return fn
 
     return deco
