@@ -295,18 +295,24 @@ AMP_ARCHS = ["transformer_aop", "transformer_synth_random_vanilla", "transformer
              "all_attention_lm"]
 
 
-@pytest.mark.parametrize("arch", AMP_ARCHS)
-def test_cli_amp_train(arch, data_for, tmp_path):
-    """fairseq-train --amp --cpu (fairseq's AMPOptimizer wrapper around our models)."""
-    data = data_for(arch)
+def _train_three_updates(arch, data, tmp_path, precision_flag):
+    """fairseq-train --cpu for 3 updates in one precision; returns (log lines, train_inner
+    records), after checking that all 3 updates ran with finite losses."""
     logs = run_cli("train", tiny_flags(arch, data) + [
-        "--amp", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update",
-        "3", "--save-dir", str(tmp_path), "--no-save", "--log-format", "json", "--log-interval",
-        "1", "--seed", "1", "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
-        "--disable-validation"] + train_flags(arch))
+        precision_flag, "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400",
+        "--max-update", "3", "--save-dir", str(tmp_path), "--no-save", "--log-format", "json",
+        "--log-interval", "1", "--seed", "1", "--num-workers", "0",
+        "--skip-invalid-size-inputs-valid-test", "--disable-validation"] + train_flags(arch))
     inner = json_logs(logs, "train_inner")
     assert [int(r["num_updates"]) for r in inner] == [1, 2, 3], logs[-20:]
     assert all(math.isfinite(float(r["loss"])) for r in inner)
+    return logs, inner
+
+
+@pytest.mark.parametrize("arch", AMP_ARCHS)
+def test_cli_amp_train(arch, data_for, tmp_path):
+    """fairseq-train --amp --cpu (fairseq's AMPOptimizer wrapper around our models)."""
+    _train_three_updates(arch, data_for(arch), tmp_path, "--amp")
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad_clip"])
@@ -353,16 +359,8 @@ def test_cli_bf16_train_without_tpu(arch, data_for, tmp_path):
     """fairseq-train --bf16 (fairseq 0.12 turns on --tpu and dies without torch_xla): the compat
     entry fairseq_bf16_without_tpu trains with fairseq's own bf16 path (bfloat16 model, fp32
     masters in FP16Optimizer, no loss scale), here on the CPU."""
-    data = data_for(arch)
-    logs = run_cli("train", tiny_flags(arch, data) + [
-        "--bf16", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update",
-        "3", "--save-dir", str(tmp_path), "--no-save", "--log-format", "json", "--log-interval",
-        "1", "--seed", "1", "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
-        "--disable-validation"] + train_flags(arch))
+    logs, inner = _train_three_updates(arch, data_for(arch), tmp_path, "--bf16")
     assert any("--bf16 without --tpu" in line for line in logs), logs[-20:]
-    inner = json_logs(logs, "train_inner")
-    assert [int(r["num_updates"]) for r in inner] == [1, 2, 3], logs[-20:]
-    assert all(math.isfinite(float(r["loss"])) for r in inner)
     assert "loss_scale" not in inner[-1]  # bf16: no loss scaling (fp16 logs one)
 
 
