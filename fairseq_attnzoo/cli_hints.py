@@ -150,22 +150,35 @@ def arch_suggestions(name: str, n: int = 3):
 def arch_error(name: str) -> str:
     close = arch_suggestions(name)
     hint = f"did you mean {' or '.join(close)}?" if close else "see the arch table in the README"
-    return f"unknown --arch {name!r}: {hint}"
+    return f"unknown arch {name!r}: {hint}"
 
 
 def arch_type(value: str) -> str:
-    """argparse ``type`` of --arch (compat entry ``fairseq_arch_did_you_mean``): a known name is
-    returned unchanged; an unknown one ends a console script in one line with the closest names,
-    instead of argparse's usage and list of ~200 choices."""
+    """argparse ``type`` of --arch (compat entry ``fairseq_train_parser_one_line``): a known name is
+    returned unchanged; an unknown one is an error naming the closest names (argparse checks the
+    type before its list of ~200 choices)."""
     from fairseq.models import ARCH_MODEL_REGISTRY
 
     if value in ARCH_MODEL_REGISTRY:
         return value
-    message = arch_error(value)
-    if in_console_script() and not traceback_wanted():
-        print(PREFIX + message, file=sys.stderr)
+    raise argparse.ArgumentTypeError(arch_error(value))
+
+
+def one_line_parser_errors(parser: argparse.ArgumentParser):
+    """In a console script, ``parser.error`` prints ``fairseq-attnzoo: <argparse's message>`` and
+    exits 2, without the usage (thousands of flags in fairseq-train); ``--help`` still lists them."""
+    if not in_console_script() or getattr(parser.error, "_attnzoo", False):
+        return
+    error = parser.error
+
+    def one_line_error(message):
+        if traceback_wanted():
+            error(message)
+        print(f"{PREFIX}{message} ({program()} --help lists the flags)", file=sys.stderr)
         raise SystemExit(2)
-    raise argparse.ArgumentTypeError(message)
+
+    one_line_error._attnzoo = True
+    parser.error = one_line_error
 
 
 # ---- the hook ------------------------------------------------------------------------------------

@@ -430,14 +430,17 @@ def _add_model_args():
     return options.add_model_args
 
 
-@patch("fairseq_arch_did_you_mean", "fairseq.options:add_model_args (--arch type)",
-       "a misspelled --arch printed argparse's list of ~200 choices (4.5 KB) and no suggestion: "
-       "answer with the closest arch names in one line",
+@patch("fairseq_train_parser_one_line",
+       "fairseq.options:add_model_args (the training parser's --arch type and error())",
+       "a misspelled --arch printed argparse's usage and ~200 choices (over 10 KB) and no "
+       "suggestion; any bad flag value the whole usage: answer in one line, with the closest "
+       "arch names (fairseq-* console scripts; a parser built in a program keeps argparse's "
+       "behaviour)",
        known_source(_add_model_args, "1c18c8c34cb60493"))
-def _arch_did_you_mean():
+def _train_parser_one_line():
     from fairseq import options
 
-    from .cli_hints import arch_type
+    from .cli_hints import arch_type, one_line_parser_errors
 
     add_model_args = options.add_model_args
 
@@ -446,6 +449,7 @@ def _arch_did_you_mean():
         for action in group._group_actions:
             if "--arch" in action.option_strings:
                 action.type = arch_type
+        one_line_parser_errors(parser)
         return group
 
     add_model_args_checked.__doc__ = add_model_args.__doc__
