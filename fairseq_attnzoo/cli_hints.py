@@ -174,7 +174,8 @@ def one_line_parser_errors(parser: argparse.ArgumentParser):
     def one_line_error(message):
         if traceback_wanted():
             error(message)
-        print(f"{PREFIX}{message} ({program()} --help lists the flags)", file=sys.stderr)
+        more = "" if "did you mean" in message else f" ({program()} --help lists the flags)"
+        print(f"{PREFIX}{message}{more}", file=sys.stderr)
         raise SystemExit(2)
 
     one_line_error._attnzoo = True

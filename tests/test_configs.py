@@ -121,6 +121,8 @@ def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
                            ("adaptive_span_small", "valid_span_avg")):
         assert metric in valid.get(config, ""), (config, out[-3000:])
         assert (tmp_path / f"ckpt_{config}" / "checkpoint_last.pt").exists()
+        assert (tmp_path / f"ckpt_{config}" / "hydra").is_dir()  # hydra.run.dir of the configs
+    assert not (tmp_path / "outputs").exists()
     assert "(plain Adam)" not in out  # pkm_adam found the memory values
     # the checkpoint (its model config a DictConfig) loads back with its memory
     from fairseq import checkpoint_utils

@@ -54,29 +54,36 @@ def lm20(tmp_path_factory):
 
 
 def _train_counting_valid(monkeypatch, flags):
-    """fairseq-train (in-process) a few updates; returns the sentences its validation scored."""
+    """fairseq-train (in-process) a few updates; returns the sentences each validation scored."""
     from fairseq.trainer import Trainer
+    from fairseq_cli import train
 
-    seen = []
-    valid_step = Trainer.valid_step
+    runs = []
+    validate, valid_step = train.validate, Trainer.valid_step
 
-    def counting(self, sample, raise_oom=False):
+    def counting_validate(*args, **kwargs):
+        runs.append(0)
+        return validate(*args, **kwargs)
+
+    def counting_step(self, sample, raise_oom=False):
         if sample:
-            seen.append(int(sample["nsentences"]))
+            runs[-1] += int(sample["nsentences"])
         return valid_step(self, sample, raise_oom=raise_oom)
 
-    monkeypatch.setattr(Trainer, "valid_step", counting)
+    monkeypatch.setattr(train, "validate", counting_validate)
+    monkeypatch.setattr(Trainer, "valid_step", counting_step)
     with quiet():
         run_cli("train", flags + ["--optimizer", "adam", "--lr", "0.001", "--max-update", "2",
                                   "--max-tokens", "4096", "--num-workers", "0", "--seed", "1",
                                   "--no-epoch-checkpoints"])
-    return sum(seen)
+    assert runs
+    return runs
 
 
 def test_generate_and_validation_score_every_sentence(mt20, tmp_path, monkeypatch):
     data = f"{mt20}/bin"
     flags = tiny_flags("attnzoo_transformer", data) + ["--save-dir", str(tmp_path)]
-    assert _train_counting_valid(monkeypatch, flags) == N_VALID
+    assert set(_train_counting_valid(monkeypatch, flags)) == {N_VALID}
     for subset, n in (("valid", N_VALID), ("test", N_TEST)):
         out = run_cli("generate", [data, "--user-dir", USER_DIR, "--path",
                                    str(tmp_path / "checkpoint_last.pt"), "--gen-subset", subset,
@@ -93,9 +100,10 @@ def test_lm_validation_and_eval_lm_score_every_token(lm20, tmp_path, monkeypatch
     data = f"{lm20}/bin"
     flags = tiny_flags("attnzoo_lm", data) + ["--save-dir", str(tmp_path),
                                               "--sample-break-mode", "eos"]
-    assert _train_counting_valid(monkeypatch, flags) == N_VALID  # one block per sentence
+    assert set(_train_counting_valid(monkeypatch, flags)) == {N_VALID}  # a block a sentence
     with quiet():
-        tokens = int(data_utils.load_indexed_dataset(f"{data}/test", None).sizes.sum())
+        test = data_utils.load_indexed_dataset(f"{data}/test", None)  # its sizes are a memory map
+        tokens = int(np.asarray(test.sizes).sum())
     out = run_cli("eval_lm", [data, "--user-dir", USER_DIR, "--path",
                               str(tmp_path / "checkpoint_last.pt"), "--cpu", "--max-tokens", "4096",
                               "--sample-break-mode", "eos", "--tokens-per-sample", "24"])
