@@ -1,5 +1,6 @@
 # fairseq-attnzoo: two commands do everything on a fresh machine.
-#   make test   install (.venv) + the full test suite
+#   make test   install (.venv) + the full test suite (CI; prints the 15 slowest tests)
+#               (make test-fast: the edit loop, without the end-to-end runs marked slow)
 #   make demo   install + prepare the offline German-English corpus + train/generate/score a table
 #               + a picture report (docs/demo/README.md)
 # Also: make install, make data, make bench, make clean-venv
@@ -16,7 +17,7 @@ LM_ARCHS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test demo data bench clean-venv
+.PHONY: install test test-fast demo data bench clean-venv
 
 install: $(STAMP)
 
@@ -25,7 +26,10 @@ $(STAMP): constraints.txt setup.py scripts/install.sh
 	touch $(STAMP)
 
 test: install
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10 tests
 
 data: install
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m scripts.data.prepare_libreoffice --workers $(THREADS)
@@ -35,6 +39,8 @@ demo: data
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m scripts.demo.demo $(if $(ARCHS),--archs "$(ARCHS)") \
 	  $(if $(LM_ARCHS),--lm-archs "$(LM_ARCHS)") $(DEMO_ARGS)
 
+# tables are appended to results/benchmarks.md (ignored by git); docs/benchmarks.md keeps the
+# published ones
 bench: data
 	$(VPY) -m scripts.bench.bench $(BENCH_ARGS)
 

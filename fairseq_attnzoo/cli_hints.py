@@ -1,43 +1,212 @@
-"""One-line hints for common user errors in the fairseq command-line tools.
+"""One line for every error a user can cause, in the fairseq command-line tools.
 
-Installed only when the running program is a fairseq console script and our plugin was loaded
-(``--user-dir``). fairseq's traceback is printed unchanged; one line naming the problem and the fix
-follows it."""
+Installed (compat entry ``fairseq_cli_hints``) only when the running program is a fairseq console
+script (``fairseq-train``, ``fairseq-hydra-train``, ``fairseq-generate``, ..., or ``python -m
+fairseq_cli.<name>``) and our plugin was loaded (``--user-dir``). For an uncaught exception the
+hook prints
 
+- our own errors (:class:`~fairseq_attnzoo.errors.ZooConfigError`, or a ``ValueError`` raised by a
+  ``raise`` statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
+- a fairseq/torch error we recognise (:func:`hint_for`): ``fairseq-attnzoo: <hint>`` naming the
+  flag and the fix, without fairseq's traceback;
+- anything else: the usual traceback, unchanged.
+
+``ATTNZOO_TRACEBACK=1`` prints the traceback in every case (the one line still follows it).
+"""
+
+import argparse
+import difflib
+import linecache
 import os
 import sys
 
+ENV_TRACEBACK = "ATTNZOO_TRACEBACK"
+PREFIX = "fairseq-attnzoo: "
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
-def hint_for(exc: BaseException):
-    data = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+
+def program() -> str:
+    """The fairseq console script running (``fairseq-train``, ...; ``python -m fairseq_cli.train``
+    counts as ``fairseq-train``), else the program's file name."""
+    path = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(path)
+    if os.path.basename(os.path.dirname(path)) == "fairseq_cli" and name.endswith(".py"):
+        return "fairseq-" + name[:-3].replace("_", "-")
+    return name
+
+
+def in_console_script() -> bool:
+    return program().startswith("fairseq-")
+
+
+def traceback_wanted() -> bool:
+    return os.environ.get(ENV_TRACEBACK, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _in_package(filename: str) -> bool:
+    path = os.path.abspath(filename or "")
+    return path.startswith(PACKAGE_DIR + os.sep)
+
+
+def _raising_frame(tb):
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Our one-line validation errors: a ZooConfigError anywhere, or a ValueError raised by a
+    ``raise`` statement of this package (so validation code written before ZooConfigError needs no
+    edit; a ValueError from a library call inside our code is not one of them)."""
+    from .errors import ZooConfigError
+
+    if isinstance(exc, ZooConfigError):
+        return True
+    if not isinstance(exc, ValueError) or type(exc).__module__ != "builtins":
+        return False
+    tb = _raising_frame(exc.__traceback__)
+    if tb is None:
+        return False
+    filename = tb.tb_frame.f_code.co_filename
+    line = linecache.getline(filename, tb.tb_lineno).strip()
+    return _in_package(filename) and line.startswith("raise ")
+
+
+def _frames(exc: BaseException):
+    tb = exc.__traceback__
+    while tb is not None:
+        yield tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+
+
+def _argv_has(flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:])
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
+           "No CUDA GPUs are available")
+
+
+def hint_for(exc: BaseException, cuda=None):
+    """One line naming the problem and the fix for a fairseq/torch error a user causes with flags or
+    data, or None. ``cuda``: whether a GPU is usable (default: ask torch)."""
+    hydra = program() == "fairseq-hydra-train"
+    data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
+    text = str(exc)
     if isinstance(exc, FileNotFoundError):
         missing = exc.filename or ""
         if data and os.path.abspath(str(missing)) == os.path.abspath(data):
             return (f"data directory {data} does not exist: pass the directory written by "
                     "fairseq-preprocess (for the demo corpus run `make data`)")
         if os.path.basename(str(missing)).startswith("dict."):
-            return (f"{missing} is missing: {data} is not a binarised fairseq data directory; run "
+            where = data or os.path.dirname(str(missing))
+            return (f"{missing} is missing: {where} is not a binarised fairseq data directory; run "
                     "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
-    if "xla_device" in str(exc):  # no torch_xla: fairseq's --bf16 turned on --tpu
-        return ("fairseq 0.12's --bf16 implies --tpu (torch_xla) and does not run on GPUs: use "
-                "--amp (fp16 autocast, fp32 weights) or --fp16 (docs/precision.md)")
-    if "Could not infer language pair" in str(exc):
+    if any(m in text for m in NO_CUDA):
+        if any(f.endswith(os.path.join("optim", "fp16_optimizer.py")) for f in _frames(exc)):
+            if hydra:
+                return ("common.fp16=true (set by the shipped configs) trains only on a CUDA GPU "
+                        "and this machine has none: on a CPU add common.fp16=false common.cpu=true")
+            return ("--fp16 trains only on a CUDA GPU (fairseq keeps its fp32 master weights "
+                    "there) and this machine has none: on a CPU drop --fp16 and pass --cpu")
+        if hydra:
+            return "this run needs a CUDA GPU and this machine has none: add common.cpu=true"
+        return "this command needs a CUDA GPU and this machine has none: pass --cpu"
+    if "xla_device" in text:  # no torch_xla: fairseq's --bf16 turned on --tpu
+        cuda = _cuda_available() if cuda is None else cuda
+        if cuda:
+            return ("fairseq 0.12's --bf16 implies --tpu (torch_xla) and does not run on GPUs: use "
+                    "--amp (fp16 autocast, fp32 weights) or --fp16 (docs/precision.md)")
+        return ("fairseq 0.12's --bf16 implies --tpu (torch_xla): on this CPU-only machine drop "
+                "--bf16 and pass --cpu (fp32); on a GPU machine use --amp (docs/precision.md)")
+    if "Could not infer language pair" in text:
         return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
                 "fairseq-preprocess first, or pass --source-lang/--target-lang")
     return None
 
 
+# ---- --arch --------------------------------------------------------------------------------------
+
+def arch_suggestions(name: str, n: int = 3):
+    """The registered arch names closest to ``name`` (ours and fairseq's), closest first."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    names = list(ARCH_MODEL_REGISTRY)
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    if not close:  # e.g. a prefix: "synth_dense" -> transformer_synth_dense
+        close = sorted((a for a in names if name and name in a), key=len)[:n]
+    return close
+
+
+def arch_error(name: str) -> str:
+    close = arch_suggestions(name)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see the arch table in the README"
+    return f"unknown arch {name!r}: {hint}"
+
+
+def arch_type(value: str) -> str:
+    """argparse ``type`` of --arch (compat entry ``fairseq_train_parser_one_line``): a known name is
+    returned unchanged; an unknown one is an error naming the closest names (argparse checks the
+    type before its list of ~200 choices)."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    if value in ARCH_MODEL_REGISTRY:
+        return value
+    raise argparse.ArgumentTypeError(arch_error(value))
+
+
+def one_line_parser_errors(parser: argparse.ArgumentParser):
+    """In a console script, ``parser.error`` prints ``fairseq-attnzoo: <argparse's message>`` and
+    exits 2, without the usage (thousands of flags in fairseq-train); ``--help`` still lists them."""
+    if not in_console_script() or getattr(parser.error, "_attnzoo", False):
+        return
+    error = parser.error
+
+    def one_line_error(message):
+        if traceback_wanted():
+            error(message)
+        more = "" if "did you mean" in message else f" ({program()} --help lists the flags)"
+        print(f"{PREFIX}{message}{more}", file=sys.stderr)
+        raise SystemExit(2)
+
+    one_line_error._attnzoo = True
+    parser.error = one_line_error
+
+
+# ---- the hook ------------------------------------------------------------------------------------
+
+def one_line(exc: BaseException):
+    """The line this hook prints for ``exc`` (without the prefix), or None."""
+    if is_user_error(exc):
+        return " ".join(str(exc).split("\n")).strip() or type(exc).__name__
+    return hint_for(exc)
+
+
 def install():
-    prog = os.path.basename(sys.argv[0] if sys.argv else "")
-    if not prog.startswith("fairseq-") or getattr(sys.excepthook, "_attnzoo", False):
+    prog = program()
+    if not in_console_script() or getattr(sys.excepthook, "_attnzoo", False):
         return
     previous = sys.excepthook
+    if prog == "fairseq-hydra-train":
+        # hydra prints errors raised inside the job itself and exits 1, so no excepthook ever sees
+        # them; with HYDRA_FULL_ERROR it re-raises them to the hook below (read when it happens)
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
     def hook(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
-        hint = hint_for(exc)
-        if hint:
-            print(f"fairseq-attnzoo: {hint}", file=sys.stderr)
+        line = one_line(exc) if isinstance(exc, Exception) else None
+        if line is None or traceback_wanted():
+            previous(exc_type, exc, tb)
+        if line is not None:
+            print(PREFIX + line, file=sys.stderr)
 
     hook._attnzoo = True
     sys.excepthook = hook

@@ -6,8 +6,9 @@ each entry whose check passes and logs one line per entry: ``applied``, ``skippe
 is not the version we know, so we leave it alone and say so) or ``disabled``.
 
 Opt out with the environment variable ``ATTNZOO_COMPAT_DISABLE``: a comma-separated list of entry
-names, or ``all``. :func:`status` says what happened to each entry; ``attnzoo-archs --compat``
-prints it. Nothing else in the package patches another library at import time.
+names, or ``all``. :func:`status` says what happened to each entry; :func:`describe` prints
+the table (``python -c "from fairseq_attnzoo import compat; print(compat.describe())"``).
+Nothing else in the package patches another library at import time.
 
 For fairseq functions, "the version we know" is the SHA-256 of the function's source (first 16 hex
 digits) as shipped by ``fairseq-fixed==0.12.3.1``: a fairseq that changed the function gets no
@@ -88,6 +89,10 @@ def disabled_names() -> set:
 def apply_all() -> Dict[str, str]:
     """Apply every entry not yet handled in this process; returns :func:`status`."""
     off = disabled_names()
+    unknown = sorted(off - {p.name for p in PATCHES} - {"all"})
+    if unknown:
+        logger.warning(f"{ENV_DISABLE}: no compat patch named {', '.join(unknown)}; the names are "
+                       f"{', '.join(p.name for p in PATCHES)} (or all)")
     new = []
     for p in PATCHES:
         if p.name in _STATUS:
@@ -224,6 +229,62 @@ def _fp16_master_projection():
         _FP16OptimizerMixin._sync_fp32_params_to_fp16)
 
 
+# ---- fairseq --bf16 on GPUs and CPUs ---------------------------------------------------------------
+
+def _call_main():
+    from fairseq.distributed import utils as distributed_utils
+
+    return distributed_utils.call_main
+
+
+def tpu_requested(argv) -> bool:
+    """Whether the command line asked for TPUs itself (fairseq's ``--tpu``)."""
+    return any(a == "--tpu" for a in argv)
+
+
+def xla_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def bf16_without_tpu(cfg, argv) -> bool:
+    """Turn off the ``--tpu`` that fairseq 0.12's ``--bf16`` implied, when the user did not ask for
+    TPUs and torch_xla is not installed; returns whether it did. fairseq's own bf16 path is then
+    what trains: the model in bfloat16, fp32 master weights in ``FP16Optimizer`` (no loss scaling),
+    on the GPU (or the CPU with ``--cpu``), exactly as ``fairseq-hydra-train common.bf16=true``."""
+    common = cfg.common
+    if not (common.bf16 and common.tpu) or tpu_requested(argv) or xla_available():
+        return False
+    for section in cfg.values():  # common, distributed_training, task, optimizer copy the flag
+        if hasattr(section, "get") and section.get("tpu", False) is True:
+            section.tpu = False
+    logger.info("--bf16 without --tpu: training in bfloat16 with fp32 master weights on "
+                f"{'the CPU' if common.cpu else 'CUDA'} (fairseq's bf16 path; compat entry "
+                "fairseq_bf16_without_tpu)")
+    return True
+
+
+@patch("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
+       "fairseq 0.12's --bf16 implies --tpu, so fairseq-train --bf16 dies without torch_xla; "
+       "unless --tpu is given or torch_xla is installed, train with fairseq's own bf16 path "
+       "(bfloat16 model, fp32 masters) on the GPU/CPU, as the hydra path already does",
+       known_source(_call_main, "c2a32fa44fa277a6"))
+def _bf16_without_tpu():
+    import sys
+
+    from fairseq.distributed import utils as distributed_utils
+
+    call_main = distributed_utils.call_main
+
+    def patched_call_main(cfg, main, **kwargs):
+        bf16_without_tpu(cfg, sys.argv[1:])
+        return call_main(cfg, main, **kwargs)
+
+    patched_call_main.__doc__ = call_main.__doc__
+    distributed_utils.call_main = patched_call_main
+
+
 # ---- fairseq logging -----------------------------------------------------------------------------
 
 @patch("fairseq_meters_slot_usage", "fairseq.logging.meters (module globals)",
@@ -240,9 +301,156 @@ def _register_meter():
 # ---- fairseq command-line tools ------------------------------------------------------------------
 
 @patch("fairseq_cli_hints", "sys.excepthook (fairseq-* console scripts only)",
-       "errors a user can cause end in one line naming the problem and the fix",
+       "errors a user can cause end in one line naming the problem and the fix, without the "
+       "traceback (ATTNZOO_TRACEBACK=1 shows it); fairseq-hydra-train gets HYDRA_FULL_ERROR=1 so "
+       "that its job's errors reach the hook",
        _always)
 def _cli_hints():
     from . import cli_hints
 
     cli_hints.install()
+
+
+# ---- fairseq data --------------------------------------------------------------------------------
+
+def _batch_by_size():
+    from fairseq.data import data_utils
+
+    return data_utils.batch_by_size
+
+
+def keep_tail(batch_by_size):
+    """``batch_by_size`` that keeps its last batch. fairseq 0.12 drops it when its size is not a
+    multiple of ``required_batch_size_multiple`` (upstream issue #5036): 20 test sentences gave 16
+    scored, newstest2014's 3,003 at most 3,000. The batches are consecutive slices of ``indices``
+    (the Cython helpers fill them in order), so what is missing is the tail: it becomes one more,
+    smaller batch, within the same --max-tokens/--batch-size limits."""
+
+    def batch_by_size_keeping_tail(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None,
+                                   max_sentences=None, required_batch_size_multiple=1,
+                                   fixed_shapes=None):
+        import numpy as np
+
+        if not isinstance(indices, np.ndarray):
+            indices = np.fromiter(indices, dtype=np.int64, count=-1)
+        batches = batch_by_size(indices, num_tokens_fn, num_tokens_vec=num_tokens_vec,
+                                max_tokens=max_tokens, max_sentences=max_sentences,
+                                required_batch_size_multiple=required_batch_size_multiple,
+                                fixed_shapes=fixed_shapes)
+        kept = sum(len(b) for b in batches)
+        if fixed_shapes is None and kept < len(indices):
+            batches = list(batches) + [indices[kept:]]
+        return batches
+
+    batch_by_size_keeping_tail.__doc__ = batch_by_size.__doc__
+    batch_by_size_keeping_tail._attnzoo_wraps = batch_by_size
+    return batch_by_size_keeping_tail
+
+
+@patch("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",
+       "fairseq 0.12 drops the last batch when its size is not a multiple of "
+       "--required-batch-size-multiple (default 8): fairseq-generate and validation silently "
+       "skipped up to 7 sentences, training the same examples every epoch. Keep it as a smaller "
+       "batch (--skip-remainder-batch still drops a training epoch's last batch when asked)",
+       known_source(_batch_by_size, "10c0b48b47357f22"))
+def _batch_keep_tail():
+    from fairseq.data import data_utils
+
+    data_utils.batch_by_size = keep_tail(data_utils.batch_by_size)
+
+
+def _lm_eval_dataloader():
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    return LanguageModelingTask.eval_lm_dataloader
+
+
+def check_block_length(sizes, tokens_per_sample: int, context_window: int, max_positions,
+                       break_mode: str = "none") -> None:
+    """fairseq-eval-lm skips, with only a warning, every block longer than the model's positions
+    (``ignore_invalid_inputs=True``): a length-bounded model (a Synthesizer LM, --synth-max-len)
+    with the default --tokens-per-sample reports "Evaluated 0 tokens ... Perplexity: 1.00" and
+    exits 0. Refuse in one line when any block (its --context-window included) would be skipped."""
+    import numpy as np
+
+    from .errors import ZooConfigError
+
+    if isinstance(max_positions, (tuple, list)):
+        max_positions = min((p for p in max_positions if p is not None), default=None)
+    if max_positions is None or sizes is None:
+        return
+    cw = int(context_window or 0)
+    sizes = np.asarray(sizes) + cw
+    n_long = int((sizes > int(max_positions)).sum())
+    if n_long == 0:
+        return
+    block = int(tokens_per_sample) + cw
+    skipped = f"{n_long:,} of {len(sizes):,} blocks would be skipped"
+    if block > int(max_positions):
+        given = f"--tokens-per-sample {block}"
+        if cw:
+            given += f" (--context-window {cw} included)"
+        raise ZooConfigError(
+            f"{given} exceeds the {max_positions} positions this model accepts ({skipped}): pass "
+            f"--tokens-per-sample {max_positions} or less")
+    raise ZooConfigError(
+        f"{n_long:,} blocks of --sample-break-mode {break_mode} are longer than the "
+        f"{max_positions} positions this model accepts ({skipped}): pass --sample-break-mode none "
+        f"--tokens-per-sample {max_positions - cw}")
+
+
+@patch("fairseq_eval_lm_block_length",
+       "fairseq.tasks.language_modeling:LanguageModelingTask.eval_lm_dataloader",
+       "fairseq-eval-lm skips every block longer than the model accepts and reports 0 tokens, "
+       "perplexity 1.00, exit 0 (e.g. a Synthesizer LM without --tokens-per-sample): refuse a "
+       "--tokens-per-sample the model cannot serve, in one line",
+       known_source(_lm_eval_dataloader, "6ae1cc56dea42151"))
+def _eval_lm_block_length():
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    original = LanguageModelingTask.eval_lm_dataloader
+
+    def eval_lm_dataloader(self, dataset, max_tokens=36000, batch_size=None, max_positions=None,
+                           num_shards=1, shard_id=0, num_workers=1, data_buffer_size=10,
+                           context_window=0):
+        check_block_length(getattr(dataset, "sizes", None), self.args.tokens_per_sample,
+                           context_window, max_positions, self.args.sample_break_mode)
+        return original(self, dataset, max_tokens=max_tokens, batch_size=batch_size,
+                        max_positions=max_positions, num_shards=num_shards, shard_id=shard_id,
+                        num_workers=num_workers, data_buffer_size=data_buffer_size,
+                        context_window=context_window)
+
+    eval_lm_dataloader.__doc__ = original.__doc__
+    LanguageModelingTask.eval_lm_dataloader = eval_lm_dataloader
+
+
+def _add_model_args():
+    from fairseq import options
+
+    return options.add_model_args
+
+
+@patch("fairseq_train_parser_one_line",
+       "fairseq.options:add_model_args (the training parser's --arch type and error())",
+       "a misspelled --arch printed argparse's usage and ~200 choices (over 10 KB) and no "
+       "suggestion; any bad flag value the whole usage: answer in one line, with the closest "
+       "arch names (fairseq-* console scripts; a parser built in a program keeps argparse's "
+       "behaviour)",
+       known_source(_add_model_args, "1c18c8c34cb60493"))
+def _train_parser_one_line():
+    from fairseq import options
+
+    from .cli_hints import arch_type, one_line_parser_errors
+
+    add_model_args = options.add_model_args
+
+    def add_model_args_checked(parser):
+        group = add_model_args(parser)
+        for action in group._group_actions:
+            if "--arch" in action.option_strings:
+                action.type = arch_type
+        one_line_parser_errors(parser)
+        return group
+
+    add_model_args_checked.__doc__ = add_model_args.__doc__
+    options.add_model_args = add_model_args_checked

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from zoo_testlib import is_lm, json_logs, model_class, run_cli, tiny_flags  # noqa: E402
+from zoo_testlib import is_lm, json_logs, run_cli, tiny_flags, train_flags  # noqa: E402
 
 
 def main():
@@ -52,7 +52,7 @@ def main():
             "--lr", "0.01", "--max-tokens", "200", "--max-update", str(a.updates),
             "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format", "json",
             "--log-interval", "1", "--seed", "1", "--num-workers", "0", "--disable-validation",
-        ] + list(getattr(model_class(arch), "zoo_cli_train_flags", [])) + a.flags.split()
+        ] + train_flags(arch) + a.flags.split()
         if a.mode == "single":  # the same batches per update as 2 processes
             flags += ["--update-freq", str(2 * a.update_freq)]
         else:

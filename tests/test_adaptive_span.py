@@ -235,7 +235,7 @@ def test_stream_cache_equals_one_long_forward(lm_data):
         fresh = model(tokens[:, 20:40], stream_pos=torch.full((3,), 7))[0]
         assert (fresh - model(tokens[:, 20:40])[0]).abs().max() < 1e-5
     model.train()  # training keeps its own cache: eval's is untouched
-    assert {k[0] for k in model.decoder._streams} == {"eval"}
+    assert {k[0] for k in model.decoder.stack.streams} == {"eval"}
 
 
 _HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "equal"}
@@ -395,3 +395,70 @@ def test_dynamic_span_learns_and_generation_samples(lm_data):
                             prefix_tokens=prefix, bos_token=d.eos())
         assert len(hyps) == 2 and all(h[0]["tokens"].numel() >= 12 for h in hyps), hyps
         assert torch.equal(hyps[0][0]["tokens"][:5], prefix[0])
+
+
+# ---- the layer stack as a plain module, and the archs in the registry -------------------------
+
+def test_stack_without_fairseq_streams_blocks_like_one_sequence():
+    """AdaptiveSpanStack on its own (torch only): blocks with stream_pos == one long forward, the
+    decoding cache == the same, and only eval's cache is kept."""
+    from fairseq_attnzoo.modules.span_stack import AdaptiveSpanStack
+
+    torch.manual_seed(0)
+    stack = AdaptiveSpanStack(2, 16, 2, 32, max_span=12, cache_buffer=4, ramp=4, span_init=0.4,
+                              trim_chunk=4, persistent_slots=3).eval()
+    x = torch.randn(2, 30, 16)
+    pad = torch.zeros(2, 30, dtype=torch.bool)
+    with torch.no_grad():
+        whole, inner = stack(x, pad)
+        parts = [stack(x[:, i:i + 10], pad[:, i:i + 10], stream_pos=torch.full((2,), i // 10))[0]
+                 for i in range(0, 30, 10)]
+        state = {}
+        steps = [stack.step(x[:, t:t + 1], pad[:, t:t + 1], state)[0] for t in range(30)]
+    assert len(inner) == 3 and list(stack.streams) == [("eval", 0)]
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-5)
+    assert max(state[f"k{i}"].size(2) for i in range(2)) <= 11  # the window, S - 1 at most
+    stack.reset_streams()
+    assert not stack.streams
+
+
+# the documented table (docs/adaptive_span.md): layers, d, heads, FFN, N, S, dropout, lambda
+ARCH_TABLE = {
+    "adaptive_span_lm": (12, 512, 8, 2048, 0, 8192, 0.3, 5e-7),
+    "adaptive_span_lm_small": (8, 256, 4, 1024, 0, 1024, 0.0, 2e-6),
+    "adaptive_span_lm_large": (24, 768, 8, 4096, 0, 8192, 0.4, 5e-7),
+    "all_attention_lm": (18, 512, 8, 0, 1024, 8192, 0.3, 1e-7),
+    "all_attention_lm_large": (36, 512, 8, 0, 2048, 8192, 0.4, 1e-7),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_TABLE))
+def test_span_archs_are_presets_in_the_arch_registry(arch):
+    from fairseq import options
+    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+
+    from fairseq_attnzoo.models.registry import BASE_ARCHS, arch_tests
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "/nonexistent", "--arch", arch, "--task", "attnzoo_stream_lm"])
+    got = (args.decoder_layers, args.decoder_embed_dim, args.decoder_attention_heads,
+           args.decoder_ffn_embed_dim, args.persistent_memory_size, args.attn_span, args.dropout,
+           args.adaptive_span_loss)
+    assert got == ARCH_TABLE[arch]
+    # test hooks come from the registration, not from attributes of the model class
+    cls = ARCH_MODEL_REGISTRY[arch]
+    assert not any(hasattr(cls, a) for a in ("zoo_tiny", "zoo_test_flags", "zoo_cli_eval_flags"))
+    assert any(MODEL_REGISTRY[m] is cls for m in BASE_ARCHS)  # its model has a base arch
+    hooks = arch_tests(arch)
+    assert hooks.flags == ("--criterion", "attnzoo_span_loss") and hooks.tiny["attn_span"] == 16
+    assert hooks.tiny.get("persistent_memory_size") == (8 if "all_attention" in arch else None)
+
+
+def test_register_arch_errors_name_the_problem():
+    from fairseq_attnzoo.models.registry import register_arch
+
+    with pytest.raises(ValueError, match="has no base arch: register it with register_base_arch"):
+        register_arch("no_such_model", "no_such_arch")
+    with pytest.raises(ValueError, match=r"unknown test hooks \['tolerance'\]"):
+        register_arch("attnzoo_lm", "attnzoo_lm_bad_hooks", test={"tolerance": 1e-3})

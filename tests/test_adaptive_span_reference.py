@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import fairseq_attnzoo  # noqa: F401
 from fairseq.data import Dictionary
 
-from fairseq_attnzoo.models.adaptive_span import AdaptiveSpanDecoder, _fill
+from fairseq_attnzoo.models.adaptive_span import AdaptiveSpanDecoder, adaptive_span_base
+from fairseq_attnzoo.modules.span_stack import StreamState
 
 reference = pytest.importorskip("fairseq.examples.adaptive_span.adaptive_span_model")
 
@@ -33,7 +34,7 @@ def _ours(dictionary, **flags):
                  decoder_attention_heads=H, dropout=0.0, attn_span=S, adaptive_span_ramp=RAMP,
                  adaptive_span_init=0.0, adaptive_span_loss=0.0)
     args = Namespace(**dict(sizes, **flags))
-    _fill(args, {})
+    adaptive_span_base(args)
     return AdaptiveSpanDecoder(args, dictionary).eval()
 
 
@@ -51,8 +52,8 @@ def _copy(ref, ours):
         ours.embed_tokens.weight.copy_(ref.in_emb.weight)
         ours.output_projection.weight.copy_(ref.out_emb.weight)
         ours.output_projection.bias.copy_(ref.out_emb.bias)
-        ours.key_pe.copy_(ref.key_pe)
-        for i, (a, b) in enumerate(zip(ref.layers, ours.layers)):
+        ours.stack.key_pe.copy_(ref.key_pe)
+        for i, (a, b) in enumerate(zip(ref.layers, ours.stack.layers)):
             for src, dst in (("proj_query", "q_proj"), ("proj_key", "k_proj"),
                              ("proj_val", "v_proj"), ("proj_out", "out_proj")):
                 getattr(b.attn, dst).weight.copy_(getattr(a.attn, src).weight)
@@ -69,10 +70,10 @@ def _run_stream(ref, ours, blocks):
     trainer starts every stream from an all-zero cache; our stream cache is seeded with the same
     zeros (no padding), so block 0 sees identical history."""
     ref_cache = [torch.zeros(B, layer.get_cache_size(), D) for layer in ref.layers]
-    ours._streams[("eval", 0)] = {
-        "next": [0] * B, "device": torch.device("cpu"), "padded": False,
-        "mems": [(torch.zeros(B, c.size(1), D), torch.zeros(B, c.size(1), dtype=torch.bool))
-                 for c in ref_cache]}
+    ours.stack.streams[("eval", 0)] = StreamState(
+        next=[0] * B, device=torch.device("cpu"), padded=False,
+        mems=[(torch.zeros(B, c.size(1), D), torch.zeros(B, c.size(1), dtype=torch.bool))
+              for c in ref_cache])
     diffs = []
     with torch.no_grad():
         for n, x in enumerate(blocks):
@@ -94,7 +95,7 @@ def test_window_and_cache_sizes_agree_with_the_reference():
     ref, ours = _reference(len(dictionary)), _ours(dictionary, adaptive_span_exclude_self=True,
                                                    adaptive_span_no_renorm=True)
     _copy(ref, ours)
-    for a, b in zip(ref.layers, ours.layers):
+    for a, b in zip(ref.layers, ours.stack.layers):
         span = a.attn.attn.adaptive_span
         assert S - span.get_trim_len() == b.attn.mask.window(b.attn.mask.spans()) == 128
         assert span.get_cache_size() == b.attn.cache_size(64) == 192
@@ -122,8 +123,8 @@ def test_weight_init_schemes():
     torch.manual_seed(0)
     dictionary = _dictionary()
     ex = _ours(dictionary)  # default: fairseq's examples/adaptive_span inits
-    assert ex.layers[0].attn.q_proj.weight.std().item() == pytest.approx((2 / (2 * D)) ** 0.5,
-                                                                          rel=0.1)  # xavier normal
+    assert ex.stack.layers[0].attn.q_proj.weight.std().item() == pytest.approx(
+        (2 / (2 * D)) ** 0.5, rel=0.1)  # xavier normal
     assert ex.embed_tokens.weight[4:].std().item() == pytest.approx(D ** -0.5, rel=0.1)
     assert ex.embed_tokens.weight[dictionary.pad()].abs().sum() == 0
     ref = _reference(len(dictionary))  # the fairseq example's own model: same statistics
@@ -131,11 +132,12 @@ def test_weight_init_schemes():
     td = _ours(dictionary, adaptive_span_weight_init="torch_default")  # facebookresearch code
     assert td.embed_tokens.weight[4:].std().item() == pytest.approx(1.0, rel=0.1)
     assert td.embed_tokens.weight[dictionary.pad()].abs().sum() == 0
-    for lin in (td.layers[0].attn.q_proj, td.layers[1].ffn.fc1, td.layers[0].ffn.fc2):
+    layers = td.stack.layers
+    for lin in (layers[0].attn.q_proj, layers[1].ffn.fc1, layers[0].ffn.fc2):
         bound = lin.weight.size(1) ** -0.5  # nn.Linear default: U(±1/sqrt(fan_in))
         assert lin.weight.abs().max() <= bound and lin.weight.abs().max() > 0.95 * bound
-    assert td.layers[0].ffn.fc1.bias.abs().max() > 0  # (the example keeps them nn.Linear's too)
-    torch.testing.assert_close(td.key_pe.std(), torch.tensor(1.0), rtol=0.1, atol=0)
+    assert layers[0].ffn.fc1.bias.abs().max() > 0  # (the example keeps them nn.Linear's too)
+    torch.testing.assert_close(td.stack.key_pe.std(), torch.tensor(1.0), rtol=0.1, atol=0)
 
 
 @pytest.mark.parametrize("persistent", [0, 4])
@@ -155,5 +157,5 @@ def test_exclude_self_incremental_decoding_equals_full_forward(persistent):
         for t in range(tokens.size(1)):
             steps.append(dec(tokens[:, :t + 1], incremental_state=state)[0])
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
-    layer = dec.layers[0].attn
+    layer = dec.stack.layers[0].attn
     assert layer.cache_size() == layer.mask.cache_size() + 1  # S previous tokens, not S - 1

@@ -11,6 +11,8 @@ import torch
 
 import fairseq_attnzoo  # noqa: F401
 from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq_attnzoo.models.collab import CollabConfig
+from fairseq_attnzoo.models.sublayers import build_sublayer
 
 from fairseq_attnzoo.modules.collab import (
     CollaborativeAttention,
@@ -174,14 +176,19 @@ def test_builder_flags():
     from fairseq_attnzoo.models.collab import build_collab, resolve_key_dim
     from fairseq_attnzoo.models.sublayers import SublayerSpec
 
-    assert resolve_key_dim(Namespace(collab_key_dim=0), 512) == 128  # d/4 by default
-    assert resolve_key_dim(Namespace(collab_key_dim=40), 512) == 40
-    with pytest.raises(ValueError, match="--collab-key-dim"):
-        resolve_key_dim(Namespace(collab_key_dim=-3), 512)
-    spec = SublayerSpec("self_attn", "encoder", 0, 1, 32, 4, 64, 0.0, 0.0, False, 32,
-                        Namespace(collab_key_dim=0, collab_mixing_init="bogus"))
-    with pytest.raises(ValueError, match="--collab-mixing-init"):
-        build_collab(spec)
+    assert resolve_key_dim(0, 512) == 128  # d/4 by default
+    assert resolve_key_dim(40, 512) == 40
+    for bad, flag in (({"collab_key_dim": -3}, "--collab-key-dim"),
+                      ({"collab_mixing_init": "bogus"}, "--collab-mixing-init")):
+        spec = SublayerSpec("self_attn", "encoder", 0, 1, 32, 4, 64, 0.0, 0.0, False, 32,
+                            Namespace(**bad))
+        with pytest.raises(ValueError, match=flag):
+            build_sublayer("collab", spec)
+    # the typed options reach the module; an explicit spec.options skips the namespace
+    spec = SublayerSpec("self_attn", "encoder", 0, 1, 32, 4, 64, 0.0, 0.0, False, 32, Namespace(),
+                        options=CollabConfig(collab_key_dim=16, collab_qk_bias=True))
+    m = build_collab(spec)
+    assert m.key_dim == 16 and m.content_bias is None and m.q_proj.bias is not None
 
 
 # ---- the authors' fairseq fork (jbcdnr/fairseq-collaborative-heads) ---------------------------
@@ -222,12 +229,12 @@ def test_fork_arch_builds_with_the_fork_parameter_layout_and_init():
     assert (args.collab_qk_bias, args.collab_scaling, args.collab_mixing_init,
             args.collab_proj_init) == (True, "head_dim", "xavier", "fork")
     assert {args.encoder_self_attn, args.decoder_self_attn, args.cross_attn} == {"collab"}
-    from fairseq_attnzoo.models.collab import build_collab
     from fairseq_attnzoo.models.sublayers import SublayerSpec
 
     torch.manual_seed(0)
     d, H, Dk = 512, 8, 128
-    m = build_collab(SublayerSpec("self_attn", "encoder", 0, 6, d, H, 2048, 0.0, 0.0, False, d, args))
+    m = build_sublayer("collab", SublayerSpec("self_attn", "encoder", 0, 6, d, H, 2048, 0.0, 0.0,
+                                              False, d, args))
     layout = {("mixing_matrix" if n == "mixing" else n): tuple(p.shape)
               for n, p in m.state_dict().items()}
     assert layout == fork_layout(d, H, Dk)
@@ -238,8 +245,8 @@ def test_fork_arch_builds_with_the_fork_parameter_layout_and_init():
         bound = (6 / (fan_in + fan_out)) ** 0.5
         assert w.abs().max() <= bound and w.abs().max() > 0.97 * bound
     # ours (transformer_collab) keeps fairseq MHA's gain 1/sqrt(2), a content bias, no q/k bias
-    ours = build_collab(SublayerSpec("self_attn", "encoder", 0, 6, d, H, 2048, 0.0, 0.0, False, d,
-                                     Namespace(collab_key_dim=Dk)))
+    ours = build_sublayer("collab", SublayerSpec("self_attn", "encoder", 0, 6, d, H, 2048, 0.0,
+                                                 0.0, False, d, Namespace(collab_key_dim=Dk)))
     assert ours.q_proj.bias is None and ours.content_bias.weight.shape == (H, d)
     assert ours.q_proj.weight.abs().max() <= (3 / (d + Dk)) ** 0.5
     assert ours.scaling == (Dk / H) ** -0.5

@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 
 from fairseq_attnzoo.cli.archs import zoo_archs
 from scripts import make_hydra_configs as make_configs
-from zoo_testlib import REPO, USER_DIR, model_class, quiet, run_cli, tiny_flags
-
+from zoo_testlib import REPO, USER_DIR, quiet, run_cli, tiny_flags, train_flags
 
 
 def test_configs_agree_with_recipes():
@@ -85,6 +84,7 @@ HYDRA_CASES = {
 }
 
 
+@pytest.mark.slow
 def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
     """The real ``fairseq-hydra-train`` (tests/hydra_runner.py: a fresh process that imports our
     plugin only through common.user_dir) on tiny data with size overrides, one config of each
@@ -120,6 +120,8 @@ def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
                            ("adaptive_span_small", "valid_span_avg")):
         assert metric in valid.get(config, ""), (config, out[-3000:])
         assert (tmp_path / f"ckpt_{config}" / "checkpoint_last.pt").exists()
+        assert (tmp_path / f"ckpt_{config}" / "hydra").is_dir()  # hydra.run.dir of the configs
+    assert not (tmp_path / "outputs").exists()
     assert "(plain Adam)" not in out  # pkm_adam found the memory values
     # the checkpoint (its model config a DictConfig) loads back with its memory
     from fairseq import checkpoint_utils
@@ -178,7 +180,7 @@ def test_tensorboard_gets_custom_metrics(arch, tags, data_for, tmp_path):
         "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update", "2",
         "--no-save", "--log-format", "json", "--log-interval", "1", "--seed", "1",
         "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
-        "--tensorboard-logdir", logdir] + list(getattr(model_class(arch), "zoo_cli_train_flags", []))
+        "--tensorboard-logdir", logdir] + train_flags(arch)
     _fresh_tensorboard_writers()
     try:
         run_cli("train", flags)

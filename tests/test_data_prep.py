@@ -187,6 +187,7 @@ def test_libreoffice_end_to_end_tiny(tmp_path, capsys):
     assert (tmp_path / "rev" / "spm" / "test.de").exists()
 
 
+@pytest.mark.slow
 def test_libreoffice_binarize_tiny(tmp_path):
     """Full pipeline incl. fairseq-preprocess on a tiny synthetic help tree."""
     pytest.importorskip("sentencepiece")

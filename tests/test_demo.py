@@ -111,20 +111,20 @@ def test_row_key_changes_with_commands_and_parent(tmp_path):
 # ---- the picture report, from a tiny fake demo run (tiny checkpoints trained here) -------------
 
 def _train_row(out, name, arch, data, max_update=2):
-    from zoo_testlib import model_class, run_cli, tiny_flags
+    from zoo_testlib import run_cli, tiny_flags, train_flags
 
     save = out / name / "checkpoints"
     flags = tiny_flags(arch, data) + [
         "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "400", "--max-update",
         str(max_update), "--save-dir", str(save), "--no-epoch-checkpoints", "--log-format", "json",
         "--log-interval", "1", "--seed", "1", "--num-workers", "0",
-        "--skip-invalid-size-inputs-valid-test"] + list(
-            getattr(model_class(arch), "zoo_cli_train_flags", []))
+        "--skip-invalid-size-inputs-valid-test"] + train_flags(arch)
     logs = run_cli("train", flags)
     (out / name / "train.log").write_text("\n".join(logs) + "\n")
     return str(save / "checkpoint_last.pt")
 
 
+@pytest.mark.slow
 def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
     import re
 

@@ -6,7 +6,8 @@ import torch
 
 from zoo_testlib import build, parse
 
-from fairseq_attnzoo.modules.base import ZooMultiheadAttention, positions_from_padding
+from fairseq_attnzoo.modules.attention import positions_from_padding
+from fairseq_attnzoo.modules.sdpa import ZooMultiheadAttention
 
 
 def _n_params(model):

@@ -288,18 +288,118 @@ def test_multiply_grads_scales_sparse_gradients():
 
 
 def test_clip_grad_norm_handles_sparse_gradients():
+    """Norms over coalesced sparse gradients; the values are clipped separately from the rest
+    (both references), each set to the threshold; the returned (logged) norm is over all."""
     m = _memory(sparse=True).train()
     opt = _pkm_adam(m)
     m(torch.randn(6, 2, 16)).square().sum().backward()
     m(torch.randn(6, 2, 16)).square().sum().backward()  # accumulated (--update-freq 2): duplicates
     assert not m.values.weight.grad.is_coalesced()
+    names = [n for n, _ in m.named_parameters()]
     dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for p in m.parameters()]
-    ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense]))
-    total = opt.clip_grad_norm(ref.item() / 4)
+    norm = lambda gs: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))  # noqa: E731
+    ref = norm(dense)
+    ref_values = norm([g for n, g in zip(names, dense) if n == "values.weight"])
+    ref_model = norm([g for n, g in zip(names, dense) if n != "values.weight"])
+    limit = min(ref_values, ref_model).item() / 4
+    total = opt.clip_grad_norm(limit)
     torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
     clipped = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in m.parameters()]
-    for a, b in zip(clipped, dense):
-        torch.testing.assert_close(a, b / 4, rtol=1e-4, atol=1e-7)
+    for n, a, b in zip(names, clipped, dense):
+        own = ref_values if n == "values.weight" else ref_model
+        torch.testing.assert_close(a, b * limit / own, rtol=1e-4, atol=1e-7)
+
+
+def _grads(m, x, value_scale=1.0):
+    m.zero_grad()
+    m(x).square().sum().backward()
+    m.values.weight.grad.mul_(value_scale)
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_value_gradients_are_clipped_separately():
+    """--pkm-values-clip-norm: huge value gradients do not shrink the rest (a joint norm would),
+    the values get their own threshold, and 0 leaves them unclipped."""
+    x = torch.randn(5, 2, 16)
+    m = _memory(sparse=False).train()
+    for values_clip, expect_values in ((-1, 1.0), (0.5, 0.5), (0, None)):
+        opt = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_clip_norm=values_clip),
+                      list(m.parameters()))
+        before = _grads(m, x, value_scale=1e4)
+        opt.clip_grad_norm(1.0)
+        model_norm = torch.linalg.vector_norm(torch.stack([
+            torch.linalg.vector_norm(g) for n, g in before.items() if n != "values.weight"]))
+        for n, p in m.named_parameters():
+            if n == "values.weight":
+                got = torch.linalg.vector_norm(p.grad)
+                want = (torch.linalg.vector_norm(before[n]) if expect_values is None
+                        else torch.tensor(expect_values))
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            else:  # clipped by the model's own norm only
+                torch.testing.assert_close(p.grad, before[n] * min(1.0, 1.0 / model_norm.item()),
+                                           rtol=1e-4, atol=1e-7)
+
+
+def test_value_lr_constant_or_following_the_schedule():
+    m = _memory()
+    follow = _pkm_adam(m, values_lr=1e-2, lr=1e-3)
+    const = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr=1e-2,
+                                  pkm_values_lr_schedule="constant"), list(m.parameters()))
+    for opt in (follow, const):
+        opt.set_lr(2e-4)  # e.g. warmup
+    assert [g["lr"] for g in follow.param_groups] == [2e-4, pytest.approx(2e-3)]
+    assert [g["lr"] for g in const.param_groups] == [2e-4, 1e-2]  # XLM: constant 1e-3-style
+    state = const.state_dict()
+    again = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr=1e-2,
+                                  pkm_values_lr_schedule="constant"), list(m.parameters()))
+    again.load_state_dict(state)
+    again.set_lr(5e-5)
+    assert [g["lr"] for g in again.param_groups] == [5e-5, 1e-2]
+
+
+def test_value_weight_decay_and_betas():
+    """--pkm-values-weight-decay: decoupled decay of the values (facebookresearch/memory's AdamW
+    decays them with the rest); --pkm-values-betas: their own betas (XLM's value Adam)."""
+    m = _memory(sparse=False)
+    opt = PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr=1e-2, pkm_values_weight_decay=0.1,
+                                weight_decay=0.0, pkm_values_betas="(0.9, 0.95)"),
+                  list(m.parameters()))
+    group = opt.param_groups[1]
+    assert group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.95)
+    assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    before = m.values.weight.detach().clone()
+    opt.step()  # zero gradient: only the decay moves the values, by lr·wd·v
+    torch.testing.assert_close(m.values.weight.detach(), before * (1 - 1e-2 * 0.1))
+    for bad, match in ((dict(pkm_values_betas="0.9"), "--pkm-values-betas"),
+                       (dict(pkm_values_lr_schedule="cosine"), "--pkm-values-lr-schedule"),
+                       (dict(pkm_values_clip_norm=-2.0), "--pkm-values-clip-norm"),
+                       (dict(pkm_values_weight_decay=-1.0), "--pkm-values-weight-decay")):
+        with pytest.raises(ValueError, match=match) as e:
+            PKMAdam(PKMAdamConfig(lr=[1e-3], **bad), list(m.parameters()))
+        assert "\n" not in str(e.value)
+
+
+#: the two published value-optimiser recipes as pkm_adam flags (docs/pkm.md)
+XLM_RECIPE = ["--pkm-values-lr", "1e-3", "--pkm-values-lr-schedule", "constant",
+              "--pkm-values-betas", "(0.9, 0.999)", "--pkm-values-weight-decay", "0"]
+MEMPLUS_RECIPE = ["--adam-betas", "(0.9, 0.95)", "--weight-decay", "0.1", "--pkm-values-lr",
+                  "1e-3", "--pkm-values-lr-schedule", "follow", "--pkm-values-weight-decay", "0.1"]
+
+
+@pytest.mark.parametrize("arch,recipe", [("transformer_lm_pkm", XLM_RECIPE),
+                                         ("transformer_lm_memplus", MEMPLUS_RECIPE)])
+def test_published_value_recipes_run_through_fairseq_train(arch, recipe, lm_data, tmp_path):
+    from zoo_testlib import run_cli, tiny_flags
+
+    log = run_cli("train", tiny_flags(arch, lm_data) + recipe + [
+        "--optimizer", "pkm_adam", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", "2", "--clip-norm", "1.0", "--max-tokens", "400", "--max-update", "3",
+        "--no-save", "--disable-validation", "--log-interval", "1", "--log-format", "json",
+        "--num-workers", "0", "--seed", "1", "--save-dir", str(tmp_path)])
+    assert any("pkm_values_gnorm" in line for line in log), "separate value clip not logged"
+    assert any('"num_updates": "3"' in line for line in log)
 
 
 def test_dense_mode_trains_under_pkm_adam():
@@ -500,15 +600,58 @@ def _explicit_read(m, x):
     return torch.einsum("hnk,hnkd->nd", torch.softmax(s, -1), m.values.weight[i])
 
 
-def test_gated_output_equals_its_formula():
-    """out = W₂(m(x) ⊙ SiLU(W₁ x)), with m(x) the plain memory read and no biases."""
+def test_legacy_gated_output_equals_its_formula():
+    """The pre-issue-23 form (``gated=True``, checkpoints storing --pkm-gated-output true):
+    out = W₂(m(x) ⊙ SiLU(W₁ x)), with m(x) the plain memory read and no biases."""
     m = _memory(bn=False, gated=True, v_dim=12).eval()
+    assert m.swilu == "legacy"
     assert m.out_proj is None and m.gate_proj.bias is None and m.gate_out.bias is None
     x = torch.randn(5, 2, 16)
     flat = x.reshape(-1, 16)
     w1, w2 = m.gate_proj.weight, m.gate_out.weight  # [v_dim, d], [d, v_dim]
     ref = (_explicit_read(m, flat) * torch.nn.functional.silu(flat @ w1.t())) @ w2.t()
     torch.testing.assert_close(m(x).reshape(-1, 16), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_swilu_output_is_the_reference_form():
+    """--pkm-swilu-output (facebookresearch/memory's swilu_projection): W₁, W₂ with biases and
+    N(0, d_out^-½) weights; the gate reads the input AFTER input dropout; value dropout acts on the
+    output of W₂ -- out = Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃) ) + b₂), x̃ = Drop_in(x)."""
+    torch.manual_seed(0)
+    m = ProductKeyMemory(64, 64, n_keys=12, heads=2, knn=5, k_dim=8, v_dim=48,
+                         query_batchnorm=False, swilu="reference", input_dropout=0.3,
+                         value_dropout=0.2)
+    assert m.gate_proj.bias is not None and m.gate_out.bias is not None
+    for lin in (m.gate_proj, m.gate_out):  # N(0, 64^-½): std 0.125 over 3,072 weights
+        assert abs(lin.weight.std().item() - 0.125) < 0.01 and abs(lin.weight.mean()) < 0.01
+    x = torch.randn(5, 2, 64)
+    flat = x.reshape(-1, 64)
+    w1, b1, w2, b2 = m.gate_proj.weight, m.gate_proj.bias, m.gate_out.weight, m.gate_out.bias
+    m.eval()
+    ref = (_explicit_read(m, flat) * F.silu(flat @ w1.t() + b1)) @ w2.t() + b2
+    torch.testing.assert_close(m(x).reshape(-1, 64), ref, rtol=1e-5, atol=1e-5)
+    m.train()  # the same two dropout draws, in the reference's order
+    torch.manual_seed(7)
+    out = m(x).reshape(-1, 64)
+    torch.manual_seed(7)
+    xd = F.dropout(flat, 0.3, True)  # 1st draw: the input, shared by the query and the gate
+    read = _explicit_read(m.eval(), xd)  # (eval: no second input dropout inside the query)
+    ref = F.dropout((read * F.silu(xd @ w1.t() + b1)) @ w2.t() + b2, 0.2, True)  # 2nd: output
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_memplus_init_is_the_references():
+    """--pkm-init memplus: sub-keys uniform(±1/√k_dim), Xavier-uniform query weight (XLM's init:
+    ±1/√(k_dim/2), nn.Linear's)."""
+    torch.manual_seed(0)
+    kw = dict(n_keys=64, heads=2, knn=4, k_dim=32, query_batchnorm=False)
+    xlm = ProductKeyMemory(64, 64, **kw)
+    ours = ProductKeyMemory(64, 64, init="memplus", **kw)
+    assert xlm.keys.abs().max() <= 1 / math.sqrt(16) and xlm.keys.abs().max() > 0.9 / math.sqrt(16)
+    assert ours.keys.abs().max() <= 1 / math.sqrt(32) and ours.keys.abs().max() > 0.9 / math.sqrt(32)
+    bound = math.sqrt(6 / (64 + 2 * 32))  # Xavier-uniform bound of the [H·k_dim, d] weight
+    assert bound * 0.9 < ours.query_proj.weight.abs().max() <= bound
+    assert xlm.query_proj.weight.abs().max() <= 1 / math.sqrt(64)
 
 
 def test_qk_norm_search_uses_normalised_queries_and_keys():
@@ -585,11 +728,12 @@ def test_memplus_preset_builds_one_pool_for_all_memory_layers(lm_data):
     args, task, model, criterion = build("transformer_lm_memplus", lm_data,
                                          ["--optimizer", "pkm_adam", "--decoder-layers", "3"])
     assert args.decoder_ffn == "pkm,pkm,pkm"  # spread over 3 layers: 0, 1, 2
-    assert (args.pkm_shared_values, args.pkm_gated_output, args.pkm_qk_norm,
-            args.pkm_query_batchnorm) == ("true", "true", "true", "false")
+    assert (args.pkm_shared_values, args.pkm_swilu_output, args.pkm_qk_norm,
+            args.pkm_query_batchnorm) == ("true", "true", "false", "false")
     mems = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
     assert len(mems) == 3 and all(m.values is mems[0].values for m in mems)
-    assert all(m.gated and m.qk_norm and m.query_bn is None and m.sparse for m in mems)
+    assert all(m.swilu == "reference" and not m.qk_norm and m.query_bn is None and m.sparse
+               for m in mems)
     tables = [n for n, p in model.named_parameters() if getattr(p, "param_group", None)]
     assert tables == ["decoder.layers.0.ffn.values.weight"]
     assert model._ddp_params_and_buffers_to_ignore == tables  # sparse: left to pkm_adam
@@ -616,6 +760,55 @@ def test_memplus_preset_builds_one_pool_for_all_memory_layers(lm_data):
 
 def coalesced_rows(grad):
     return grad.coalesce().indices()[0].tolist()
+
+
+def test_memplus_preset_is_the_papers_memory_plus():
+    """transformer_lm_memplus = Memory+ as Berges et al. define it: 1024 half-keys (Table 4:
+    k_dim = d/2, value dim = d), 4 heads, k 32, three memory layers at 4, 12, 20 of 24 (Table 3),
+    one shared pool, the swilu output with biases, no qk-norm (ours, a separate flag), no batch
+    norm; a model built from it has exactly that form (tiny sizes: d 32, n_keys 8)."""
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-layers",
+                                            "24", "--decoder-embed-dim", "1024"])
+    assert (args.pkm_n_keys, args.pkm_k_dim, args.pkm_value_dim, args.pkm_heads,
+            args.pkm_knn) == (1024, 512, 0, 4, 32)  # value dim 0 = d_model
+    assert [i for i, s in enumerate(args.decoder_ffn.split(",")) if s == "pkm"] == [4, 12, 20]
+    assert (args.pkm_shared_values, args.pkm_swilu_output, args.pkm_qk_norm,
+            args.pkm_query_batchnorm, args.pkm_init) == ("true", "true", "false", "false",
+                                                         "memplus")
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-embed-dim",
+                                            "256"])
+    assert args.pkm_k_dim == 128  # d/2 follows the model dim
+
+    from fairseq_attnzoo.models.pkm import build_pkm
+
+    args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-embed-dim",
+                                            "32", "--pkm-n-keys", "8", "--pkm-knn", "4"])
+    m = build_pkm(_spec(args)).eval()
+    assert (m.k_dim, m.v_dim, m.size, m.swilu, m.init) == (16, 32, 64, "reference", "memplus")
+    assert m.gate_proj.bias is not None and m.gate_out.bias is not None and m.out_proj is None
+    x = torch.randn(3, 2, 32)
+    flat = x.reshape(-1, 32)
+    g, o = m.gate_proj, m.gate_out
+    ref = o(_explicit_read(m, flat) * F.silu(g(flat)))
+    torch.testing.assert_close(m(x).reshape(-1, 32), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_deprecated_gated_output_flag_gives_the_old_form():
+    """Checkpoints written before issue 23 store --pkm-gated-output; it still builds the old
+    form (no biases), the preset does not turn the reference form on over it, and asking for
+    both forms is refused in one line."""
+    from fairseq_attnzoo.models.pkm import build_pkm
+
+    small = ["--task", "language_modeling", "--decoder-embed-dim", "32", "--pkm-n-keys", "8",
+             "--pkm-knn", "4", "--pkm-k-dim", "16"]
+    args = _args("transformer_lm_memplus", small + ["--pkm-gated-output", "true"])
+    m = build_pkm(_spec(args))
+    assert m.swilu == "legacy" and m.gate_proj.bias is None and m.gate_out.bias is None
+    args = _args("transformer_lm_pkm", small + ["--pkm-gated-output", "true",
+                                                "--pkm-swilu-output", "true"])
+    with pytest.raises(ValueError, match="--pkm-swilu-output") as e:
+        build_pkm(_spec(args))
+    assert "\n" not in str(e.value)
 
 
 def test_spread_layer_selection():

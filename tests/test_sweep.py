@@ -2,8 +2,9 @@
 
 For each arch (tiny sizes): build through fairseq's argument parsing and ``build_model``;
 forward + backward on a padded batch; incremental decoding == full forward (also after beam-search
-reordering); fairseq-train -> fairseq-generate / fairseq-eval-lm -> resume from checkpoint_last.pt.
-The 2-process DDP check is in ``test_ddp.py``.
+reordering); fairseq-train -> fairseq-generate / fairseq-eval-lm -> resume from checkpoint_last.pt
+(in ``make test-fast`` for one arch of each model class and task only). The 2-process DDP check is
+in ``test_ddp.py``.
 """
 
 import math
@@ -12,7 +13,8 @@ import os
 import pytest
 import torch
 
-from zoo_testlib import (USER_DIR, build, is_lm, json_logs, model_class, run_cli, tiny_flags,
+from zoo_testlib import (USER_DIR, build, decoder_inputs, eval_flags, incremental_vs_full, is_lm,
+                         json_logs, model_class, one_per_wiring, run_cli, tiny_flags, train_flags,
                          zoo_archs)
 from zoo_testlib import decode_steps as _decode_steps
 from zoo_testlib import lm_extra as _lm_extra
@@ -49,18 +51,10 @@ def test_incremental_matches_full(arch, data_for):
     model.eval()
     sample = _batch(task, args, split="valid")
     net = sample["net_input"]
-    pad = task.target_dictionary.pad()
-    if is_lm(arch):
-        tokens, src, src_len = net["src_tokens"], None, None
-    else:
-        tokens, src, src_len = net["prev_output_tokens"], net["src_tokens"], net["src_lengths"]
     with torch.no_grad():
         # 1) the padded training batch, token by token
-        enc = model.encoder(src, src_lengths=src_len) if src is not None else None
-        full = model.decoder(tokens, encoder_out=enc)[0]
-        step, _ = _decode_steps(model, tokens, enc)
-        keep = tokens.ne(pad).unsqueeze(-1)
-        diff = ((full - step).abs() * keep).max().item()
+        tokens, enc = decoder_inputs(model, arch, net)
+        diff = incremental_vs_full(model, tokens, enc, task.target_dictionary.pad())
         assert diff <= 1e-5, f"{arch}: incremental vs full max abs diff {diff:.2e}"
 
         # 2) beam search: beam 2 per sentence, hypotheses swapped / duplicated within each beam
@@ -74,10 +68,10 @@ def test_incremental_matches_full(arch, data_for):
         new_order[1::2, 0] = new_order[1::2, 1]  # duplicate
         new_order = new_order.reshape(-1)
         enc_b = None
-        if src is not None:
+        if not is_lm(arch):
             expand = torch.arange(bsz).repeat_interleave(beam)
-            enc_b = model.encoder(src.index_select(0, expand),
-                                  src_lengths=src_len.index_select(0, expand))
+            enc_b = model.encoder(net["src_tokens"].index_select(0, expand),
+                                  src_lengths=net["src_lengths"].index_select(0, expand))
         step_r, hyps_r = _decode_steps(model, hyps, enc_b, new_order, reorder_at=4)
         full_r = model.decoder(hyps_r, encoder_out=enc_b)[0]
         diff_r = (full_r - step_r).abs().max().item()
@@ -90,10 +84,10 @@ def _train_flags(arch, data, save_dir, max_update):
         str(max_update), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "json",
         "--log-interval", "1", "--seed", "1", "--num-workers", "0",
         "--skip-invalid-size-inputs-valid-test",
-    ] + list(getattr(model_class(arch), "zoo_cli_train_flags", []))
+    ] + train_flags(arch)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", one_per_wiring(ARCHS))
 def test_cli_train_generate_resume(arch, data_for, tmp_path):
     data = data_for(arch)
     save = str(tmp_path / "ckpt")
@@ -109,7 +103,7 @@ def test_cli_train_generate_resume(arch, data_for, tmp_path):
         out = run_cli("eval_lm", [data, "--user-dir", USER_DIR, "--path", ckpt, "--cpu",
                                   "--gen-subset", "valid", "--max-tokens", "400",
                                   "--task", cls.zoo_task]
-                      + list(getattr(cls, "zoo_cli_eval_flags", ["--tokens-per-sample", "24"])))
+                      + eval_flags(arch))
         ppl = [line for line in out if "Perplexity" in line or "perplexity" in line.lower()]
         assert ppl, out[-10:]
     else:

@@ -1,8 +1,11 @@
 """Synthesizer (Tay et al. 2020): method-specific properties. The generic sweep covers the rest."""
 
+from argparse import Namespace
+
 import pytest
 import torch
 
+from fairseq_attnzoo.models.sublayers import build_options
 from fairseq_attnzoo.models.synthesizer import (
     VARIANTS,
     SynthesizerConfig,
@@ -144,8 +147,9 @@ def test_factorized_parameter_counts():
     assert n_params(make("factorized_random", rank=k, share_heads=True)) == proj + 2 * N * k
     assert n_params(make("random")) == proj + h * N * N
     assert n_params(make("fixed_random")) == proj
-    with pytest.raises(ValueError, match="--synth-factor-a"):
-        make("factorized_dense", factor_a=3, factor_b=3)  # 9 < N
+    with pytest.raises(ValueError, match=r"--synth-factor-a 3 x --synth-factor-b 3 = 9 is less"):
+        build_options(SynthesizerConfig, Namespace(synth_max_len=N, synth_factor_a=3,
+                                                   synth_factor_b=3))  # 9 < N
     assert default_factors(256) == (16, 16) and default_factors(128) == (16, 8)
     assert default_factors(64) == (8, 8) and default_factors(101)[0] ** 2 >= 101
 
@@ -153,7 +157,7 @@ def test_factorized_parameter_counts():
 def test_factorized_dense_tiles_every_pair():
     # column j = q*a + p is A[p] * B[q]: all a*b products appear exactly once
     m = make("factorized_dense", factor_a=4, factor_b=3)
-    from fairseq_attnzoo.modules.base import AttnContext
+    from fairseq_attnzoo.modules.attention import AttnContext
 
     x = torch.randn(1, 5, D)
     ctx = AttnContext(m, None, None, None, 1, 5, False)

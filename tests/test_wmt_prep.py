@@ -98,6 +98,7 @@ def raw_corpus(tmp_path_factory):
     return d, len(train)
 
 
+@pytest.mark.slow
 def test_prepare_raw_dir_end_to_end(raw_corpus, tmp_path, capsys):
     raw, n_read = raw_corpus
     out = tmp_path / "out"

@@ -1,8 +1,10 @@
 """Helpers for the generic sweep: arch discovery, tiny configs, tiny data, in-process fairseq CLIs.
 
-Every arch registered on a model class with a ``zoo_task`` attribute is swept automatically; a
-model class may add ``zoo_test_flags`` (extra CLI flags its task needs, e.g. a criterion) and
-``zoo_tiny`` (its own size overrides); sublayers add theirs through ``register_sublayer(tiny=...)``.
+Every arch registered on a model class with a ``zoo_task`` attribute is swept automatically. An
+arch's own test hooks (size overrides, extra CLI flags its task needs, e.g. a criterion, eval-lm
+flags, tolerances) come from the arch registry (``register_arch``/``register_base_arch`` with
+``tiny=``/``test=``, read by :func:`hooks`); sublayers add theirs through
+``register_sublayer(tiny=...)``.
 """
 
 import contextlib
@@ -20,7 +22,9 @@ import fairseq_attnzoo  # noqa: F401  (registers everything)
 from fairseq import options, tasks
 from fairseq.models import ARCH_MODEL_REGISTRY
 
-from fairseq_attnzoo.models.sublayers import SLOT_FLAGS, layer_names, tiny_overrides
+from fairseq_attnzoo.models.registry import ArchTests, arch_tests
+from fairseq_attnzoo.models.sublayers import (SLOT_FLAGS, SUBLAYER_REGISTRY, layer_names,
+                                              tiny_overrides)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
@@ -45,6 +49,37 @@ def model_class(arch):
     return ARCH_MODEL_REGISTRY[arch]
 
 
+def hooks(arch) -> ArchTests:
+    """The arch's test hooks from the registry (tiny sizes, flags, eval-lm flags, tolerances)."""
+    return arch_tests(arch)
+
+
+def train_flags(arch) -> List[str]:
+    """Extra flags of fairseq-train runs of ``arch``."""
+    return list(hooks(arch).train_flags)
+
+
+def eval_flags(arch) -> List[str]:
+    """fairseq-eval-lm flags of an LM arch."""
+    flags = hooks(arch).eval_flags
+    return ["--tokens-per-sample", "24"] if flags is None else list(flags)
+
+
+def one_per_wiring(archs: List[str]) -> list:
+    """pytest params for an end-to-end sweep: the first arch of each (model class, task, test
+    flags) -- what a command-line run exercises beyond the modules -- as is, the others marked
+    ``slow`` (``make test`` runs them all, ``make test-fast`` the first of each)."""
+    import pytest
+
+    seen, out = set(), []
+    for arch in archs:
+        cls = model_class(arch)
+        key = (cls, cls.zoo_task, tuple(hooks(arch).flags))
+        out.append(arch if key not in seen else pytest.param(arch, marks=pytest.mark.slow))
+        seen.add(key)
+    return out
+
+
 def is_lm(arch) -> bool:
     return model_class(arch).zoo_task != "translation"
 
@@ -61,9 +96,8 @@ def to_flags(overrides: Dict) -> List[str]:
     return out
 
 
-def _sublayer_names(arch: str, base_args: List[str]) -> List[str]:
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, base_args)
+def sublayers_of(args) -> List[str]:
+    """The registered sublayer names a parsed config builds."""
     names = set()
     for attr in SLOT_FLAGS:
         if getattr(args, attr, None) is not None:
@@ -71,13 +105,25 @@ def _sublayer_names(arch: str, base_args: List[str]) -> List[str]:
     return sorted(names)
 
 
+def tolerance(args, check: str, default: float) -> float:
+    """The bound of a named generic check: ``default``, unless a sublayer of this config registered
+    a looser one (``register_sublayer(tolerances={check: ...})``)."""
+    return max([default] + [SUBLAYER_REGISTRY[n].tolerances[check] for n in sublayers_of(args)
+                            if check in SUBLAYER_REGISTRY[n].tolerances])
+
+
+def _sublayer_names(arch: str, base_args: List[str]) -> List[str]:
+    parser = options.get_training_parser()
+    return sublayers_of(options.parse_args_and_arch(parser, base_args))
+
+
 def tiny_flags(arch: str, data: str) -> List[str]:
     """Size flags that make ``arch`` tiny, plus its task/criterion flags."""
     cls = model_class(arch)
     sizes = dict(TINY_LM if is_lm(arch) else TINY_MT)
-    sizes.update(getattr(cls, "zoo_tiny", {}))
+    sizes.update(hooks(arch).tiny)
     head = [data, "--user-dir", USER_DIR, "--arch", arch, "--task", cls.zoo_task, "--cpu"]
-    head += list(getattr(cls, "zoo_test_flags", []))
+    head += list(hooks(arch).flags)
     names = _sublayer_names(arch, head + to_flags(sizes))
     sizes.update(tiny_overrides(names))
     return head + to_flags(sizes)
@@ -125,6 +171,24 @@ def sweep_batch(task, args, split="train", n=8, seed=0):
 
 def lm_extra(arch):
     return ["--sample-break-mode", "eos"] if model_class(arch).zoo_task == "language_modeling" else []
+
+
+def decoder_inputs(model, arch, net_input):
+    """(decoder tokens, encoder output or None) of a batch, for LMs and translation models."""
+    if is_lm(arch):
+        return net_input["src_tokens"], None
+    enc = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+    return net_input["prev_output_tokens"], enc
+
+
+def incremental_vs_full(model, tokens, encoder_out, pad: int, transform=None) -> float:
+    """max |full forward - token-by-token decoding| over non-pad positions (after ``transform``,
+    e.g. log-softmax). The one incremental == full check of the sweep and the precision sweep."""
+    transform = transform or (lambda x: x)
+    full = transform(model.decoder(tokens, encoder_out=encoder_out)[0])
+    step = transform(decode_steps(model, tokens, encoder_out)[0])
+    keep = tokens.ne(pad).unsqueeze(-1)
+    return ((full - step).abs() * keep).max().item()
 
 
 def decode_steps(model, tokens, encoder_out, new_order=None, reorder_at=None):

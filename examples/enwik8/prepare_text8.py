@@ -7,7 +7,7 @@ next 5M valid, last 5M test, one token per character. ``fairseq-preprocess`` can
 line, and splitting it into lines would insert ``</s>`` tokens, so this script writes fairseq's
 indexed dataset directly (items of 1M tokens, no ``</s>``; the stream task concatenates them):
 ``OUT/dict.txt`` and ``OUT/{train,valid,test}.{bin,idx}``. Symbols are the byte values, as in
-``scripts/prepare_enwik8.py`` (a space is ``32``).
+``scripts/data/prepare_enwik8.py`` (a space is ``32``).
 
     python examples/enwik8/prepare_text8.py --zip text8.zip --out data/text8/bin
 """

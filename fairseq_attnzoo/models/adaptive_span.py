@@ -1,27 +1,30 @@
 """Adaptive-span and All-Attention language models (decoder-only, Transformer-XL style).
 
 Model ``attnzoo_adaptive_span_lm``; archs ``adaptive_span_lm`` (paper's 12-layer enwik8 model),
-``adaptive_span_lm_small`` (reference ``enwik8_small.sh``), ``adaptive_span_lm_large`` (24 layers),
-``all_attention_lm`` (18 layers, N=1024 persistent vectors, no FFN) and ``all_attention_lm_large``
-(36 layers, N=2048).
+``adaptive_span_lm_small`` (reference ``enwik8_small.sh``), ``adaptive_span_lm_large`` (24 layers);
+model ``attnzoo_all_attention_lm``; archs ``all_attention_lm`` (18 layers, N=1024 persistent
+vectors, no FFN) and ``all_attention_lm_large`` (36 layers, N=2048).
 
-This is a dedicated decoder rather than a sublayer of the zoo transformer: the method needs a cache
-of previous segments carried across batches, relative positions over that cache with one table
-shared by the layers, no absolute positions, and the reference's post-norm layer without residual
-dropout. The math lives in :mod:`fairseq_attnzoo.modules.adaptive_span` (plain PyTorch); this file
-wires embeddings, the layer stack and three ways of feeding context:
+Not the zoo transformer with a swapped sublayer: the method needs a cache of previous segments
+carried across batches, relative positions over that cache with one table shared by the layers, no
+absolute positions, and the reference's post-norm layer without residual dropout. All of that is
+one plain PyTorch module, :class:`~fairseq_attnzoo.modules.span_stack.AdaptiveSpanStack` (the
+attention math: :mod:`fairseq_attnzoo.modules.adaptive_span`). This file is the fairseq wiring:
+embeddings -> the stack -> output projection, and three ways of feeding context:
 
 * **stream mode** (training/validation with ``--task attnzoo_stream_lm``): the task adds
-  ``stream_pos`` (block index) and ``stream_id`` to ``net_input``; the decoder keeps the hidden
-  states of the last positions of every layer (detached) and prepends them to the next block of
-  the same streams. Train and eval, and each group of streams (``--update-freq``), keep separate
-  caches; a cache is dropped when the block index does not continue it (new epoch, validation
-  restart, resumed training).
-* **incremental decoding** (``SequenceGenerator``): keys/values of the window are cached in
-  ``incremental_state`` and reordered for beam search.
+  ``stream_pos`` (block index) and ``stream_id`` to ``net_input``, and the stack continues its
+  stream cache (hidden states of the previous block of the same streams, per train/eval and
+  stream group; dropped when the block index does not continue it);
+* **incremental decoding** (``SequenceGenerator``): the stack's keys/values of the window are kept
+  in fairseq's ``incremental_state`` and reordered for beam search;
 * **plain forward** (any other caller): the given tokens only, no state.
+
+The archs register through :func:`~fairseq_attnzoo.models.registry.register_arch` like every other
+zoo arch: presets over the model's base arch, which fills :class:`AdaptiveSpanLMConfig`'s defaults.
 """
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional
 
@@ -32,22 +35,13 @@ from torch import Tensor
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
-from fairseq.models import (
-    MODEL_REGISTRY,
-    FairseqIncrementalDecoder,
-    FairseqLanguageModel,
-    register_model,
-    register_model_architecture,
-)
+from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model
 
-from ..modules.adaptive_span import (
-    AdaptiveMask,
-    AdaptiveSpanLayer,
-    clamp_spans,
-    host_span_maxima,
-    layer_spans,
-    span_penalty,
-)
+from ..modules.adaptive_span import AdaptiveMask, clamp_spans, layer_spans, span_penalty
+from ..modules.span_stack import AdaptiveSpanStack
+from .registry import apply_base_arch, fill_unset, register_arch, register_base_arch
+
+logger = logging.getLogger(__name__)
 
 MAX_POSITIONS = 10**6  # relative positions over a stream: no absolute limit
 WEIGHT_INITS = ("fairseq_example", "torch_default")
@@ -110,10 +104,6 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
         default=False, metadata={"help": "tie input and output embeddings (reference: untied)"})
 
 
-def _defaults() -> Dict[str, object]:
-    return {f.name: f.default for f in fields(AdaptiveSpanLMConfig)}
-
-
 def _check(args):
     """One-line errors naming the flag to fix."""
     d, h = args.decoder_embed_dim, args.decoder_attention_heads
@@ -134,29 +124,25 @@ def _check(args):
 
 
 class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
-    """Embeddings -> adaptive-span layers (shared relative position table) -> output projection."""
+    """Embeddings -> :class:`AdaptiveSpanStack` -> output projection."""
 
     def __init__(self, args, dictionary):
         super().__init__(dictionary)
-        d, heads = args.decoder_embed_dim, args.decoder_attention_heads
+        d = args.decoder_embed_dim
         self.padding_idx = dictionary.pad()
-        self.cache_buffer = args.adaptive_span_cache_buffer
         self.embed_tokens = nn.Embedding(len(dictionary), d, padding_idx=self.padding_idx)
         nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=d ** -0.5)  # fairseq example's
         nn.init.zeros_(self.embed_tokens.weight[self.padding_idx])
         self.emb_dropout = args.emb_dropout
-        # relative position embeddings shared by every layer; column S-1-x is distance x
-        self.key_pe = nn.Parameter(torch.randn(1, d // heads, args.attn_span))
-        self.layers = nn.ModuleList([
-            AdaptiveSpanLayer(d, heads, args.decoder_ffn_embed_dim, args.attn_span,
-                              ramp=args.adaptive_span_ramp, span_init=args.adaptive_span_init,
-                              span_loss=args.adaptive_span_loss, dropout=args.dropout,
-                              trim_chunk=args.adaptive_span_trim_chunk,
-                              dynamic=args.adaptive_span_dynamic,
-                              persistent_slots=args.persistent_memory_size,
-                              renorm=not args.adaptive_span_no_renorm,
-                              exclude_self=bool(getattr(args, "adaptive_span_exclude_self", False)))
-            for _ in range(args.decoder_layers)])
+        self.stack = AdaptiveSpanStack(
+            args.decoder_layers, d, args.decoder_attention_heads, args.decoder_ffn_embed_dim,
+            args.attn_span, cache_buffer=args.adaptive_span_cache_buffer,
+            ramp=args.adaptive_span_ramp, span_init=args.adaptive_span_init,
+            span_loss=args.adaptive_span_loss, dropout=args.dropout,
+            trim_chunk=args.adaptive_span_trim_chunk, dynamic=args.adaptive_span_dynamic,
+            persistent_slots=args.persistent_memory_size,
+            renorm=not args.adaptive_span_no_renorm,
+            exclude_self=bool(getattr(args, "adaptive_span_exclude_self", False)))
         self.share_embed = args.share_decoder_input_output_embed
         if self.share_embed:
             self.output_projection = None
@@ -164,9 +150,6 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
             self.output_projection = nn.Linear(d, len(dictionary))
         if (getattr(args, "adaptive_span_weight_init", None) or "fairseq_example") == "torch_default":
             self._torch_default_init()
-        # stream caches (not parameters, not saved): (train/eval, first stream id) -> next block
-        # index and the cached hidden states of every layer
-        self._streams: Dict[tuple, dict] = {}
 
     @torch.no_grad()
     def _torch_default_init(self):
@@ -180,6 +163,22 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
         for mod in self.modules():
             if isinstance(mod, nn.Linear) and id(mod) not in own:
                 mod.reset_parameters()
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """Checkpoints written before the stack was a module kept ``key_pe`` and ``layers.*`` on
+        the decoder: they now live under ``stack.``. (The parameter order changed with them, so
+        such a checkpoint's optimizer state does not fit: resume with ``--reset-optimizer``.)"""
+        prefix = f"{name}." if name else ""
+        old = [key for key in state_dict if key.startswith(prefix) and (
+            key[len(prefix):] == "key_pe" or key[len(prefix):].startswith("layers."))]
+        for key in old:
+            state_dict[f"{prefix}stack.{key[len(prefix):]}"] = state_dict.pop(key)
+        if old:
+            logger.warning("adaptive-span checkpoint from before the layer stack module: "
+                           "parameters renamed to %sstack.*; to resume training from it, pass "
+                           "--reset-optimizer (its optimizer state follows the old parameter "
+                           "order)", prefix)
+        return state_dict
 
     # -- fairseq decoder API -------------------------------------------------------------------
     def forward(self, prev_output_tokens: Tensor, encoder_out=None,
@@ -205,77 +204,21 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
                          **unused):
         if incremental_state is not None:
             return self._forward_incremental(tokens, incremental_state)
-        pad = tokens.eq(self.padding_idx)
-        # what the forward needs on the host is read in two device -> host copies, not per layer
-        # (on a GPU every read is a synchronisation): whether anything is padding, the stream
-        # group and positions, and the spans' maxima (window sizes)
-        flags = [pad.any().view(1).long()]
-        if stream_pos is not None:
-            flags += [stream_pos.new_zeros(1) if stream_id is None else stream_id.view(-1)[:1],
-                      stream_pos.view(-1)]
-        host = torch.cat(flags).tolist()
-        key = mems = None
-        if stream_pos is not None:  # one cache per (train/eval, group of streams)
-            key = ("train" if self.training else "eval", host[1])
-            mems = self._stream_memory(key, host[2:], tokens.device)
-        padded = bool(host[0]) or (mems is not None and self._streams[key]["padded"])
-        z_max = host_span_maxima([layer.attn.mask for layer in self.layers])
         x = F.dropout(self.embed_tokens(tokens), self.emb_dropout, self.training)
-        inner_states = [x]
-        new_mems = []
-        for i, layer in enumerate(self.layers):
-            kpm = pad
-            memory = None
-            if mems is not None:
-                memory, mem_pad = mems[i]
-                kpm = torch.cat([mem_pad, pad], dim=1)
-            if stream_pos is not None:  # keep the window (+ buffer) of this layer's inputs
-                keep = layer.attn.cache_size(self.cache_buffer, z_max[i])
-                h = x.detach() if memory is None else torch.cat([memory, x.detach()], dim=1)
-                new_mems.append((h[:, h.size(1) - min(keep, h.size(1)):],
-                                 kpm[:, kpm.size(1) - min(keep, kpm.size(1)):]))
-            x, _ = layer(x, self.key_pe, memory=memory, key_padding_mask=kpm if padded else None,
-                         z_max=z_max[i])
-            inner_states.append(x)
-        if key is not None:  # (padded: a superset flag for the kept cache, only a fast path)
-            self._streams[key] = {"next": [p + 1 for p in host[2:]], "device": tokens.device,
-                                  "mems": new_mems, "padded": padded}
+        x, inner_states = self.stack(x, tokens.eq(self.padding_idx), stream_pos, stream_id)
         x = F.dropout(x, self.emb_dropout, self.training)
         return x, {"attn": [None], "inner_states": inner_states}
 
-    def _stream_memory(self, key, stream_pos: List[int], device: torch.device):
-        """The cache left by the previous block of the same streams, or None (new stream)."""
-        entry = self._streams.get(key)
-        if entry is None or entry["device"] != device or entry["next"] != stream_pos:
-            return None
-        return entry["mems"]
-
     def reset_streams(self):
         """Forget the stream caches (they are rebuilt from the next block on)."""
-        self._streams.clear()
+        self.stack.reset_streams()
 
     def _forward_incremental(self, tokens: Tensor, incremental_state):
         state = self.get_incremental_state(incremental_state, "span_state") or {}
         done = int(state["steps"][0]) if "steps" in state else 0
         tokens = tokens[:, done:]  # the generator passes the whole prefix; cached ones are skipped
-        pad = tokens.eq(self.padding_idx)
-        x = self.embed_tokens(tokens)
-        inner_states = [x]
-        z_max = host_span_maxima([layer.attn.mask for layer in self.layers])
-        for i, layer in enumerate(self.layers):
-            if f"k{i}" in state:
-                past = (state[f"k{i}"], state[f"v{i}"])
-                kpm = torch.cat([state[f"pad{i}"], pad], dim=1)
-            else:  # first call: no previous positions
-                empty = x.new_zeros(x.size(0), layer.attn.num_heads, 0, layer.attn.head_dim)
-                past, kpm = (empty, empty), pad
-            x, (k, v) = layer(x, self.key_pe, past_kv=past,
-                              key_padding_mask=kpm if bool(kpm.any()) else None, z_max=z_max[i])
-            keep = min(layer.attn.cache_size(z_max=z_max[i]), k.size(2))
-            state[f"k{i}"] = k[:, :, k.size(2) - keep:]
-            state[f"v{i}"] = v[:, :, v.size(2) - keep:]
-            state[f"pad{i}"] = kpm[:, kpm.size(1) - keep:]
-            inner_states.append(x)
+        x, inner_states = self.stack.step(self.embed_tokens(tokens), tokens.eq(self.padding_idx),
+                                          state)
         state["steps"] = torch.full((tokens.size(0),), done + tokens.size(1), dtype=torch.long,
                                     device=tokens.device)
         self.set_incremental_state(incremental_state, "span_state", state)
@@ -296,13 +239,6 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
 
     #: the task the generic tests and recipes train it with (streams with a cache)
     zoo_task = "attnzoo_stream_lm"
-    #: generic-test hooks: criterion, tiny sizes (S=16 < 24 tokens and R=4 so that the sliding
-    #: window and trimming are exercised), eval-lm streams
-    zoo_test_flags = ["--criterion", "attnzoo_span_loss"]
-    zoo_tiny = {"attn_span": 16, "adaptive_span_ramp": 4, "adaptive_span_trim_chunk": 4}
-    zoo_cli_eval_flags = ["--tokens-per-sample", "24", "--batch-size", "4"]
-    #: options this model sets before the dataclass defaults
-    preset: Dict[str, object] = {}
 
     @staticmethod
     def add_args(parser):
@@ -310,11 +246,11 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
-        _fill(args, cls.preset)
+        apply_base_arch(cls, args)  # (fairseq may build from options no arch function filled)
         _check(args)
         return cls(AdaptiveSpanDecoder(args, task.target_dictionary))
 
-    # span bookkeeping used by the criterion, the task and scripts/plot_spans.py
+    # span bookkeeping used by the criterion, the task and attnzoo-plot spans
     def span_penalty(self) -> Optional[Tensor]:
         return span_penalty(self)
 
@@ -325,49 +261,52 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
         return layer_spans(self)
 
 
-ALL_ATTENTION = dict(decoder_ffn_embed_dim=0, decoder_layers=18, persistent_memory_size=1024,
-                     adaptive_span_loss=1e-7)
-
-
 @register_model("attnzoo_all_attention_lm")
 class AllAttentionLanguageModel(AdaptiveSpanLanguageModel):
     """All-Attention LM: adaptive-span attention layers with N persistent key/value vectors per
     head and no FFN (Sukhbaatar et al. 2019, "Augmenting Self-attention with Persistent Memory")."""
 
-    zoo_tiny = dict(AdaptiveSpanLanguageModel.zoo_tiny, persistent_memory_size=8)
-    preset = ALL_ATTENTION
+
+def adaptive_span_base(args):
+    """Base arch of ``attnzoo_adaptive_span_lm``: :class:`AdaptiveSpanLMConfig`'s defaults for
+    every option still unset (the paper's 12-layer enwik8 model)."""
+    fill_unset(args, {f.name: f.default for f in fields(AdaptiveSpanLMConfig)})
 
 
-def _fill(args, preset: Dict[str, object]):
-    """Options the user left unset: from ``preset``, then from the dataclass defaults."""
-    for name, value in list(preset.items()) + list(_defaults().items()):
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+#: what All-Attention changes in the adaptive-span model: no FFN, N persistent vectors per head
+ALL_ATTENTION = dict(decoder_ffn_embed_dim=0, decoder_layers=18, persistent_memory_size=1024,
+                     adaptive_span_loss=1e-7)
 
 
-def _arch(model: str, name: str, **preset):
-    def arch(args):
-        _fill(args, dict(MODEL_REGISTRY[model].preset, **preset))
-
-    arch.__name__ = name
-    arch.__doc__ = f"{name}: {preset or 'the model defaults'}"
-    register_model_architecture(model, name)(arch)
-    return arch
+def all_attention_base(args):
+    """Base arch of ``attnzoo_all_attention_lm``: :data:`ALL_ATTENTION`, then the adaptive-span
+    defaults (reference experiments/enwik8_pers_small.sh, 18 layers / 39M)."""
+    fill_unset(args, ALL_ATTENTION)
+    adaptive_span_base(args)
 
 
-_arch("attnzoo_adaptive_span_lm", "attnzoo_adaptive_span_lm")
-_arch("attnzoo_all_attention_lm", "attnzoo_all_attention_lm")
+#: generic-test hooks: the span criterion; S=16 < 24 tokens and R=4 so that the sliding window
+#: and trimming are exercised; eval-lm over 4 streams
+SPAN_TESTS = {"flags": ["--criterion", "attnzoo_span_loss"],
+              "eval_flags": ["--tokens-per-sample", "24", "--batch-size", "4"]}
+SPAN_TINY = {"attn_span": 16, "adaptive_span_ramp": 4, "adaptive_span_trim_chunk": 4}
+
+register_base_arch("attnzoo_adaptive_span_lm", adaptive_span_base, tiny=SPAN_TINY,
+                   test=SPAN_TESTS)
+register_base_arch("attnzoo_all_attention_lm", all_attention_base,
+                   tiny=dict(SPAN_TINY, persistent_memory_size=8), test=SPAN_TESTS)
 # paper, enwik8 12 layers / 38M (reference experiments/enwik8.sh): the dataclass defaults
-_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm")
+register_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm")
 # reference experiments/enwik8_small.sh: 8 layers, d 256, S 1024, no dropout, lambda 2e-6
-_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm_small", decoder_embed_dim=256,
-      decoder_ffn_embed_dim=1024, decoder_layers=8, decoder_attention_heads=4, attn_span=1024,
-      dropout=0.0, adaptive_span_loss=2e-6)
+register_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm_small", decoder_embed_dim=256,
+              decoder_ffn_embed_dim=1024, decoder_layers=8, decoder_attention_heads=4,
+              attn_span=1024, dropout=0.0, adaptive_span_loss=2e-6)
 # paper, enwik8 24 layers / 209M (reference experiments/enwik8_large.sh)
-_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm_large", decoder_embed_dim=768,
-      decoder_ffn_embed_dim=4096, decoder_layers=24, decoder_attention_heads=8, dropout=0.4)
+register_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm_large", decoder_embed_dim=768,
+              decoder_ffn_embed_dim=4096, decoder_layers=24, decoder_attention_heads=8,
+              dropout=0.4)
 # All-Attention small, 18 layers / 39M (reference experiments/enwik8_pers_small.sh)
-_arch("attnzoo_all_attention_lm", "all_attention_lm")
+register_arch("attnzoo_all_attention_lm", "all_attention_lm")
 # All-Attention large, 36 layers / 114M (reference experiments/enwik8_pers.sh)
-_arch("attnzoo_all_attention_lm", "all_attention_lm_large", decoder_layers=36,
-      persistent_memory_size=2048, dropout=0.4)
+register_arch("attnzoo_all_attention_lm", "all_attention_lm_large", decoder_layers=36,
+              persistent_memory_size=2048, dropout=0.4)

@@ -16,7 +16,7 @@ from typing import Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.aop import SCALE_AT, AttentionOverParameters, aop_num_params, ffn_matching_slots
-from .sublayers import register_sublayer
+from .sublayers import register_sublayer, require
 from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
@@ -50,37 +50,38 @@ class AOPConfig(FairseqDataclass):
                 "2018-06-11); same function at init, different Adam steps (default use)"})
 
 
-def _positive(flag: str, value) -> int:
-    if value is None or int(value) != value or int(value) <= 0:
-        raise ValueError(f"{flag} must be a positive integer, got {value}")
-    return int(value)
+    def validate(self):
+        for name in ("aop_heads", "aop_key_dim", "aop_value_dim", "aop_slots"):
+            value = getattr(self, name)
+            require(self, name, value is None or value > 0, "a positive integer")
+        require(self, "aop_width_factor", self.aop_width_factor > 0, "a positive integer")
+        require(self, "aop_dropout", self.aop_dropout is None or 0.0 <= self.aop_dropout < 1.0,
+                "in [0, 1)")
 
 
-def resolve_sizes(args, embed_dim: int, ffn_dim: int, num_heads: int):
+def resolve_sizes(options: AOPConfig, embed_dim: int, ffn_dim: int, num_heads: int):
     """(h_p, d_pk, d_pv, n_p): the explicit flags, else sizes that follow the model and match the
     FFN's weights (see the flag help). One-line ValueError naming the flag to set."""
-    given = {k: getattr(args, k, None) for k in ("aop_heads", "aop_key_dim", "aop_value_dim",
-                                                  "aop_slots")}
-    heads = _positive("--aop-heads", num_heads if given["aop_heads"] is None else given["aop_heads"])
-    factor = _positive("--aop-width-factor", getattr(args, "aop_width_factor", None) or 1)
+    heads = options.aop_heads or num_heads
+    width = options.aop_width_factor * embed_dim
     dims = []
-    for flag, value in (("--aop-key-dim", given["aop_key_dim"]),
-                        ("--aop-value-dim", given["aop_value_dim"])):
+    for flag, value in (("--aop-key-dim", options.aop_key_dim),
+                        ("--aop-value-dim", options.aop_value_dim)):
         if value is None:
-            if (factor * embed_dim) % heads:
-                raise ValueError(f"--aop-width-factor·d_model = {factor * embed_dim} is not "
-                                 f"divisible by h_p = {heads}: set {flag} (or --aop-heads)")
-            value = factor * embed_dim // heads
-        dims.append(_positive(flag, value))
+            if width % heads:
+                raise ValueError(f"--aop-width-factor·d_model = {width} is not divisible by "
+                                 f"h_p = {heads}: set {flag} (or --aop-heads)")
+            value = width // heads
+        dims.append(value)
     key_dim, value_dim = dims
-    slots = given["aop_slots"]
+    slots = options.aop_slots
     if slots is None:
         slots = ffn_matching_slots(embed_dim, ffn_dim, heads, key_dim, value_dim)
         if slots <= 0:
             raise ValueError(f"AOP memory width h_p·(d_pk+d_pv) = {heads * (key_dim + value_dim)} "
                              f"leaves no slots within the FFN's {2 * embed_dim * ffn_dim} weights: "
                              "set --aop-slots (or smaller --aop-key-dim/--aop-value-dim)")
-    return heads, key_dim, value_dim, _positive("--aop-slots", slots)
+    return heads, key_dim, value_dim, slots
 
 
 def _log_budget(spec, sizes):
@@ -99,19 +100,14 @@ def _log_budget(spec, sizes):
                    tiny={"aop_heads": 2, "aop_key_dim": 8, "aop_value_dim": 8, "aop_slots": 16})
 def build_aop(spec):
     """attention over parameters: softmax(q Kᵀ) V with trainable K, V (replaces the FFN)"""
-    a = spec.args
-    sizes = resolve_sizes(a, spec.embed_dim, spec.ffn_dim, spec.num_heads)
-    p = getattr(a, "aop_dropout", None)
-    p = spec.attention_dropout if p is None else float(p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"--aop-dropout must be in [0, 1), got {p}")
-    scale_at = str(getattr(a, "aop_scale_at", None) or "use")
-    if scale_at not in SCALE_AT:
-        raise ValueError(f"--aop-scale-at {scale_at!r} is not one of: {', '.join(SCALE_AT)}")
+    o = spec.options
+    sizes = resolve_sizes(o, spec.embed_dim, spec.ffn_dim, spec.num_heads)
+    p = spec.attention_dropout if o.aop_dropout is None else o.aop_dropout
     _log_budget(spec, sizes)
     heads, key_dim, value_dim, slots = sizes
     return AttentionOverParameters(spec.embed_dim, heads=heads, key_dim=key_dim,
-                                   value_dim=value_dim, slots=slots, dropout=p, scale_at=scale_at)
+                                   value_dim=value_dim, slots=slots, dropout=p,
+                                   scale_at=o.aop_scale_at)
 
 
 # AOP₁ = the AOPConfig defaults; AOP₂ (tensor2tensor transformer_parameter_attention_b) sets

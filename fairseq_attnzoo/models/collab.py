@@ -6,7 +6,7 @@ Arch ``transformer_collab_fork`` is the configuration of the authors' fairseq fo
 (jbcdnr/fairseq-collaborative-heads, behind the paper's WMT'14 table): q/k biases, scaling
 1/sqrt(d/H), xavier mixing, the fork's projection init.
 A trained ``transformer``/``attnzoo_transformer`` checkpoint converts into this arch with
-``scripts/collab_reparametrize.py``.
+``attnzoo-collab-reparametrize``.
 """
 
 from dataclasses import dataclass, field
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.collab import MIXING_INITS, PROJ_INITS, SCALINGS, CollaborativeAttention
-from .sublayers import register_sublayer
+from .sublayers import register_sublayer, require
 from .transformer import register_arch
 
 
@@ -30,7 +30,8 @@ class CollabConfig(FairseqDataclass):
     collab_qk_bias: bool = field(default=False, metadata={
         "help": "keep biases b̃Q, b̃K on the shared W̃Q, W̃K (the authors' fairseq fork; their "
                 "key-only term b̃Q diag(m_i) W̃Kᵀ y replaces the content bias w_i) instead of a free "
-                "content bias w_i per head (EPFL package; default False)"})
+                "content bias w_i per head (EPFL package; default off; --no-collab-qk-bias turns "
+                "off the fork preset's)"})
     collab_scaling: ChoiceEnum(list(SCALINGS)) = field(default="key_dim", metadata={
         "help": "logit scale: key_dim 1/sqrt(D̃k/H) (EPFL package) or head_dim 1/sqrt(d/H) "
                 "(the authors' fairseq fork); equal at D̃k = d (default key_dim)"})
@@ -39,13 +40,13 @@ class CollabConfig(FairseqDataclass):
                 "fork's fairseq rule, gain 1/sqrt(2) only when D̃k = d, plain xavier otherwise "
                 "(default mha)"})
 
+    def validate(self):
+        require(self, "collab_key_dim", self.collab_key_dim >= 0,
+                "a non-negative integer (0 = d_model/4)")
 
-def resolve_key_dim(args, embed_dim: int) -> int:
-    """D̃k from --collab-key-dim (0 = d/4); one-line ValueError for bad values."""
-    key_dim = getattr(args, "collab_key_dim", None) or 0
-    if not isinstance(key_dim, int) or key_dim < 0:
-        raise ValueError(f"--collab-key-dim must be a non-negative integer (0 = d_model/4), got "
-                         f"{key_dim!r}")
+
+def resolve_key_dim(key_dim: int, embed_dim: int) -> int:
+    """D̃k from --collab-key-dim: 0 = d/4 (the paper's 4x reduction)."""
     return key_dim or max(1, embed_dim // 4)
 
 
@@ -53,21 +54,12 @@ def resolve_key_dim(args, embed_dim: int) -> int:
                    tiny={"collab_key_dim": 16})
 def build_collab(spec):
     """collaborative multi-head attention: shared W̃Q, W̃K (D̃k) with per-head mixing"""
-    choices = {}
-    for attr, default, allowed in (("collab_mixing_init", "random", MIXING_INITS),
-                                   ("collab_scaling", "key_dim", SCALINGS),
-                                   ("collab_proj_init", "mha", PROJ_INITS)):
-        value = str(getattr(spec.args, attr, None) or default)
-        if value not in allowed:
-            flag = "--" + attr.replace("_", "-")
-            raise ValueError(f"{flag} {value!r} is not one of: {', '.join(allowed)}")
-        choices[attr] = value
+    o = spec.options
     return CollaborativeAttention(
-        spec.embed_dim, spec.num_heads, resolve_key_dim(spec.args, spec.embed_dim),
+        spec.embed_dim, spec.num_heads, resolve_key_dim(o.collab_key_dim, spec.embed_dim),
         dropout=spec.attention_dropout, kdim=spec.kdim, vdim=spec.kdim,
-        mixing_init=choices["collab_mixing_init"],
-        qk_bias=bool(getattr(spec.args, "collab_qk_bias", False)),
-        scaling=choices["collab_scaling"], proj_init=choices["collab_proj_init"])
+        mixing_init=o.collab_mixing_init, qk_bias=o.collab_qk_bias, scaling=o.collab_scaling,
+        proj_init=o.collab_proj_init)
 
 
 COLLAB_SLOTS = dict(encoder_self_attn="collab", decoder_self_attn="collab", cross_attn="collab")

@@ -8,9 +8,11 @@ becomes a memory (default: the middle layer, index L//2); the arch turns them in
 ffn,ffn,pkm,...`` works too (and so does ``--decoder-ffn pkm`` on any zoo arch).
 
 Memory+ (Berges et al., 2024): ``--pkm-shared-values`` (one value pool read by every memory layer
-of the model), ``--pkm-gated-output`` (W₂(m(x) ⊙ SiLU(W₁x))) and ``--pkm-qk-norm``; the preset
-``transformer_lm_memplus`` turns them on, drops the query batch norm and puts memories in three
-evenly spread layers (``--pkm-decoder-layers spread``), like the paper's 3 of 24.
+of the model), ``--pkm-swilu-output`` (W₂(m(x) ⊙ SiLU(W₁x)) with the reference's biases, init and
+dropout order), ``--pkm-init memplus`` and (ours, off in the preset) ``--pkm-qk-norm``. The preset
+``transformer_lm_memplus`` is the paper's Memory+: shared pool, swilu output, no query batch
+norm, 1024 half-keys, k_dim = d/2, value dim = d, three memory layers spread through the stack
+(``--pkm-decoder-layers spread``: 4, 12, 20 of 24, Table 3).
 
 Sparse value updates: ``--pkm-sparse auto`` (default) makes the value gradients sparse exactly when
 they can be consumed -- ``--optimizer pkm_adam`` without --fp16/--bf16/--amp, on one process or
@@ -72,13 +74,29 @@ class PKMConfig(FairseqDataclass):
         default="false",
         metadata={"help": "Memory+ shared memory pool: every memory layer of the model reads ONE "
                   "value table V (own query network and sub-keys per layer); default false"})
-    pkm_gated_output: ChoiceEnum(["true", "false"]) = field(  # type: ignore
+    pkm_swilu_output: ChoiceEnum(["true", "false"]) = field(  # type: ignore
         default="false",
-        metadata={"help": "Memory+ gated output: out = W2(m(x) * SiLU(W1 x)) with W1: d -> "
-                  "v_dim, W2: v_dim -> d (no biases); default false (out = m(x))"})
+        metadata={"help": "Memory+ 'swilu' output (Memory Layers at Scale; facebookresearch/"
+                  "memory swilu_projection): out = W2(m(x) * SiLU(W1 x)), W1: d -> v_dim, W2: "
+                  "v_dim -> d, both with biases and N(0, d^-1/2) weights, x after "
+                  "--pkm-input-dropout, --pkm-value-dropout on the output; default false "
+                  "(out = m(x)); transformer_lm_memplus: true"})
+    pkm_gated_output: Optional[str] = field(
+        default=None,
+        metadata={"help": "DEPRECATED, use --pkm-swilu-output (kept because checkpoints written "
+                  "before issue 23 store it): true = this project's old gated output, W2(m(x) * "
+                  "SiLU(W1 x)) without biases, gate on the undropped input, value dropout "
+                  "before W2; default unset"})
+    pkm_init: ChoiceEnum(["xlm", "memplus"]) = field(  # type: ignore
+        default="xlm",
+        metadata={"help": "PKM initialisation: xlm = XLM's (sub-keys uniform(+-1/sqrt(d_q/2)), "
+                  "nn.Linear query net), memplus = facebookresearch/memory's (sub-keys "
+                  "uniform(+-1/sqrt(d_q)), Xavier-uniform query weight); values N(0, v_dim^-1/2) "
+                  "in both; default xlm, transformer_lm_memplus: memplus"})
     pkm_qk_norm: ChoiceEnum(["true", "false"]) = field(  # type: ignore
         default="false",
-        metadata={"help": "qk-norm of the key search (Memory Layers at Scale): half-queries "
+        metadata={"help": "qk-norm of the key search, OUR form (the Memory Layers paper uses "
+                  "qk-norm 'when needed' without giving one; its code has none): half-queries "
                   "RMS-normalised with a learned gain g, sub-keys c/||c||; default false"})
     pkm_encoder_layers: Optional[str] = field(
         default=None,
@@ -206,12 +224,31 @@ class UsageLogger:
                 metrics.log_custom(lambda: SlotUsageMeter("kl"), f"{name}_kl", counts)
 
 
+def output_form(args) -> str:
+    """--pkm-swilu-output / the deprecated --pkm-gated-output -> the module's ``swilu`` form."""
+    legacy = getattr(args, "pkm_gated_output", None)
+    swilu = str(getattr(args, "pkm_swilu_output", None) or "false")
+    if legacy is not None and str(legacy).lower() not in ("true", "false"):
+        raise ValueError(f"--pkm-gated-output must be true or false, got {legacy!r} (deprecated: "
+                         "use --pkm-swilu-output)")
+    if legacy is not None and str(legacy).lower() == "true":
+        if swilu == "true":
+            raise ValueError("--pkm-gated-output true (the old gated form, no biases) and "
+                             "--pkm-swilu-output true contradict: give only --pkm-swilu-output")
+        return "legacy"
+    return "reference" if swilu == "true" else "off"
+
+
 #: name of the shared value pool in the diagnostics and in ``SublayerSpec.shared``
 POOL = "pkm_pool"
 
 
 @register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
-                   tiny={"pkm_n_keys": 8, "pkm_knn": 4, "pkm_k_dim": 16, "pkm_heads": 2})
+                   tiny={"pkm_n_keys": 8, "pkm_knn": 4, "pkm_k_dim": 16, "pkm_heads": 2},
+                   # a token decoded alone and in a batch differs by the rounding of its inputs,
+                   # which can swap two near-equal keys in the top-k: one of k reads changes
+                   # (measured up to 0.20 in log-prob at tiny sizes, CPU and H100; docs/precision.md)
+                   tolerances={"reduced_precision_step": 0.5})
 def build_pkm(spec):
     """product-key memory: exact top-k over n_keys² product keys, sparse value reads"""
     a = spec.args
@@ -247,7 +284,7 @@ def build_pkm(spec):
         query_batchnorm=str(a.pkm_query_batchnorm) == "true",
         input_dropout=float(a.pkm_input_dropout), query_dropout=float(a.pkm_query_dropout),
         value_dropout=float(a.pkm_value_dropout), sparse=sparse_values(a), values=pool,
-        gated=str(getattr(a, "pkm_gated_output", "false")) == "true",
+        swilu=output_form(a), init=str(getattr(a, "pkm_init", None) or "xlm"),
         qk_norm=str(getattr(a, "pkm_qk_norm", "false")) == "true")
     if shared and pool is None:
         spec.shared[POOL] = memory.values
@@ -318,17 +355,25 @@ def transformer_lm_pkm(args):
     zoo_lm_base(args)
 
 
-#: what transformer_lm_memplus changes relative to transformer_lm_pkm (Memory Layers at Scale's
-#: Memory+: shared pool, SiLU-gated output, qk-norm, no query batch norm, 3 spread memory layers)
-MEMPLUS = {"pkm_shared_values": "true", "pkm_gated_output": "true", "pkm_qk_norm": "true",
-           "pkm_query_batchnorm": "false", "pkm_decoder_layers": "spread"}
+#: what transformer_lm_memplus changes relative to transformer_lm_pkm: the paper's Memory+ (shared
+#: pool, swilu output, the reference's inits, no query batch norm, 1024 half-keys, three memory
+#: layers spread through the stack); k_dim = d/2 is derived in the arch function (Table 4)
+MEMPLUS = {"pkm_shared_values": "true", "pkm_swilu_output": "true", "pkm_init": "memplus",
+           "pkm_qk_norm": "false", "pkm_query_batchnorm": "false", "pkm_n_keys": 1024,
+           "pkm_decoder_layers": "spread"}
 
 
 @register_model_architecture("attnzoo_lm", "transformer_lm_memplus")
 def transformer_lm_memplus(args):
-    """decoder-only LM with Memory+ layers (Berges et al., 2024): one value pool shared by three
-    evenly spread memory layers, gated SiLU output, qk-norm, no query batch norm"""
+    """decoder-only LM with the Memory+ layer of Berges et al. (2024): one value pool shared by three
+    memory layers spread through the stack, swilu output, 1024² slots, k_dim = d/2, values d"""
+    if getattr(args, "pkm_gated_output", None) is not None:
+        # a checkpoint of the pre-issue-23 preset (or the deprecated flag): its output form wins
+        args.pkm_swilu_output = getattr(args, "pkm_swilu_output", None) or "false"
     for key, value in MEMPLUS.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    base_lm_architecture(args)
+    if getattr(args, "pkm_k_dim", None) is None:  # Table 4: key dim = half the model dim
+        args.pkm_k_dim = max(2, int(args.decoder_embed_dim) // 2 // 2 * 2)
     transformer_lm_pkm(args)

@@ -3,7 +3,7 @@
 Same parameter names as fairseq's MultiheadAttention, so a stock checkpoint's weights load into it;
 useful as the fast vanilla path and as the reference the generic tests check the base against."""
 
-from ..modules.base import ZooMultiheadAttention
+from ..modules.sdpa import ZooMultiheadAttention
 from .sublayers import register_sublayer
 from .transformer import register_arch
 

@@ -15,9 +15,15 @@ A method adds a variant with one decorated builder::
     @register_sublayer("aop", slots=("ffn",), options=AOPConfig, tiny={"aop_heads": 2, ...})
     def build_aop(spec: SublayerSpec) -> nn.Module: ...
 
-``options`` is a dataclass of the method's flags (help strings name the paper's symbols); its
-fields become command-line flags of every zoo model, with the dataclass defaults filled in when an
-arch preset does not set them. ``tiny`` shrinks the method's own sizes for the generic tests.
+``options`` is a dataclass of the method's flags (help strings name the paper's symbols), the one
+place their types, defaults and choices live; its fields become command-line flags of every zoo
+model (a ``bool`` field ``x`` is ``--x`` / ``--no-x``, so a preset that turns it on can be turned
+off). The builder reads them typed from ``spec.options``: an instance built once per model from the
+model's config (:func:`build_options`: unset fields take the dataclass default, values are
+converted to the field's type, the dataclass's ``validate()`` runs), so a bad value fails before
+any module is built, in one line naming the flag. ``tiny`` shrinks the method's own sizes for the
+generic tests;
+``tolerances`` loosens a named generic check where the method has a documented reason.
 
 Sublayers that share parameters across layers (product-key memory's shared value pool) keep them
 in ``spec.shared``: one dict for all sublayers built inside one :func:`sharing_scope` (the zoo
@@ -26,6 +32,8 @@ models open one per ``build_model``, so each model gets its own), a fresh dict o
 
 import argparse
 import contextlib
+import enum
+import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -50,26 +58,37 @@ class SublayerSpec:
     activation_dropout: float
     causal: bool  # decoder self-attention
     kdim: int  # input dim of keys/values (encoder dim for cross-attention)
-    args: Any  # the full model config / namespace (method flags live here)
+    args: Any  # the full model config / namespace (untyped; every flag of the model)
     #: state shared by the sublayers of one model (cross-layer parameter sharing)
     shared: Dict[str, Any] = field(default_factory=lambda: current_shared())
+    #: the method's typed options (an instance of its ``options`` dataclass, shared by the
+    #: model's sublayers: read, never write), filled in by :func:`build_sublayer` when left
+    #: None; None for methods without options
+    options: Any = None
 
 
-_SCOPES: List[Dict[str, Any]] = []
+@dataclass
+class _ModelScope:
+    shared: Dict[str, Any] = field(default_factory=dict)
+    options: Dict[type, Any] = field(default_factory=dict)  # options class -> built instance
+
+
+_SCOPES: List[_ModelScope] = []
 
 
 @contextlib.contextmanager
 def sharing_scope():
-    """Sublayers whose specs are made inside this block share one ``spec.shared`` dict."""
-    _SCOPES.append({})
+    """One model's build: the sublayers whose specs are made inside this block share one
+    ``spec.shared`` dict and one options instance per method (built and validated once)."""
+    _SCOPES.append(_ModelScope())
     try:
-        yield _SCOPES[-1]
+        yield _SCOPES[-1].shared
     finally:
         _SCOPES.pop()
 
 
 def current_shared() -> Dict[str, Any]:
-    return _SCOPES[-1] if _SCOPES else {}
+    return _SCOPES[-1].shared if _SCOPES else {}
 
 
 @dataclass
@@ -80,13 +99,17 @@ class SublayerEntry:
     options: Optional[type]
     tiny: Dict[str, Any]
     description: str
+    #: looser bounds for named checks of the generic tests, where the method is exact but a
+    #: documented discrete effect moves the number (e.g. ``reduced_precision_step``: top-k reads)
+    tolerances: Dict[str, float] = field(default_factory=dict)
 
 
 SUBLAYER_REGISTRY: Dict[str, SublayerEntry] = {}
 
 
 def register_sublayer(name: str, slots, options: Optional[type] = None,
-                      tiny: Optional[Dict[str, Any]] = None, description: str = ""):
+                      tiny: Optional[Dict[str, Any]] = None, description: str = "",
+                      tolerances: Optional[Dict[str, float]] = None):
     slots = tuple(slots)
     for s in slots:
         if s not in SLOTS:
@@ -96,7 +119,8 @@ def register_sublayer(name: str, slots, options: Optional[type] = None,
         if name in SUBLAYER_REGISTRY and SUBLAYER_REGISTRY[name].builder is not fn:
             raise ValueError(f"sublayer {name!r} is registered twice")
         SUBLAYER_REGISTRY[name] = SublayerEntry(name, slots, fn, options, dict(tiny or {}),
-                                                description or (fn.__doc__ or "").strip())
+                                                description or (fn.__doc__ or "").strip(),
+                                                dict(tolerances or {}))
         return fn
 
     return deco
@@ -124,7 +148,11 @@ SLOT_FLAGS = {
 
 
 def add_sublayer_args(parser: argparse.ArgumentParser, decoder_only: bool = False):
-    """Slot flags plus every registered method's option flags (no defaults: presets set them)."""
+    """Slot flags plus every registered method's option flags (no defaults: presets set them).
+
+    A ``bool`` option becomes ``--x`` / ``--no-x`` (fairseq's own generator makes it a
+    ``store_true`` flag, which cannot undo a preset that sets it); the other fields get fairseq's
+    ``gen_parser_from_dataclass`` flags."""
     from fairseq.dataclass.utils import gen_parser_from_dataclass
 
     for attr, (slot, side, _) in SLOT_FLAGS.items():
@@ -138,7 +166,42 @@ def add_sublayer_args(parser: argparse.ArgumentParser, decoder_only: bool = Fals
     for entry in SUBLAYER_REGISTRY.values():
         if entry.options is not None and entry.options not in seen:
             seen.add(entry.options)
+            hints = typing.get_type_hints(entry.options)
+            for f in option_fields(entry.options):
+                if _field_type(f, hints)[0] is bool:
+                    parser.add_argument(
+                        flag_name(f.name), action=argparse.BooleanOptionalAction,
+                        help=f.metadata.get("help"))
+            # fairseq skips a flag that is already defined (the bool ones above)
             gen_parser_from_dataclass(parser, entry.options(), delete_default=True)
+
+
+def flag_name(attr: str) -> str:
+    """``synth_max_len`` -> ``--synth-max-len``."""
+    return "--" + attr.replace("_", "-")
+
+
+def option_fields(options_cls: type):
+    """The flag fields of an options dataclass (fairseq's private ``_name`` left out)."""
+    return [f for f in fields(options_cls) if not f.name.startswith("_")]
+
+
+def _field_default(f):
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _field_type(f, hints: Optional[Dict[str, Any]] = None) -> Tuple[Any, bool]:
+    """(base type, optional): ``Optional[int]`` -> (int, True); ``ChoiceEnum`` stays an Enum."""
+    t = (hints or {}).get(f.name, f.type)
+    args = typing.get_args(t)
+    if typing.get_origin(t) is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else Any), True
+    return t, False
 
 
 def option_defaults() -> Dict[str, Any]:
@@ -147,12 +210,89 @@ def option_defaults() -> Dict[str, Any]:
     for entry in SUBLAYER_REGISTRY.values():
         if entry.options is None:
             continue
-        for f in fields(entry.options):
-            if f.default is not MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not MISSING:  # type: ignore[misc]
-                out[f.name] = f.default_factory()  # type: ignore[misc]
+        for f in option_fields(entry.options):
+            out[f.name] = _field_default(f)
     return out
+
+
+def to_bool(value, flag: str) -> bool:
+    """A boolean flag's value: a bool, or the ``"true"``/``"false"`` strings of the string-choice
+    flags older configs and checkpoints store."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{flag} must be true or false, got {value!r}")
+
+
+def _convert(value, kind, flag: str):
+    """One option value, as stored in a namespace or config (strings from YAML/old checkpoints
+    included), converted to the field's type; one-line ValueError naming the flag."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):  # fairseq ChoiceEnum: keep a str
+        value = value.value if isinstance(value, enum.Enum) else str(value)
+        choices = [str(c.value) for c in kind]
+        if value not in choices:
+            raise ValueError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+        return value
+    if kind is bool:
+        return to_bool(value, flag)
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            value = kind(value.strip())
+        except ValueError:
+            pass
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{flag} must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{flag} must be a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        return str(value)
+    return value
+
+
+def build_options(options_cls: type, args) -> Any:
+    """The method's options from a model config: each field the config's value if set (not None),
+    else the dataclass default, converted to the field's type; then ``validate()`` if the
+    dataclass defines one. Every error is one line naming the flag."""
+    values = {}
+    hints = typing.get_type_hints(options_cls)  # resolves string annotations too
+    for f in option_fields(options_cls):
+        value = getattr(args, f.name, None)
+        kind, optional = _field_type(f, hints)
+        if value is None:
+            value = _field_default(f)
+        if value is not None or not optional:
+            value = _convert(value, kind, flag_name(f.name))
+        values[f.name] = value
+    options = options_cls(**values)
+    validate = getattr(options, "validate", None)
+    if callable(validate):
+        validate()
+    return options
+
+
+def require(options, name: str, ok: bool, what: str):
+    """For ``validate()``: ``--name must be <what>, got <value>`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{flag_name(name)} must be {what}, got {getattr(options, name)!r}")
+
+
+def options_for(name: str, args) -> Any:
+    """Sublayer ``name``'s options for the model being built: built once per model (per
+    :func:`sharing_scope`), a fresh instance outside of one; None for methods without options."""
+    cls = SUBLAYER_REGISTRY[name].options
+    if cls is None:
+        return None
+    if not _SCOPES:
+        return build_options(cls, args)
+    cache = _SCOPES[-1].options
+    if cls not in cache:
+        cache[cls] = build_options(cls, args)
+    return cache[cls]
 
 
 def fill_sublayer_defaults(args, decoder_only: bool = False):
@@ -190,17 +330,25 @@ def layer_names(args, attr: str) -> List[str]:
 
 
 def validate_sublayer_args(args, decoder_only: bool = False) -> Dict[str, List[str]]:
+    """Every slot flag resolved to its per-layer names, and the options of every method used
+    built (inside a :func:`sharing_scope`: once for the model) -- all errors before any module."""
     out = {}
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):
             continue
         out[attr] = layer_names(args, attr)
+    for name in sorted({n for names in out.values() for n in names}):
+        options_for(name, args)
     return out
 
 
 def build_sublayer(name: str, spec: SublayerSpec) -> nn.Module:
     entry = SUBLAYER_REGISTRY[name]
     assert entry.builder is not None, f"{name} is built by fairseq's own layer"
+    # users meet this as layer_names' one-line error on the slot flag
+    assert spec.slot in entry.slots, f"{name} is a {'/'.join(entry.slots)} module, not {spec.slot}"
+    if spec.options is None:
+        spec.options = options_for(name, spec.args)
     return entry.builder(spec)
 
 

@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 from fairseq.dataclass import FairseqDataclass
 
-from ..modules.synthesizer import COMPONENTS, SynthesizerAttention
-from .sublayers import SublayerSpec, register_sublayer
+from ..modules.synthesizer import COMPONENTS, SynthesizerAttention, factorized_dense_sizes
+from .sublayers import SublayerSpec, build_options, register_sublayer, require
 from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,18 @@ class SynthesizerConfig(FairseqDataclass):
         "help": "Fixed Random: keep R (and R1, R2) at their random init, never trained (stored "
         "as buffers; implied by synth_fixed_random; default False)"})
 
+    def validate(self):
+        require(self, "synth_max_len", self.synth_max_len >= 1, "a positive integer")
+        require(self, "synth_rank", self.synth_rank >= 1, "a positive integer")
+        for name in ("synth_factor_a", "synth_factor_b"):
+            value = getattr(self, name)
+            require(self, name, value is None or value >= 1, "a positive integer")
+        a, b = factorized_dense_sizes(self.synth_max_len, self.synth_factor_a, self.synth_factor_b)
+        if a * b < self.synth_max_len:
+            raise ValueError(f"--synth-factor-a {a} x --synth-factor-b {b} = {a * b} is less than "
+                             f"--synth-max-len {self.synth_max_len}: choose a*b >= N (e.g. a*b = N)")
+        parse_mix(self.synth_mix)
+
 
 TINY = {"synth_max_len": 128, "synth_rank": 8}
 
@@ -77,11 +89,6 @@ VARIANTS: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "dense_vanilla": (("dense", "vanilla"), False),
     "random_vanilla": (("random", "vanilla"), False),
 }
-
-
-def _opt(args, name: str):
-    value = getattr(args, name, None)
-    return SynthesizerConfig.__dataclass_fields__[name].default if value is None else value
 
 
 def parse_mix(text: str) -> Tuple[str, ...]:
@@ -115,17 +122,13 @@ def _log_mixture(module: SynthesizerAttention, name: str):
 
 
 def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> SynthesizerAttention:
-    if spec.slot != "self_attn":
-        raise ValueError("Synthesizer replaces self-attention only: keep --cross-attn mha")
-    args = spec.args
-    max_len = int(_opt(args, "synth_max_len"))
-    _check_positions(spec, max_len)
+    o: SynthesizerConfig = spec.options
+    _check_positions(spec, o.synth_max_len)
     module = SynthesizerAttention(
-        spec.embed_dim, spec.num_heads, components=components, max_len=max_len,
-        dropout=spec.attention_dropout,
-        freeze_random=freeze or bool(_opt(args, "synth_freeze_random")),
-        factor_a=_opt(args, "synth_factor_a"), factor_b=_opt(args, "synth_factor_b"),
-        rank=int(_opt(args, "synth_rank")), share_heads=bool(_opt(args, "synth_share_heads")))
+        spec.embed_dim, spec.num_heads, components=components, max_len=o.synth_max_len,
+        dropout=spec.attention_dropout, freeze_random=freeze or o.synth_freeze_random,
+        factor_a=o.synth_factor_a, factor_b=o.synth_factor_b, rank=o.synth_rank,
+        share_heads=o.synth_share_heads)
     if len(components) > 1:
         _log_mixture(module, f"mix_{spec.side[:3]}{spec.layer_idx}_{components[0]}")
     return module
@@ -151,7 +154,7 @@ for _variant in VARIANTS:
 @register_sublayer("synth", slots=("self_attn",), options=SynthesizerConfig, tiny=TINY)
 def build_synth(spec: SublayerSpec):
     """Synthesizer self-attention with the components of --synth-mix (one, or a mixture)"""
-    return build_synthesizer(spec, parse_mix(_opt(spec.args, "synth_mix")), False)
+    return build_synthesizer(spec, parse_mix(spec.options.synth_mix), False)
 
 
 # ---- architectures ------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ def cap_positions(args, decoder_only: bool = False):
     the user gave none; an explicit larger value is caught by the builder's check. For the LM the
     block size --tokens-per-sample is capped the same way when it was not given (the task's default
     1024); an explicit value larger than N is a one-line error."""
-    max_len = int(_opt(args, "synth_max_len"))
+    max_len = build_options(SynthesizerConfig, args).synth_max_len
     sides = [("max_target_positions", "decoder_self_attn")]
     if not decoder_only:
         sides.append(("max_source_positions", "encoder_self_attn"))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fairseq.distributed import fsdp_wrap
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import register_model
 from fairseq.models.transformer import (
     TransformerConfig,
     TransformerDecoderBase,
@@ -36,6 +36,7 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
 from .sublayers import (
     SublayerSpec,
     add_sublayer_args,
@@ -298,9 +299,9 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         args = _as_namespace(args)
-        validate_sublayer_args(args)
         _check_supported(args)
-        with sharing_scope():
+        with sharing_scope():  # one model: shared state, and each method's options built once
+            validate_sublayer_args(args)
             return super().build_model(args, task)
 
     @classmethod
@@ -327,10 +328,10 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
     @classmethod
     def build_model(cls, args, task):
         args = _as_namespace(args)
-        validate_sublayer_args(args, decoder_only=True)
         _check_supported(args)
-        model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
-        with sharing_scope():
+        with sharing_scope():  # one model: shared state, and each method's options built once
+            validate_sublayer_args(args, decoder_only=True)
+            model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
             model.decoder = ZooLMDecoder(TransformerConfig.from_namespace(args),
                                          task.target_dictionary, model.decoder.embed_tokens,
                                          no_encoder_attn=True)
@@ -347,24 +348,6 @@ def zoo_lm_base(args):
     fill_sublayer_defaults(args, decoder_only=True)
 
 
-def register_arch(model: str, name: str, post=None, **preset):
-    """Register an arch of a zoo model: ``preset`` overrides defaults the user did not set; the
-    optional ``post(args)`` runs after all defaults are filled (e.g. to derive dependent limits)."""
-    base = {"attnzoo_transformer": zoo_mt_base, "attnzoo_lm": zoo_lm_base}[model]
-
-    def arch(args):
-        for key, value in preset.items():
-            if getattr(args, key, None) is None:
-                setattr(args, key, value)
-        base(args)
-        if post is not None:
-            post(args)
-
-    arch.__name__ = name
-    arch.__doc__ = f"{name}: {preset}"
-    register_model_architecture(model, name)(arch)
-    return arch
-
-
-register_model_architecture("attnzoo_transformer", "attnzoo_transformer")(zoo_mt_base)
-register_model_architecture("attnzoo_lm", "attnzoo_lm")(zoo_lm_base)
+# the base arch functions of the two models (every other arch: register_arch, a preset over these)
+register_base_arch("attnzoo_transformer", zoo_mt_base)
+register_base_arch("attnzoo_lm", zoo_lm_base)

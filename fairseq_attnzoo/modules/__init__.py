@@ -1,3 +1,7 @@
-"""Plain PyTorch modules (no fairseq imports needed): one paper per file."""
+"""Plain PyTorch modules (no fairseq imports needed): one paper per file, on a shared extension
+point (``attention.py``, ``feedforward.py``) with the reduced-precision and constrained-parameter
+helpers (``precision.py``, ``constrained.py``). Nothing here changes another library at import."""
 
-from .base import AttnContext, ZooAttention, ZooFeedForward, ZooMultiheadAttention  # noqa: F401
+from .attention import AttnContext, ZooAttention  # noqa: F401
+from .feedforward import ZooFeedForward  # noqa: F401
+from .sdpa import ZooMultiheadAttention  # noqa: F401

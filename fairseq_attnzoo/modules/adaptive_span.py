@@ -422,6 +422,20 @@ class AdaptiveSpanLayer(nn.Module):
         self.ffn = FeedForward(embed_dim, ffn_dim, dropout) if ffn_dim > 0 else None
         self.ffn_norm = nn.LayerNorm(embed_dim) if ffn_dim > 0 else None
 
+    # what a layer stack needs to plan windows and caches (see modules/span_stack.py)
+    def span_mask(self) -> AdaptiveMask:
+        """This layer's learned spans (a stack reads the maxima of all its layers at once)."""
+        return self.attn.mask
+
+    def cache_size(self, buffer: int = 0, z_max: Optional[float] = None) -> int:
+        """Previous positions worth keeping for the next call (window - 1, + ``buffer``)."""
+        return self.attn.cache_size(buffer, z_max)
+
+    def empty_kv(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Keys and values of no previous positions, ``[B, H, 0, d_h]`` (first decoding step)."""
+        empty = x.new_zeros(x.size(0), self.attn.num_heads, 0, self.attn.head_dim)
+        return empty, empty
+
     def forward(self, x: Tensor, key_pe: Tensor, memory: Optional[Tensor] = None,
                 past_kv: Optional[Tuple[Tensor, Tensor]] = None,
                 key_padding_mask: Optional[Tensor] = None, z_max: Optional[float] = None):

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import ZooFeedForward
+from .feedforward import ZooFeedForward
 
 
 SCALE_AT = ("use", "init")
@@ -62,14 +62,9 @@ class AttentionOverParameters(ZooFeedForward):
     def __init__(self, embed_dim: int, heads: int = 8, key_dim: int = 64, value_dim: int = 64,
                  slots: int = 1536, dropout: float = 0.0, scale_at: str = "use"):
         super().__init__()
-        for name, v in (("heads", heads), ("key_dim", key_dim), ("value_dim", value_dim),
-                        ("slots", slots)):
-            if v <= 0:
-                raise ValueError(f"AOP {name} must be positive, got {v}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"AOP dropout must be in [0, 1), got {dropout}")
-        if scale_at not in SCALE_AT:
-            raise ValueError(f"AOP scale_at must be one of {SCALE_AT}, got {scale_at!r}")
+        # user-facing checks (one line naming the flag) are the fairseq options' validate()
+        assert min(heads, key_dim, value_dim, slots) > 0, (heads, key_dim, value_dim, slots)
+        assert 0.0 <= dropout < 1.0 and scale_at in SCALE_AT, (dropout, scale_at)
         self.embed_dim = embed_dim
         self.heads = heads  # h_p
         self.key_dim = key_dim  # d_pk

@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .base import AttnContext, ZooAttention, init_like_fairseq_mha
+from .attention import AttnContext, ZooAttention
+from .sdpa import init_like_fairseq_mha
 
 MIXING_INITS = ("random", "concatenate", "xavier", "ones")
 SCALINGS = ("key_dim", "head_dim")  # 1/sqrt(D̃k/H) (EPFL package) | 1/sqrt(d/H) (fairseq fork)
@@ -75,13 +76,10 @@ class CollaborativeAttention(ZooAttention):
                  mixing_init: str = "random", bias: bool = True, qk_bias: bool = False,
                  scaling: str = "key_dim", proj_init: str = "mha"):
         super().__init__(embed_dim, num_heads, dropout)
-        if key_dim <= 0:
-            raise ValueError(f"key_dim (D̃k) must be a positive integer, got {key_dim}")
-        for name, value, choices in (("mixing_init", mixing_init, MIXING_INITS),
-                                     ("scaling", scaling, SCALINGS),
-                                     ("proj_init", proj_init, PROJ_INITS)):
-            if value not in choices:
-                raise ValueError(f"unknown {name} {value!r}; choose from {choices}")
+        # user-facing checks (one line naming the flag) are the fairseq options' validate()
+        assert key_dim > 0, f"key_dim (D̃k) {key_dim}"
+        assert mixing_init in MIXING_INITS and scaling in SCALINGS and proj_init in PROJ_INITS, \
+            (mixing_init, scaling, proj_init)
         kdim, vdim = kdim or embed_dim, vdim or embed_dim
         self.key_dim = key_dim
         self.mixing_init = mixing_init

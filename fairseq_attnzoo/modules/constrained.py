@@ -25,7 +25,9 @@ def _rebuild_bounded(cls, data: Tensor, requires_grad: bool):
 
 class BoundedParameter(nn.Parameter):
     """A parameter kept inside [``low``, ``high``]. Subclass it to set the bounds. Deep copies and
-    pickles keep the class (so the projection goes on); state dicts hold plain tensors."""
+    pickles keep the class (so the projection goes on); state dicts hold plain tensors. Keep it in
+    a :class:`~fairseq_attnzoo.modules.precision.Float32Module`: that keeps its float32 values and
+    its class through ``half()``/``to()`` under torch's swap/overwrite conversion flags too."""
 
     low: float = -math.inf
     high: float = math.inf
@@ -54,22 +56,23 @@ class UnitIntervalParameter(BoundedParameter):
     low, high = 0.0, 1.0
 
 
-#: attribute under which an optimizer caches (ids of its parameters, the bounded ones among them)
+#: attribute under which an optimizer caches (its parameters, the bounded ones among them)
 _CACHE = "_attnzoo_bounded_params"
 
 
 def bounded_params_of(optimizer) -> List[BoundedParameter]:
     """The bounded parameters an optimizer updates. Cached on the optimizer object (optimizers need
     not be hashable) and keyed by the identity of every parameter in its groups, so a group edited
-    in place (a parameter swapped for another, a group added) is seen at the next step."""
-    key: Tuple[int, ...] = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
+    in place (a parameter swapped for another, a group added) is seen at the next step. The cache
+    holds the parameters, not their ``id``s (an id is reused once its object is freed)."""
+    params: Tuple[Tensor, ...] = tuple(p for g in optimizer.param_groups for p in g["params"])
     cached = getattr(optimizer, _CACHE, None)
-    if cached is not None and cached[0] == key:
+    if (cached is not None and len(cached[0]) == len(params)
+            and all(a is b for a, b in zip(cached[0], params))):
         return cached[1]
-    bounded = [p for g in optimizer.param_groups for p in g["params"]
-               if isinstance(p, BoundedParameter)]
+    bounded = [p for p in params if isinstance(p, BoundedParameter)]
     try:
-        setattr(optimizer, _CACHE, (key, bounded))
+        setattr(optimizer, _CACHE, (params, bounded))
     except AttributeError:  # pragma: no cover - an optimizer with __slots__: no cache
         pass
     return bounded

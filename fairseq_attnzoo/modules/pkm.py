@@ -29,11 +29,17 @@ Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent impl
 * ``values=<another memory's table>``: several memories read ONE value table (the paper's memory
   pool shared by all memory layers), each with its own query network and sub-keys. The first memory
   owns (registers, initialises, checkpoints) the table; the others hold a plain reference.
-* ``gated=True``: the SiLU-gated output ``out = W₂(m(x) ⊙ SiLU(W₁ x))`` (W₁: d -> v_dim,
-  W₂: v_dim -> d_out, no biases) instead of ``m(x)`` (or ``W_o m(x)``).
-* ``qk_norm=True``: query-key normalisation of the product-key search -- each half-query
-  RMS-normalised with a learned gain g (init 1), each sub-key scaled to unit L2 norm, so a half
-  score is ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (≈ √(k_dim/2) · cosine at g = 1; computed in fp32).
+* ``swilu="reference"``: the SiLU-gated ("swilu") output of facebookresearch/memory,
+  ``out = Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃)))`` with x̃ = Drop_in(x) the input after input dropout, W₁:
+  d -> v_dim and W₂: v_dim -> d_out both with biases, weights N(0, d_out^-½).
+  ``swilu="legacy"`` (``gated=True``): this project's form before issue 23, kept so that its
+  checkpoints rebuild the same function: no biases, nn.Linear's init, gate on the undropped input,
+  value dropout on m(x) before W₂.
+* ``init="memplus"``: the reference code's other inits -- sub-keys uniform(±1/√k_dim), query
+  weight Xavier-uniform (``init="xlm"``: uniform(±1/√(k_dim/2)) and nn.Linear's init).
+* ``qk_norm=True`` (ours: the paper uses qk-norm "when needed" and gives no form; the reference
+  code has none): each half-query RMS-normalised with a learned gain g (init 1), each sub-key
+  scaled to unit L2 norm, so a half score is ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (computed in fp32).
 """
 
 import math
@@ -49,6 +55,12 @@ from .base import Float32Module, ZooFeedForward, float32_region
 #: ``param_group`` tag of the value tables (fairseq's convention for per-group optimizer
 #: settings; FP16Optimizer copies it onto its fp32 parameters). ``pkm_adam`` looks for it.
 VALUES_GROUP = "pkm_values"
+
+#: output forms: plain m(x); the reference's SiLU-gated "swilu" output; this project's pre-issue-23
+#: gated output (kept for its checkpoints)
+SWILU_FORMS = ("off", "reference", "legacy")
+#: initialisations: XLM's (Lample et al.) or facebookresearch/memory's (Memory+)
+INITS = ("xlm", "memplus")
 
 
 def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
@@ -289,8 +301,15 @@ class ProductKeyMemory(ZooFeedForward):
                  query_batchnorm: bool = True, input_dropout: float = 0.0,
                  query_dropout: float = 0.0, value_dropout: float = 0.0, sparse: bool = False,
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, swilu: str = "off", init: str = "xlm"):
         super().__init__()
+        if gated:  # the pre-issue-23 name of the legacy gated output
+            swilu = "legacy" if swilu == "off" else swilu
+        if swilu not in SWILU_FORMS:
+            raise ValueError(f"PKM swilu must be one of {', '.join(SWILU_FORMS)}, got {swilu!r}")
+        if init not in INITS:
+            raise ValueError(f"PKM init must be one of {', '.join(INITS)}, got {init!r}")
+        self.swilu, self.init = swilu, init
         output_dim = output_dim or input_dim
         v_dim = v_dim or output_dim
         if n_keys < 1 or heads < 1 or knn < 1 or v_dim < 1:
@@ -320,10 +339,11 @@ class ProductKeyMemory(ZooFeedForward):
                 raise ValueError(f"a shared PKM value table must be [n_keys² = {self.size}, "
                                  f"v_dim = {v_dim}], got {list(values.weight.shape)}")
             object.__setattr__(self, "values", values)  # a reference, not a submodule
-        if gated:  # Memory+: out = W₂(m(x) ⊙ SiLU(W₁ x))
-            self.gate_proj = nn.Linear(input_dim, v_dim, bias=False)  # W₁
+        if swilu != "off":  # Memory+: out = W₂(m(x̃) ⊙ SiLU(W₁ x̃)); biases in the reference
+            bias = swilu == "reference"
+            self.gate_proj = nn.Linear(input_dim, v_dim, bias=bias)  # W₁
             self.out_proj = None
-            self.gate_out = nn.Linear(v_dim, output_dim, bias=False)  # W₂
+            self.gate_out = nn.Linear(v_dim, output_dim, bias=bias)  # W₂
         else:
             self.gate_proj = self.gate_out = None
             self.out_proj = (nn.Linear(v_dim, output_dim, bias=False) if v_dim != output_dim
@@ -351,23 +371,30 @@ class ProductKeyMemory(ZooFeedForward):
         return self.query_gain is not None
 
     def reset_parameters(self):
-        bound = 1 / math.sqrt(self.k_dim // 2)
+        # XLM: uniform(±1/√(k_dim/2)), nn.Linear's rule for a sub-key; memory: ±1/√k_dim
+        bound = 1 / math.sqrt(self.k_dim if self.init == "memplus" else self.k_dim // 2)
         nn.init.uniform_(self.keys, -bound, bound)
         if self.owns_values:  # a shared table is initialised once, by its owner
             nn.init.normal_(self.values.weight, 0.0, self.v_dim ** -0.5)
         self.query_proj.reset_parameters()
+        if self.init == "memplus":  # facebookresearch/memory: Xavier-uniform query weight
+            nn.init.xavier_uniform_(self.query_proj.weight)
         if self.query_bn is not None:
             self.query_bn.reset_parameters()
         if self.query_gain is not None:
             nn.init.ones_(self.query_gain)
         for lin in (self.gate_proj, self.gate_out):
             if lin is not None:
-                lin.reset_parameters()
+                lin.reset_parameters()  # legacy: nn.Linear's init; reference: biases keep it
+                if self.swilu == "reference":  # W₁, W₂ ~ N(0, d_out^-½) as in the reference
+                    nn.init.normal_(lin.weight, 0.0, self.output_dim ** -0.5)
 
     # ---- the memory read ---------------------------------------------------------------------
-    def query(self, x: Tensor) -> Tensor:
-        """[N, d] -> per-head queries [H, N, k_dim]."""
-        q = self.query_proj(F.dropout(x, self.input_dropout, self.training))
+    def query(self, x: Tensor, dropped: bool = False) -> Tensor:
+        """[N, d] -> per-head queries [H, N, k_dim] (``dropped``: input dropout already done)."""
+        if not dropped:
+            x = F.dropout(x, self.input_dropout, self.training)
+        q = self.query_proj(x)
         if self.query_bn is not None:
             if self.training and q.size(0) < 2:  # batch statistics need two tokens
                 bn = self.query_bn
@@ -405,15 +432,31 @@ class ProductKeyMemory(ZooFeedForward):
         return (weights.transpose(0, 1).reshape(n, self.heads * self.knn),
                 indices.transpose(0, 1).reshape(n, self.heads * self.knn))
 
-    def read(self, x: Tensor) -> Tensor:
-        """m(x) for unpadded tokens x [N, d] -> [N, d_out]."""
-        weights, indices = self.lookup(self.query(x))
+    def values_read(self, x: Tensor, dropped: bool = False) -> Tensor:
+        """Σ_i w_i v_i for unpadded tokens x [N, d] -> [N, v_dim] (no value dropout)."""
+        weights, indices = self.lookup(self.query(x, dropped))
         table = self.values.weight
         out = _WeightedRowSum.apply(table, indices, weights.to(table.dtype), self.sparse)
-        out = F.dropout(out.to(x.dtype), self.value_dropout, self.training)
         if not self.training and self.usage_callback is not None:
             self.usage_callback(indices.detach(), weights.detach())
+        return out.to(x.dtype)
+
+    def read(self, x: Tensor) -> Tensor:
+        """m(x) for unpadded tokens x [N, d] -> [N, d_out] (plain output; with swilu the [N,
+        v_dim] read that the gate multiplies), value dropout on the read as in XLM."""
+        out = F.dropout(self.values_read(x), self.value_dropout, self.training)
         return out if self.out_proj is None else self.out_proj(out)
+
+    def transform(self, x: Tensor) -> Tensor:
+        """The layer's output for unpadded tokens x [N, d] -> [N, d_out]."""
+        if self.swilu == "reference":  # Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃))), x̃ = Drop_in(x)
+            x = F.dropout(x, self.input_dropout, self.training)
+            out = self.gate_out(self.values_read(x, dropped=True) * F.silu(self.gate_proj(x)))
+            return F.dropout(out, self.value_dropout, self.training)
+        out = self.read(x)
+        if self.swilu == "legacy":  # W₂(Drop_v(m(x)) ⊙ SiLU(W₁ x)), no biases
+            out = self.gate_out(out * F.silu(self.gate_proj(x)))
+        return out
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
         t, b, c = x.shape
@@ -426,9 +469,7 @@ class ProductKeyMemory(ZooFeedForward):
                 flat = flat.index_select(0, keep)
         if flat.size(0) == 0:
             return x.new_zeros(t, b, self.output_dim)
-        out = self.read(flat)
-        if self.gate_proj is not None:  # Memory+: W₂(m(x) ⊙ SiLU(W₁ x))
-            out = self.gate_out(out * F.silu(self.gate_proj(flat)))
+        out = self.transform(flat)
         if keep is not None:  # pads read nothing and output 0
             out = out.new_zeros(t * b, self.output_dim).index_copy(0, keep, out)
         return out.view(t, b, self.output_dim)
@@ -437,4 +478,6 @@ class ProductKeyMemory(ZooFeedForward):
         return (f"|K|={self.size} (n_keys={self.n_keys}²), heads={self.heads}, knn={self.knn}, "
                 f"k_dim={self.k_dim}, v_dim={self.v_dim}, sparse={self.sparse}"
                 + ("" if self.owns_values else ", values=shared (owned by another memory)")
-                + (", gated=SiLU" if self.gated else "") + (", qk_norm" if self.qk_norm else ""))
+                + (f", swilu={self.swilu}" if self.gated else "")
+                + (f", init={self.init}" if self.init != "xlm" else "")
+                + (", qk_norm" if self.qk_norm else ""))

@@ -69,6 +69,10 @@ class Float32Module(nn.Module):
             if t.dtype == torch.float32 and out.dtype in HALF_DTYPES:
                 # from the original: no round trip through half
                 return t.detach().to(device=out.device, copy=copy)
+            if copy and out is t:
+                # a no-op (e.g. .to("cpu") on CPU): torch wraps the result in nn.Parameter, which
+                # refuses a Parameter subclass; hand it a plain view (class restored below)
+                return t.detach()
             return out
 
         bounded = {k: type(p) for k, p in self._parameters.items()

@@ -32,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import AttnContext, ZooAttention, fp32_softmax, mask_value
+from .attention import AttnContext, ZooAttention
+from .precision import fp32_softmax, mask_value
 
 #: the logit synthesizers; several of them make a mixture
 COMPONENTS = ("dense", "random", "factorized_dense", "factorized_random", "vanilla")
@@ -48,6 +49,19 @@ def default_factors(max_len: int):
         return max_len // b, b
     a = math.isqrt(max_len - 1) + 1
     return a, a
+
+
+def factorized_dense_sizes(max_len: int, factor_a: Optional[int] = None,
+                           factor_b: Optional[int] = None):
+    """Factorized Dense (a, b): both given, one given and the other ceil(N / given), or
+    :func:`default_factors`. The caller checks a*b >= N."""
+    if factor_a and factor_b:
+        return factor_a, factor_b
+    if factor_a:
+        return factor_a, -(-max_len // factor_a)
+    if factor_b:
+        return -(-max_len // factor_b), factor_b
+    return default_factors(max_len)
 
 
 class SynthesizerAttention(ZooAttention):
@@ -70,12 +84,10 @@ class SynthesizerAttention(ZooAttention):
                  share_heads: bool = False, bias: bool = True):
         super().__init__(embed_dim, num_heads, dropout)
         components = tuple(components)
-        bad = [c for c in components if c not in COMPONENTS]
-        if not components or bad or len(set(components)) != len(components):
-            raise ValueError(f"synthesizer components {components!r} must be distinct names from "
-                             f"{', '.join(COMPONENTS)}: fix --synth-mix")
-        if max_len < 1:
-            raise ValueError(f"--synth-max-len must be positive, got {max_len}")
+        # user-facing checks (one line naming the flag) are the fairseq options' validate()
+        assert components and set(components) <= set(COMPONENTS) and \
+            len(set(components)) == len(components), f"components {components!r}"
+        assert max_len >= 1 and rank >= 1, f"max_len {max_len}, rank {rank}"
         self.components = components
         self.max_len = N = max_len
         self.freeze_random = freeze_random
@@ -94,14 +106,8 @@ class SynthesizerAttention(ZooAttention):
             self.dense_W2 = nn.Parameter(torch.empty(H, N, dh))
             self.dense_b2 = nn.Parameter(torch.zeros(H, N))
         if "factorized_dense" in components:
-            a, b = (factor_a, factor_b) if factor_a and factor_b else default_factors(N)
-            if factor_a and not factor_b:
-                a, b = factor_a, -(-N // factor_a)
-            elif factor_b and not factor_a:
-                a, b = -(-N // factor_b), factor_b
-            if a * b < N:
-                raise ValueError(f"--synth-factor-a {a} x --synth-factor-b {b} = {a * b} is less "
-                                 f"than --synth-max-len {N}: choose a*b >= N (e.g. a*b = N)")
+            a, b = factorized_dense_sizes(N, factor_a, factor_b)
+            assert a * b >= N, f"factor_a {a} x factor_b {b} < max_len {N}"
             self.factor_a, self.factor_b = a, b
             self.fdense_W1 = nn.Linear(d, d)
             self.fdense_WA = nn.Parameter(torch.empty(H, dh, a))  # F_A: n x a
@@ -111,8 +117,6 @@ class SynthesizerAttention(ZooAttention):
         if "random" in components:
             self._table("R", torch.empty(hr, N, N))
         if "factorized_random" in components:
-            if rank < 1:
-                raise ValueError(f"--synth-rank must be positive, got {rank}")
             self.rank = rank
             self._table("R1", torch.empty(hr, N, rank))
             self._table("R2", torch.empty(hr, N, rank))

@@ -6,12 +6,14 @@
    ``AMPOptimizer.step`` hands the *fairseq wrapper* to ``scaler.step(self.fp32_optimizer)``. The
    GradScaler keeps its "already unscaled" state per optimizer object, so ``step`` unscales a second
    time: every update is divided by the loss scale once more (measured: an SGD step of 1/128 of the
-   gradient at the initial scale 128). Adam hardly notices (its update is invariant to the gradient's
-   scale), but SGD, Adagrad and any per-tensor clipping do -- ``adagrad_clip`` (adaptive span) stopped
+   gradient at the initial scale 128). Adam notices once the scale has grown (its
+   update is scale-invariant only while the gradient is large against ε: at scale 2¹⁶ a gradient of
+   1e-4 gets 13 % of its intended update, ``tests/test_amp_adam.py``); SGD, Adagrad and any
+   per-tensor clipping notice it at every scale -- ``adagrad_clip`` (adaptive span) stopped
    learning at unigram statistics under ``--amp`` on an H100 (docs/gpu.md). The fix steps the same
    torch optimizer the scaler unscaled.
 
-Constraints: a :class:`~fairseq_attnzoo.modules.base.BoundedParameter` (e.g. an adaptive span) is projected into
+Constraints: a :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (e.g. an adaptive span) is projected into
 its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
 in which the optimizer updates the model's own parameters: fp32, ``--amp`` (``AMPOptimizer``: fp32
 parameters) and ``--memory-efficient-fp16``/``--memory-efficient-bf16`` (the optimizer steps the

@@ -7,10 +7,31 @@ learning rate, so this optimizer keeps two parameter groups:
 
 * everything else: Adam with decoupled weight decay, exactly fairseq's ``adam`` (AdamW update);
 * the value tables (parameters tagged ``param_group = "pkm_values"`` by the memory): Adam at
-  ``--pkm-values-lr`` without weight decay. The lr scheduler's value is scaled by
-  ``--pkm-values-lr / --lr``, so the values follow the same warmup/decay shape and reach
-  ``--pkm-values-lr`` where the model reaches ``--lr``. A sparse gradient updates only the rows it
-  touches (moments and parameters, SparseAdam-style); a dense one is a normal Adam step.
+  ``--pkm-values-lr``, with its own weight decay (``--pkm-values-weight-decay``), betas
+  (``--pkm-values-betas``) and gradient clip (``--pkm-values-clip-norm``). The lr either follows
+  the scheduler, scaled by ``--pkm-values-lr / --lr`` (``--pkm-values-lr-schedule follow``: the
+  values warm up and decay with the model and peak at ``--pkm-values-lr``), or stays at
+  ``--pkm-values-lr`` (``constant``). A sparse gradient updates only the rows it touches (moments
+  and parameters, SparseAdam-style); a dense one is a normal Adam step.
+
+The two published recipes (read in their code; docs/pkm.md cites the lines):
+
+* XLM (Lample et al.): ``--mem_values_optimizer adam,lr=0.001`` is a second Adam over the values
+  alone, at a constant lr (XLM's plain ``adam`` has no schedule), betas (0.9, 0.999), no weight
+  decay; ``--mem_sparse true`` turns it into ``SparseAdam``; each optimizer's parameters are
+  clipped separately to ``--clip_grad_norm``. Here: ``--pkm-values-lr-schedule constant
+  --pkm-values-betas "(0.9, 0.999)" --pkm-values-weight-decay 0`` (+ ``--pkm-sparse``).
+* facebookresearch/memory (Memory+): one AdamW (betas (0.9, 0.95), weight decay 0.1, for the values
+  too) whose value group starts from ``value_fixed_lr`` 1e-3; its LambdaLR scales every group by
+  the same schedule factor, so that lr follows the warmup/decay; values are clipped separately
+  from the rest to the same ``clip``. Here: ``--pkm-values-lr-schedule follow
+  --pkm-values-weight-decay 0.1`` with ``--adam-betas "(0.9, 0.95)" --weight-decay 0.1``.
+
+Clipping: with ``--pkm-values-clip-norm`` -1 (default) the value gradients are clipped
+separately to ``--clip-norm`` (both references clip the two parameter sets separately); a
+positive value gives them their own threshold, 0 leaves them unclipped. The norm fairseq logs as
+``gnorm`` (and checks for inf/NaN) stays the norm over all gradients; the values' own norm is logged
+as ``pkm_values_gnorm``.
 
 Multi-process training with sparse values: the DDP wrappers leave the sparse value tables alone
 (fairseq's legacy DDP skips parameters tagged ``expert``; PyTorch DDP ignores the names the zoo
@@ -76,6 +97,29 @@ def _rows_of(grad: torch.Tensor):
 
 
 EXCHANGES = ("auto", "gather", "all_reduce")
+VALUE_SCHEDULES = ("follow", "constant")
+
+
+def _total_norm(grads, aggregate_norm_fn=None) -> torch.Tensor:
+    """L2 norm over a list of gradient tensors (0 for none), aggregated like fairseq's."""
+    if not grads:
+        total = torch.tensor(0.0)
+    else:
+        total = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    return aggregate_norm_fn(total) if aggregate_norm_fn is not None and grads else total
+
+
+def _parse_betas(value, flag: str):
+    """'(0.9, 0.999)' or a sequence -> a tuple of two floats, or one line naming the flag."""
+    try:
+        betas = tuple(float(b) for b in (value.strip("()[] ").split(",")
+                                          if isinstance(value, str) else value))
+    except (TypeError, ValueError):
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"{flag} must be two numbers in [0, 1) like '(0.9, 0.999)', got {value!r}")
+    return betas
 
 
 def all_reduce_sparse_rows(grad: torch.Tensor, group=None, world_size: Optional[int] = None,
@@ -155,8 +199,28 @@ class PKMAdamConfig(FairseqDataclass):
                   "all-reduce), 'auto' = whichever moves fewer bytes this update (default auto)"})
     pkm_values_lr: float = field(
         default=1e-3,
-        metadata={"help": "peak learning rate of the product-key memory values (paper/XLM: "
-                  "1e-3); follows the --lr-scheduler shape, scaled by pkm_values_lr / lr"})
+        metadata={"help": "learning rate of the product-key memory values (XLM and "
+                  "facebookresearch/memory: 1e-3); see --pkm-values-lr-schedule"})
+    pkm_values_lr_schedule: str = field(
+        default="follow",
+        metadata={"help": "values lr: 'follow' = the --lr-scheduler shape scaled by "
+                  "pkm_values_lr / lr (facebookresearch/memory: its LambdaLR scales the value "
+                  "group's 1e-3 too), 'constant' = pkm_values_lr throughout (XLM: a separate "
+                  "Adam with no schedule); default follow"})
+    pkm_values_weight_decay: float = field(
+        default=0.0,
+        metadata={"help": "decoupled weight decay of the memory values (XLM: 0; "
+                  "facebookresearch/memory: 0.1, its AdamW's decay covers the values); sparse "
+                  "values decay only the rows read; default 0"})
+    pkm_values_betas: Optional[str] = field(
+        default=None,
+        metadata={"help": "Adam betas of the memory values, e.g. '(0.9, 0.999)' (XLM's value "
+                  "Adam); default: --adam-betas (facebookresearch/memory: one AdamW, (0.9, 0.95))"})
+    pkm_values_clip_norm: float = field(
+        default=-1.0,
+        metadata={"help": "clip the value gradients separately, to this norm (XLM and "
+                  "facebookresearch/memory clip values and the rest separately); -1 = "
+                  "--clip-norm's threshold, 0 = no clipping of values; default -1"})
     lr: List[float] = II("optimization.lr")
 
 
@@ -229,6 +293,15 @@ class PKMAdam(FairseqOptimizer):
                              f"{cfg.pkm_exchange!r}")
         if cfg.pkm_values_lr <= 0:
             raise ValueError(f"--pkm-values-lr must be positive, got {cfg.pkm_values_lr}")
+        if cfg.pkm_values_lr_schedule not in VALUE_SCHEDULES:
+            raise ValueError(f"--pkm-values-lr-schedule must be one of "
+                             f"{', '.join(VALUE_SCHEDULES)}, got {cfg.pkm_values_lr_schedule!r}")
+        if cfg.pkm_values_weight_decay < 0:
+            raise ValueError(f"--pkm-values-weight-decay must be >= 0, got "
+                             f"{cfg.pkm_values_weight_decay}")
+        if cfg.pkm_values_clip_norm < 0 and cfg.pkm_values_clip_norm != -1:
+            raise ValueError(f"--pkm-values-clip-norm must be -1 (= --clip-norm), 0 (off) or "
+                             f"positive, got {cfg.pkm_values_clip_norm}")
         values = [p for p in params if getattr(p, "param_group", None) == VALUES_GROUP]
         others = [p for p in params if getattr(p, "param_group", None) != VALUES_GROUP]
         if not values:
@@ -237,8 +310,8 @@ class PKMAdam(FairseqOptimizer):
         main_lr = self.optimizer_config["lr"]
         groups = [{"params": others}]
         if values:
-            groups.append({"params": values, "lr": cfg.pkm_values_lr, "weight_decay": 0.0,
-                           "lr_scale": cfg.pkm_values_lr / main_lr, VALUES_GROUP: True})
+            groups.append(dict(self._values_group_settings(), params=values,
+                               lr=cfg.pkm_values_lr))
         self._optimizer = SparseDenseAdam(groups, **self.optimizer_config)
 
     @property
@@ -252,9 +325,20 @@ class PKMAdam(FairseqOptimizer):
             "weight_decay": self.cfg.weight_decay,
         }
 
+    def _values_group_settings(self):
+        """The value group's settings (set at build and again after loading a checkpoint)."""
+        cfg = self.cfg
+        betas = (_parse_betas(cfg.pkm_values_betas, "--pkm-values-betas")
+                 if cfg.pkm_values_betas else self.optimizer_config["betas"])
+        constant = cfg.pkm_values_lr_schedule == "constant"
+        return {"weight_decay": float(cfg.pkm_values_weight_decay), "betas": betas,
+                "lr_scale": cfg.pkm_values_lr / self.optimizer_config["lr"],
+                "lr_constant": cfg.pkm_values_lr if constant else None, VALUES_GROUP: True}
+
     def set_lr(self, lr):
         for group in self.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+            fixed = group.get("lr_constant")
+            group["lr"] = fixed if fixed is not None else lr * group.get("lr_scale", 1.0)
 
     def get_lr(self):
         return self.param_groups[0]["lr"]
@@ -263,8 +347,9 @@ class PKMAdam(FairseqOptimizer):
         super().load_state_dict(state_dict, optimizer_overrides)
         for group in self.param_groups:  # overrides apply to the model's group only
             if group.get(VALUES_GROUP):
-                group["weight_decay"] = 0.0
-                group["lr_scale"] = self.cfg.pkm_values_lr / self.optimizer_config["lr"]
+                group.update(self._values_group_settings())
+                if group["lr_constant"] is not None:
+                    group["lr"] = group["lr_constant"]
 
     def all_reduce_grads(self, module):
         """fairseq's gradient all-reduce (the DDP wrapper's, for the dense gradients), then the
@@ -305,27 +390,35 @@ class PKMAdam(FairseqOptimizer):
             g.mul_(c.to(g.device) if torch.is_tensor(c) else c)
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-        """Total L2 norm over dense and (coalesced) sparse gradients; clip in place."""
-        grads = []
+        """L2 norms over dense and (coalesced) sparse gradients; clip in place: the value tables
+        separately (to --pkm-values-clip-norm, -1 = max_norm), the rest to max_norm. Returns the
+        norm over all gradients (fairseq's logged ``gnorm`` and inf/NaN check)."""
+        model, values = [], []
         for p in self.params:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 p.grad = coalesced(p.grad)
-                grads.append(p.grad._values())
+                g = p.grad._values()
             else:
-                grads.append(p.grad)
-        if not grads:
+                g = p.grad
+            (values if getattr(p, "param_group", None) == VALUES_GROUP else model).append(g)
+        if not model and not values:
             return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-        if aggregate_norm_fn is not None:
-            total = aggregate_norm_fn(total)
-        if max_norm > 0:
-            coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
-        return total
+        value_max = self.cfg.pkm_values_clip_norm
+        value_max = max_norm if value_max == -1 else value_max
+        norms = []
+        for grads, limit in ((model, max_norm), (values, value_max)):
+            norm = _total_norm(grads, aggregate_norm_fn)
+            norms.append(norm)
+            if grads and limit > 0:
+                coef = (float(limit) / (norm + 1e-6)).clamp_(max=1)
+                for g in grads:
+                    g.mul_(coef.to(g.dtype))
+        if values:
+            metrics.log_scalar("pkm_values_gnorm", norms[1], round=3)
+        device = (model or values)[0].device
+        return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]))
 
     @property
     def supports_flat_params(self):

@@ -128,8 +128,9 @@ def main():
                    help="--train: run the candidates with fairseq_attnzoo/ of another checkout "
                    "DIR (e.g. `git worktree add DIR COMMIT`), for before/after tables")
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
-    p.add_argument("--out", default=os.path.join(REPO, "docs/benchmarks.md"),
-                   help="append the tables to this markdown file (default %(default)s; '' = no file)")
+    p.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks.md"),
+                   help="append the tables to this markdown file (default: results/benchmarks.md, "
+                   "not tracked by git; '' = no file)")
     add_progress_flag(p)
     a = p.parse_args()
     configure_progress(a)
@@ -172,6 +173,7 @@ def main():
         title = "End-to-end fairseq-train words/s vs the stock model (demo size)"
         sections.append((title + (f", candidates from {a.plugin}" if a.plugin else ""), table))
     if a.out and sections:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "a") as f:
             f.write(f"\n## {header}\n\n")
             for title, table in sections:

@@ -50,13 +50,17 @@ def fairseq_example_dir() -> str:
     return path
 
 
-def fairseq_cli(name: str):
+def fairseq_cli(name: str, plugin_patches: bool = False):
     """``fairseq-<name>`` (same entry point) in a Python that first allow-lists argparse.Namespace
     for torch >= 2.6's weights-only checkpoint loading: fairseq's example does not do it (our
-    plugin does on import), so without this it cannot resume or evaluate its own checkpoints."""
+    plugin does on import), so without this it cannot resume or evaluate its own checkpoints.
+    ``plugin_patches``: import our plugin first, so that fairseq's example trains with the same
+    fixes of fairseq as ours (fairseq_attnzoo/compat.py: --amp unscaled once, --bf16 without
+    --tpu); only for commands that do not load our plugin through --user-dir themselves."""
     code = ("import argparse, sys, torch; "
             "torch.serialization.add_safe_globals([argparse.Namespace]); "
-            f"from fairseq_cli.{name} import cli_main; sys.argv[0] = 'fairseq-{name}'; cli_main()")
+            + ("import fairseq_attnzoo; " if plugin_patches else "")
+            + f"from fairseq_cli.{name} import cli_main; sys.argv[0] = 'fairseq-{name}'; cli_main()")
     return [sys.executable, "-c", code]
 
 
@@ -67,7 +71,7 @@ def commands(a):
               "--lr", str(a.lr), "--lr-scheduler", "fixed", "--warmup-updates", str(a.warmup),
               "--seed", "1", "--num-workers", "0", "--disable-validation",
               "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "10"]
-    baseline = fairseq_cli("train") + common + [
+    baseline = fairseq_cli("train", plugin_patches=True) + common + [
         "--user-dir", fairseq_example_dir(), "--task", "truncated_bptt_lm",
         "--arch", "adaptive_span",
         "--n-layer", str(a.layers), "--d-model", str(a.dim), "--n-head", str(a.heads),

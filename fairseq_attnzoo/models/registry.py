@@ -1,0 +1,125 @@
+"""One registry for the archs of every zoo model, and for what the generic tests need to know.
+
+A zoo model (``attnzoo_transformer``, ``attnzoo_lm``, ``attnzoo_adaptive_span_lm``, ...) declares
+its *base arch function* once with :func:`register_base_arch`: it fills every option the user and
+the arch left unset with the model's defaults (a dataclass's, fairseq's). Every arch is then a
+preset over that base, registered with :func:`register_arch`::
+
+    register_arch("attnzoo_lm", "transformer_lm_aop", decoder_ffn="aop")
+    register_arch("attnzoo_adaptive_span_lm", "adaptive_span_lm_large", decoder_layers=24, ...)
+
+Test hooks live here too, declared where the model or arch is registered: ``tiny`` (size
+overrides on top of the sweep's tiny sizes) and ``test`` (a dict of :class:`ArchTests` fields:
+extra flags, fairseq-eval-lm flags, tolerances). The generic tests read them with
+:func:`arch_tests`; sublayers add their own tiny sizes through ``register_sublayer(tiny=...)``.
+"""
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY, register_model_architecture
+
+
+@dataclass(frozen=True)
+class ArchTests:
+    """How the generic tests build and run an arch (empty: the sweep's defaults)."""
+
+    #: size overrides applied after the sweep's tiny sizes (e.g. a small span S)
+    tiny: Mapping[str, Any] = field(default_factory=dict)
+    #: extra flags for building and training (e.g. the criterion the model's task needs)
+    flags: Tuple[str, ...] = ()
+    #: flags of fairseq-eval-lm for an LM (None: ``--tokens-per-sample 24``)
+    eval_flags: Optional[Tuple[str, ...]] = None
+    #: extra flags for fairseq-train runs only
+    train_flags: Tuple[str, ...] = ()
+    #: per-check tolerances that differ from the sweep's (name -> max abs difference)
+    tolerances: Mapping[str, float] = field(default_factory=dict)
+
+    def over(self, base: "ArchTests") -> "ArchTests":
+        """These hooks on top of ``base`` (a model's): dicts merged, flags appended."""
+        return replace(base, tiny={**base.tiny, **self.tiny}, flags=base.flags + self.flags,
+                       eval_flags=base.eval_flags if self.eval_flags is None else self.eval_flags,
+                       train_flags=base.train_flags + self.train_flags,
+                       tolerances={**base.tolerances, **self.tolerances})
+
+
+#: model name -> base arch function
+BASE_ARCHS: Dict[str, Callable] = {}
+#: arch name -> test hooks (the model's hooks with the arch's on top)
+ARCH_TESTS: Dict[str, ArchTests] = {}
+
+
+def _hooks(where: str, tiny: Optional[Mapping[str, Any]], test: Optional[Mapping[str, Any]]):
+    test = dict(test or {})
+    names = {f.name for f in fields(ArchTests)} - {"tiny"}
+    unknown = sorted(set(test) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown test hooks {unknown}; known: {sorted(names)}")
+    for key in ("flags", "train_flags", "eval_flags"):
+        if test.get(key) is not None:
+            test[key] = tuple(test[key])
+    return ArchTests(tiny=dict(tiny or {}), **test)
+
+
+def fill_unset(args, values: Mapping[str, Any]):
+    """Set the options of ``args`` that are missing or None (user's choices win)."""
+    for key, value in values.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def register_base_arch(model: str, base: Callable, tiny: Optional[Mapping[str, Any]] = None,
+                       test: Optional[Mapping[str, Any]] = None) -> Callable:
+    """Declare ``base(args)`` the base arch function of ``model`` (also registered as the arch
+    named like the model); ``tiny``/``test``: test hooks of every arch of the model."""
+    if model in BASE_ARCHS:
+        raise ValueError(f"model {model!r} already has a base arch ({BASE_ARCHS[model].__name__})")
+    BASE_ARCHS[model] = base
+    ARCH_TESTS[model] = _hooks(model, tiny, test)
+    register_model_architecture(model, model)(base)
+    return base
+
+
+def register_arch(model: str, name: str, post: Optional[Callable] = None,
+                  tiny: Optional[Mapping[str, Any]] = None,
+                  test: Optional[Mapping[str, Any]] = None, **preset) -> Callable:
+    """Register an arch of a zoo model: ``preset`` overrides defaults the user did not set, then
+    the model's base arch fills the rest; the optional ``post(args)`` runs after all defaults are
+    filled (e.g. to derive dependent limits). ``tiny``/``test``: this arch's test hooks, on top of
+    the model's (see :class:`ArchTests`)."""
+    if model not in BASE_ARCHS:
+        raise ValueError(f"model {model!r} has no base arch: register it with register_base_arch "
+                         f"first (known: {', '.join(sorted(BASE_ARCHS))})")
+    base = BASE_ARCHS[model]
+
+    def arch(args):
+        fill_unset(args, preset)
+        base(args)
+        if post is not None:
+            post(args)
+
+    arch.__name__ = name
+    arch.__doc__ = f"{name}: {preset or 'the model defaults'}"
+    ARCH_TESTS[name] = _hooks(name, tiny, test).over(ARCH_TESTS[model])
+    register_model_architecture(model, name)(arch)
+    return arch
+
+
+def apply_base_arch(model_class: type, args):
+    """Run the base arch of the model registered as ``model_class`` (for ``build_model``, which
+    fairseq may call with options no arch function has filled, e.g. from a hydra config)."""
+    names = [n for n in BASE_ARCHS if MODEL_REGISTRY.get(n) is model_class]
+    if not names:
+        raise ValueError(f"{model_class.__name__} has no base arch: register it with "
+                         "register_base_arch")
+    BASE_ARCHS[names[0]](args)
+
+
+def arch_tests(arch: str) -> ArchTests:
+    """The test hooks of ``arch`` (an arch registered outside :func:`register_arch` gets its
+    model's)."""
+    if arch in ARCH_TESTS:
+        return ARCH_TESTS[arch]
+    cls = ARCH_MODEL_REGISTRY.get(arch)
+    model = next((n for n in BASE_ARCHS if MODEL_REGISTRY.get(n) is cls), None)
+    return ARCH_TESTS.get(model, ArchTests())

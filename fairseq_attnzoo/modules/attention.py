@@ -1,0 +1,262 @@
+"""The attention half of the extension point: masks, the incremental-decoding cache, positions,
+and the base class every attention replacement derives from.
+
+Everything that is easy to get subtly wrong is written here once:
+
+* **Masking**: key padding masks (``True`` = pad) and fairseq's causal ``attn_mask`` (float ``-inf``
+  above the diagonal, or bool) are merged into one boolean "blocked" mask, and turned into additive
+  logits with a *finite* minimum (:func:`.precision.mask_value`), so a fully padded query row
+  yields a uniform distribution instead of NaN.
+* **Incremental decoding**: per-token tensors (keys, values, synthesized inputs, ...) are appended to
+  a cache kept in fairseq's ``incremental_state`` dict through :class:`FairseqIncrementalState`
+  (fairseq's own helper), and reordered along the batch dimension for beam search.
+* **Positions**: pad-aware absolute positions (left-padded sources get the same positions as
+  unpadded ones), for methods that index tables by position (Synthesizer).
+
+A subclass of :class:`ZooAttention` keeps fairseq's ``MultiheadAttention`` call signature, so it
+drops into fairseq's transformer layers, and implements only :meth:`ZooAttention.compute` with the
+help of an :class:`AttnContext`.
+
+Imports torch only (fairseq's incremental-state helper is used when fairseq is importable, an
+equivalent stand-in otherwise), so the modules work and test without fairseq.
+"""
+
+import uuid
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .precision import fp32_softmax, mask_value
+
+try:  # fairseq's helper, so our state lives in fairseq's incremental_state exactly like its MHA's
+    from fairseq.incremental_decoding_utils import FairseqIncrementalState
+except ImportError:  # pragma: no cover - torch-only use
+
+    class FairseqIncrementalState(object):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._incremental_state_id = str(uuid.uuid4())
+
+        def get_incremental_state(self, incremental_state, key):
+            full = "{}.{}".format(self._incremental_state_id, key)
+            return None if incremental_state is None else incremental_state.get(full)
+
+        def set_incremental_state(self, incremental_state, key, value):
+            if incremental_state is not None:
+                incremental_state["{}.{}".format(self._incremental_state_id, key)] = value
+            return incremental_state
+
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+
+def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=None) -> Tensor:
+    """Absolute positions 0,1,2,... of non-pad tokens ([B, T] or [1, T] if no mask); pads get 0.
+
+    Matches fairseq's ``make_positions`` up to the offset, so left-padded and unpadded copies of a
+    sentence see the same positions."""
+    if padding_mask is None:
+        return torch.arange(length, device=device).unsqueeze(0)
+    keep = (~padding_mask).long()
+    return ((torch.cumsum(keep, dim=1) - 1) * keep).clamp_(min=0)
+
+
+class AttnContext:
+    """Per-call view of masks, cache and positions handed to :meth:`ZooAttention.compute`.
+
+    Shapes are batch-first: queries ``[B, Tq, C]``; everything cached is ``[B, T, ...]``.
+    """
+
+    def __init__(self, module: "ZooAttention", incremental_state: IncrementalState,
+                 key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                 batch_size: int, q_len: int, static_kv: bool):
+        self.module = module
+        self.incremental_state = incremental_state
+        self.attn_mask = attn_mask
+        self.batch_size = batch_size
+        self.q_len = q_len
+        self.static_kv = static_kv
+        self._new_padding = key_padding_mask
+        buf = module._get_buffer(incremental_state) if incremental_state is not None else None
+        self._buffer: Dict[str, Optional[Tensor]] = buf if buf is not None else {}
+        #: number of positions decoded before this call (0 outside incremental decoding)
+        self.offset = 0
+        if not static_kv and "_padding" in self._buffer:
+            self.offset = self._buffer["_padding"].size(1)
+        self.key_padding_mask: Optional[Tensor] = key_padding_mask
+
+    @property
+    def incremental(self) -> bool:
+        return self.incremental_state is not None
+
+    # ---- caching -----------------------------------------------------------------------------
+    def cache(self, **tensors: Tensor) -> Dict[str, Tensor]:
+        """Append per-token tensors ``[B, T_new, ...]`` to the decoding cache and return the full
+        tensors ``[B, offset + T_new, ...]``. Also extends the key padding mask. No-op outside
+        incremental decoding."""
+        if not self.incremental:
+            return tensors
+        out = {}
+        for name, t in tensors.items():
+            prev = self._buffer.get(name)
+            out[name] = t if prev is None else torch.cat([prev, t], dim=1)
+            self._buffer[name] = out[name]
+        new_pad = self._new_padding
+        if new_pad is None:
+            new_pad = torch.zeros(self.batch_size, self.q_len, dtype=torch.bool,
+                                  device=next(iter(tensors.values())).device)
+        prev_pad = self._buffer.get("_padding")
+        full_pad = new_pad.bool() if prev_pad is None else torch.cat([prev_pad, new_pad.bool()], 1)
+        self._buffer["_padding"] = full_pad
+        self.key_padding_mask = full_pad if bool(full_pad.any()) else None
+        self.module._set_buffer(self.incremental_state, self._buffer)
+        return out
+
+    def cache_static(self, name: str, fn) -> Tensor:
+        """For encoder-decoder attention: compute ``fn()`` once per sentence and reuse it at every
+        decoding step (keys/values of the encoder output)."""
+        if self.incremental and name in self._buffer:
+            return self._buffer[name]
+        value = fn()
+        if self.incremental:
+            self._buffer[name] = value
+            self.module._set_buffer(self.incremental_state, self._buffer)
+        return value
+
+    # ---- masking -----------------------------------------------------------------------------
+    def blocked(self, k_len: int, device) -> Optional[Tensor]:
+        """Boolean mask ``[B or 1, 1, Tq, Tk]``, True where attention is not allowed (padding or
+        future). None when nothing is masked."""
+        mask = None
+        if self.attn_mask is not None:
+            am = self.attn_mask
+            # fairseq passes -inf (decoder), -1e8 or -1e4 (encoder layer, fp16) for blocked entries
+            am = am if am.dtype == torch.bool else am <= -1e4
+            mask = am[-self.q_len:, -k_len:].to(device).view(1, 1, self.q_len, k_len)
+        if self.key_padding_mask is not None:
+            pad = self.key_padding_mask.to(device=device, dtype=torch.bool)[:, -k_len:]
+            pad = pad.view(pad.size(0), 1, 1, k_len)
+            mask = pad if mask is None else (mask | pad)
+        return mask
+
+    def bias(self, k_len: int, dtype, device) -> Optional[Tensor]:
+        """Additive float mask ``[B or 1, 1, Tq, Tk]`` (0 or a large finite negative)."""
+        blocked = self.blocked(k_len, device)
+        if blocked is None:
+            return None
+        return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
+            blocked, mask_value(dtype))
+
+    # ---- positions ---------------------------------------------------------------------------
+    def key_positions(self, k_len: int, device) -> Tensor:
+        """Pad-aware absolute key positions, ``[B or 1, Tk]``."""
+        pad = self.key_padding_mask
+        return positions_from_padding(None if pad is None else pad[:, -k_len:], k_len, device)
+
+    def query_positions(self, device) -> Tensor:
+        """Absolute positions of the current queries (self-attention), ``[B or 1, Tq]``."""
+        return self.key_positions(self.offset + self.q_len, device)[:, -self.q_len:]
+
+    # ---- attention ---------------------------------------------------------------------------
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+               extra_logits: Optional[Tensor] = None) -> Tensor:
+        """softmax(q kᵀ·scale + extra + mask) v with dropout, via the fused SDPA kernel.
+
+        q ``[B, H, Tq, dk]``, k ``[B, H, Tk, dk]``, v ``[B, H, Tk, dv]`` -> ``[B, H, Tq, dv]``."""
+        if extra_logits is None:
+            bias = self.bias(k.size(-2), q.dtype, q.device)
+        else:  # masked_fill, not a second addition: an fp16 logit + mask would overflow to -inf
+            blocked = self.blocked(k.size(-2), q.device)
+            bias = extra_logits if blocked is None else torch.where(
+                blocked, mask_value(extra_logits.dtype), extra_logits)
+        p = self.module.dropout if self.module.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=scale)
+
+    def attend_logits(self, logits: Tensor, v: Tensor) -> Tensor:
+        """softmax(logits + mask) v with dropout, for methods whose logits are not a dot product.
+
+        logits ``[B, H, Tq, Tk]``, v ``[B, H, Tk, dv]``."""
+        blocked = self.blocked(logits.size(-1), logits.device)
+        if blocked is not None:
+            logits = logits.masked_fill(blocked, mask_value(logits.dtype))
+        probs = fp32_softmax(logits)
+        probs = F.dropout(probs, p=self.module.dropout, training=self.module.training)
+        return torch.matmul(probs, v)
+
+
+class ZooAttention(FairseqIncrementalState, nn.Module):
+    """Base class of attention replacements, with fairseq ``MultiheadAttention``'s interface.
+
+    Subclasses set ``embed_dim``, ``num_heads``, ``head_dim`` and ``dropout`` and implement
+    ``compute(x_q, x_kv, ctx)``:  ``x_q [B, Tq, C]``, ``x_kv [B, Tk, C]`` (the same tensor for
+    self-attention; the encoder output for cross-attention) and an :class:`AttnContext`, returning
+    ``[B, Tq, C]``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim {embed_dim} is not divisible by attention heads {num_heads}: "
+                "change --*-attention-heads or --*-embed-dim")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+
+    # fairseq's MultiheadAttention signature (query/key/value are time-first [T, B, C])
+    def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None,
+                key_padding_mask: Optional[Tensor] = None,
+                incremental_state: IncrementalState = None, need_weights: bool = False,
+                static_kv: bool = False, attn_mask: Optional[Tensor] = None,
+                before_softmax: bool = False, need_head_weights: bool = False):
+        if before_softmax:
+            raise NotImplementedError(f"{type(self).__name__} does not support before_softmax")
+        tq, bsz, _ = query.shape
+        x_q = query.transpose(0, 1)
+        if key is None or key is query:
+            x_kv = x_q
+        elif static_kv and incremental_state is not None and self._get_buffer(incremental_state):
+            x_kv = None  # encoder keys/values are already cached
+        else:
+            x_kv = key.transpose(0, 1)
+        ctx = AttnContext(self, incremental_state, key_padding_mask, attn_mask, bsz, tq, static_kv)
+        out = self.compute(x_q, x_kv, ctx)
+        return out.transpose(0, 1), None
+
+    def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
+        raise NotImplementedError
+
+    # helpers -----------------------------------------------------------------------------------
+    def split_heads(self, x: Tensor, head_dim: Optional[int] = None) -> Tensor:
+        """[B, T, H*d] -> [B, H, T, d]"""
+        b, t, _ = x.shape
+        return x.view(b, t, self.num_heads, head_dim or self.head_dim).transpose(1, 2)
+
+    @staticmethod
+    def merge_heads(x: Tensor) -> Tensor:
+        """[B, H, T, d] -> [B, T, H*d]"""
+        b, h, t, d = x.shape
+        return x.transpose(1, 2).reshape(b, t, h * d)
+
+    def _get_buffer(self, incremental_state: IncrementalState) -> Optional[Dict[str, Optional[Tensor]]]:
+        return self.get_incremental_state(incremental_state, "zoo_attn_state")
+
+    def _set_buffer(self, incremental_state: IncrementalState, buffer):
+        return self.set_incremental_state(incremental_state, "zoo_attn_state", buffer)
+
+    # fairseq's decoder layer peeks at this (cross_self_attention); keep the MHA name working
+    def _get_input_buffer(self, incremental_state: IncrementalState):
+        return self._get_buffer(incremental_state) or {}
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
+        """Beam search reorders hypotheses: every cached tensor is batch-first."""
+        buf = self._get_buffer(incremental_state)
+        if buf is not None:
+            for k, v in buf.items():
+                buf[k] = None if v is None else v.index_select(0, new_order)
+            self._set_buffer(incremental_state, buf)
+        return incremental_state

@@ -1,0 +1,57 @@
+"""Plain multi-head attention (Vaswani et al., 2017) on the shared base, through PyTorch's fused
+scaled-dot-product kernel: softmax(Q Kᵀ / √d_k + mask) V per head.
+
+The reference for the base's masking and caching, a drop-in for fairseq's ``MultiheadAttention``
+(same parameter names, so weights are interchangeable), and the "vanilla" component of mixtures.
+Registered as the ``sdpa`` sublayer by :mod:`fairseq_attnzoo.models.sdpa`. Imports torch only.
+"""
+
+import math
+from typing import Optional
+
+import torch.nn as nn
+from torch import Tensor
+
+from .attention import AttnContext, ZooAttention
+
+
+def init_like_fairseq_mha(input_projections, out_proj: nn.Linear):
+    """fairseq MultiheadAttention's init: xavier with gain 1/sqrt(2) on the input projections,
+    plain xavier on the output projection, zero output bias."""
+    for lin in input_projections:
+        nn.init.xavier_uniform_(lin.weight, gain=1 / math.sqrt(2))
+    nn.init.xavier_uniform_(out_proj.weight)
+    if out_proj.bias is not None:
+        nn.init.constant_(out_proj.bias, 0.0)
+
+
+class ZooMultiheadAttention(ZooAttention):
+    """Plain scaled dot-product multi-head attention on the shared base (fused SDPA kernel).
+
+    Same parameters and names as fairseq's ``MultiheadAttention`` (q_proj/k_proj/v_proj/out_proj),
+    so weights are interchangeable; a test checks the outputs agree. It is the reference for the
+    base's masking and caching, and the "vanilla" component of mixtures."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, kdim=None, vdim=None,
+                 bias: bool = True):
+        super().__init__(embed_dim, num_heads, dropout)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        init_like_fairseq_mha((self.q_proj, self.k_proj, self.v_proj), self.out_proj)
+
+    def keys_values(self, x_kv: Optional[Tensor], ctx: AttnContext):
+        if ctx.static_kv:
+            return (ctx.cache_static("k", lambda: self.split_heads(self.k_proj(x_kv))),
+                    ctx.cache_static("v", lambda: self.split_heads(self.v_proj(x_kv))))
+        kv = ctx.cache(k=self.k_proj(x_kv), v=self.v_proj(x_kv))
+        return self.split_heads(kv["k"]), self.split_heads(kv["v"])
+
+    def compute(self, x_q, x_kv, ctx):
+        q = self.split_heads(self.q_proj(x_q))
+        k, v = self.keys_values(x_kv, ctx)
+        return self.out_proj(self.merge_heads(ctx.attend(q, k, v)))

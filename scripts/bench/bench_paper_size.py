@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""End-to-end ``fairseq-train`` at the sizes people train: every arch against its stock baseline.
+
+For each group, precision and arch, the baseline and the arch are trained alternately (baseline,
+arch, arch, baseline, ...) for the same number of updates with the same flags and seed; each run
+reports training tokens/s (median of fairseq's ``wps`` over the ``train_inner`` intervals after the
+first, so start-up and compilation are left out), peak GPU memory (``torch.cuda.max_memory_
+allocated`` of the training process) and the valid loss reached at the last update. The table
+gives medians over the repeats and the ratios to the baseline; every row is written to ``--out``
+as soon as it is measured, so a cut-off run keeps what it finished.
+
+Groups (``--size base``; ``--size tiny`` shrinks every model for a CPU dry run of the harness):
+
+* ``mt``: transformer-base translation (6+6 layers, d 512, FFN 2048, 8 heads, ``--max-tokens
+  8192``): ``transformer`` vs the Synthesizer, AOP, collab and PKM archs.
+* ``lm``: a 12-layer d 512 ``transformer_lm`` vs ``transformer_lm_pkm`` and
+  ``transformer_lm_memplus`` with 262,144 memory slots (``--pkm-n-keys 512``), blocks of 512.
+* ``span``: ``adaptive_span_lm`` at the adaptive-span paper's small enwik8 configuration against
+  fairseq's installed ``examples/adaptive_span`` (``scripts.bench.bench_adaptive_span_vs_fairseq``).
+
+Precisions: ``fp16`` (``--fp16``), ``bf16`` (``--bf16``: fairseq's bf16 path, reachable on GPUs
+through the plugin's compat entry ``fairseq_bf16_without_tpu``), ``amp``, ``fp32``.
+
+Examples::
+
+    python -m scripts.bench.bench_paper_size --size base --device cuda --precisions fp16 bf16 \\
+        --data-mt data/libreoffice/bin --data-lm data/wiki-gensim/bin --out results/paper_size.md
+    python -m scripts.bench.bench_paper_size --size tiny --device cpu --updates 6 --repeats 1   # dry run
+
+(run from the repository root: ``scripts`` is a package; the training runs are child processes of
+the same modules, started in the repository root).
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from scripts.demo.config import REPO, USER_DIR
+
+MODULE = "scripts.bench.bench_paper_size"  # runs itself (--run-train) as a child: python -m MODULE
+
+MT_ARCHS = ["transformer_synth_dense", "transformer_synth_random",
+            "transformer_synth_factorized_random", "transformer_aop", "transformer_aop_h16",
+            "transformer_collab", "transformer_pkm"]
+LM_ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus"]
+BASELINE = {"mt": "transformer", "lm": "transformer_lm"}
+
+MT_BASE = ("--task translation --share-decoder-input-output-embed --optimizer adam "
+           "--adam-betas (0.9,0.98) --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 "
+           "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout 0.1 "
+           "--max-tokens 8192 --skip-invalid-size-inputs-valid-test")
+LM_BASE = ("--task language_modeling --sample-break-mode none --tokens-per-sample 512 "
+           "--decoder-layers 12 --decoder-embed-dim 512 --decoder-ffn-embed-dim 2048 "
+           "--decoder-attention-heads 8 --optimizer adam --adam-betas (0.9,0.98) --lr 5e-4 "
+           "--lr-scheduler inverse_sqrt --warmup-updates 4000 --criterion cross_entropy "
+           "--dropout 0.1 --max-tokens 8192")
+#: method flags (zoo archs only; the stock baselines do not know them)
+METHOD = {"mt": "", "lm": "--pkm-n-keys 512"}
+#: --size tiny: the same runs with every model shrunk (a CPU dry run of the harness)
+TINY_MT = ("--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 64 --decoder-embed-dim 64 "
+           "--encoder-ffn-embed-dim 128 --decoder-ffn-embed-dim 128 --encoder-attention-heads 4 "
+           "--decoder-attention-heads 4 --max-tokens 1024")
+TINY_LM = ("--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 "
+           "--decoder-attention-heads 4 --tokens-per-sample 64 --max-tokens 1024")
+TINY_METHOD = "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16"
+PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
+#: the adaptive-span paper's small enwik8 model (Sukhbaatar et al. 2019, Table/appendix: 12
+#: layers, d 512, 8 heads, FFN 2048, span 8192, block 512, batch 64)
+SPAN_PAPER_SMALL = ["--layers", "12", "--dim", "512", "--heads", "8", "--ffn", "2048",
+                    "--span", "8192", "--block", "512", "--batch", "64"]
+SPAN_TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128", "--span", "64",
+             "--block", "32", "--batch", "4"]
+
+PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
+
+
+def run_train_here(argv):
+    """``fairseq-train argv`` in this process, then print the peak CUDA memory it allocated."""
+    import torch
+    from fairseq_cli import train
+
+    sys.argv = ["fairseq-train"] + argv
+    try:
+        train.cli_main()
+    finally:
+        if torch.cuda.is_available():
+            print(f"{PEAK_TAG} {torch.cuda.max_memory_allocated()}", flush=True)
+
+
+def train_command(group, arch, data, args, save_dir):
+    flags = shlex.split(MT_BASE if group == "mt" else LM_BASE)
+    if arch != BASELINE[group]:
+        flags += shlex.split(METHOD[group])
+    if args.size == "tiny":
+        flags += shlex.split(TINY_MT if group == "mt" else TINY_LM)
+        if arch != BASELINE[group]:
+            flags += shlex.split(TINY_METHOD)
+    interval = max(1, args.updates // 5)
+    cmd = [sys.executable, "-m", MODULE, "--run-train", data, "--user-dir", USER_DIR,
+           "--arch", arch, "--max-update", str(args.updates), "--seed", str(args.seed),
+           "--save-dir", save_dir, "--no-save", "--log-format", "json", "--log-interval",
+           str(interval), "--num-workers", "2", "--max-valid-steps", str(args.valid_steps)]
+    cmd += flags + PRECISION_FLAGS[args._precision]
+    if args.device == "cpu":
+        cmd.append("--cpu")
+    return cmd + shlex.split(args.extra)
+
+
+def _json_lines(text, tag):
+    out = []
+    for line in text.splitlines():
+        key = f"| {tag} | "
+        i = line.find("{") if (key in line or f"[{tag}]" in line or f"INFO:{tag}:" in line) else -1
+        if i >= 0:
+            try:
+                out.append(json.loads(line[i:]))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def one_run(group, arch, data, args):
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = train_command(group, arch, data, args, tmp)
+        t0 = time.time()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout,
+                             cwd=REPO)
+        text = out.stdout + out.stderr
+    if out.returncode != 0:
+        return {"error": text.strip().splitlines()[-1][:300] if text.strip() else "failed"}
+    inner = _json_lines(text, "train_inner")
+    valid = _json_lines(text, "valid")
+    wps = [float(r["wps"]) for r in inner[1:]] or [float(r["wps"]) for r in inner]
+    peak = [int(l.split()[1]) for l in text.splitlines() if l.startswith(PEAK_TAG)]
+    return {"tokens/s": statistics.median(wps) if wps else float("nan"),
+            "peak GiB": peak[-1] / 2**30 if peak else float("nan"),
+            "valid loss": float(valid[-1]["valid_loss"]) if valid else float("nan"),
+            "wall s": time.time() - t0}
+
+
+def median_of(runs, key):
+    vals = [r[key] for r in runs if key in r]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def bench_pair(group, arch, data, args):
+    """Alternate baseline and arch ``--repeats`` times; one table row."""
+    baseline = BASELINE[group]
+    base, cand = [], []
+    for i in range(args.repeats):
+        order = [(baseline, base), (arch, cand)]
+        for name, sink in (order if i % 2 == 0 else order[::-1]):
+            sink.append(one_run(group, name, data, args))
+    errors = [r["error"] for r in base + cand if "error" in r]
+    row = {"group": group, "precision": args._precision, "arch": arch, "baseline": baseline}
+    if errors:
+        row["error"] = errors[0]
+        return row
+    for key in ("tokens/s", "peak GiB", "valid loss"):
+        row[key] = median_of(cand, key)
+        row[f"baseline {key}"] = median_of(base, key)
+    row["speed ratio"] = row["tokens/s"] / row["baseline tokens/s"]
+    row["memory ratio"] = row["peak GiB"] / row["baseline peak GiB"]
+    return row
+
+
+COLUMNS = ["group", "precision", "arch", "tokens/s", "baseline tokens/s", "speed ratio",
+           "peak GiB", "baseline peak GiB", "memory ratio", "valid loss", "baseline valid loss"]
+
+
+def format_row(row):
+    if "error" in row:
+        return f"| {row['group']} | {row['precision']} | {row['arch']} | failed: {row['error']} |"
+    cells = []
+    for c in COLUMNS:
+        v = row.get(c, "")
+        cells.append(f"{v:.3f}" if isinstance(v, float) and "ratio" in c else
+                     f"{v:,.0f}" if isinstance(v, float) and "tokens" in c else
+                     f"{v:.2f}" if isinstance(v, float) and "GiB" in c else
+                     f"{v:.3f}" if isinstance(v, float) else str(v))
+    return "| " + " | ".join(cells) + " |"
+
+
+def bench_span(args, emit):
+    """Our adaptive_span_lm vs fairseq's examples/adaptive_span at the paper-small config, in each
+    precision (tokens/s over the train_inner intervals and valid bpc by fairseq-eval-lm)."""
+    sizes = SPAN_PAPER_SMALL if args.size == "base" else SPAN_TINY
+    emit("\n| precision | model | updates | train tokens/s | speed ratio | valid bpc | bpc diff |")
+    emit("|---|---|---|---|---|---|---|")
+    for precision in args.precisions:
+        with tempfile.TemporaryDirectory() as tmp:
+            out_json = os.path.join(tmp, "span.json")
+            cmd = [sys.executable, "-m", "scripts.bench.bench_adaptive_span_vs_fairseq",
+                   "--data", args.data_lm, "--work", tmp, "--device", args.device, "--updates",
+                   str(args.updates), "--segments", "2", "--json", out_json] + sizes
+            cmd += [f"--extra={flag}" for flag in PRECISION_FLAGS[precision]]
+            out = subprocess.run(cmd, capture_output=True, text=True,
+                                 timeout=args.run_timeout * 4, cwd=REPO)
+            if out.returncode != 0 or not os.path.exists(out_json):
+                text = (out.stdout + out.stderr).strip().splitlines() or ["failed"]
+                emit(f"| {precision} | adaptive_span_lm vs examples/adaptive_span | failed: "
+                     f"{text[-1][:300]} |")
+                continue
+            with open(out_json) as f:
+                rows = json.load(f)["rows"]
+        for r in rows:
+            bpc = next(v for k, v in r.items() if k.endswith("bpc (eval-lm)"))
+            emit(f"| {precision} | {r['model']} | {r['updates']} | {r['train tokens/s']:,.0f} | "
+                 f"{r['speed ratio']:.3f} | {bpc:.4f} | {r['bpc diff']:+.4f} |")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--run-train"]:
+        return run_train_here(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=["base", "tiny"], default="base")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--groups", nargs="+", default=["mt", "lm", "span"],
+                   choices=["mt", "lm", "span"])
+    p.add_argument("--precisions", nargs="+", default=["fp16", "bf16"],
+                   choices=list(PRECISION_FLAGS))
+    p.add_argument("--archs", nargs="*", default=None, help="only these candidate archs")
+    p.add_argument("--data-mt", default=os.path.join(REPO, "data/libreoffice/bin"))
+    p.add_argument("--data-lm", default=os.path.join(REPO, "data/wiki-gensim/bin"))
+    p.add_argument("--updates", type=int, default=300, help="updates per run (default 300)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per arch and baseline")
+    p.add_argument("--valid-steps", type=int, default=50, help="--max-valid-steps of each run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--run-timeout", type=int, default=1800, help="seconds per training run")
+    p.add_argument("--extra", default="", help="more fairseq-train flags for every run")
+    p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
+    args = p.parse_args(argv)
+    args.data_mt, args.data_lm = os.path.abspath(args.data_mt), os.path.abspath(args.data_lm)
+    for group, data in (("mt", args.data_mt), ("lm", args.data_lm), ("span", args.data_lm)):
+        if group in args.groups and not os.path.isdir(data):
+            p.error(f"--data-{'mt' if group == 'mt' else 'lm'} {data} does not exist: run "
+                    "`make data` (or pass the binarised data directory)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        def emit(line):
+            print(line, flush=True)
+            f.write(line + "\n")
+            f.flush()
+
+        emit(f"\n`{' '.join(shlex.quote(a) for a in ['python', '-m', MODULE] + argv)}`\n")
+        emit("| " + " | ".join(COLUMNS) + " |")
+        emit("|" + "---|" * len(COLUMNS))
+        for precision in args.precisions:
+            args._precision = precision
+            for group, archs, data in (("mt", MT_ARCHS, args.data_mt),
+                                       ("lm", LM_ARCHS, args.data_lm)):
+                if group not in args.groups:
+                    continue
+                for arch in archs:
+                    if args.archs is None or arch in args.archs:
+                        emit(format_row(bench_pair(group, arch, data, args)))
+        if "span" in args.groups:
+            bench_span(args, emit)
+
+
+if __name__ == "__main__":
+    main()

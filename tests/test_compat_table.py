@@ -1,0 +1,317 @@
+"""The compatibility table (``fairseq_attnzoo/compat.py``) and the bounded-parameter projection.
+
+* every entry of the table is applied on the pinned stack and changes what it says it changes;
+* an entry whose target is not the version it was written for is skipped with a warning and leaves
+  the target alone; ``ATTNZOO_COMPAT_DISABLE=NAME`` / ``=all`` leave the targets unchanged (these
+  run in a fresh interpreter, since patches are applied once per process);
+* ``fairseq_attnzoo.modules`` changes nothing at import time;
+* the projection hook works for optimizers that are not hashable, sees a parameter swapped into a
+  group of the same size, survives ``half()``/``to()`` under torch's swap/overwrite conversion
+  flags, and survives pickling.
+"""
+
+import copy
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fairseq_attnzoo  # noqa: F401  (applies the table)
+from fairseq_attnzoo import compat
+from fairseq_attnzoo.modules.constrained import BoundedParameter, UnitIntervalParameter
+from fairseq_attnzoo.modules.precision import Float32Module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fairseq_attnzoo.__file__)))
+
+
+def _python(code: str, **env) -> dict:
+    """Run ``code`` in a fresh interpreter (this checkout first on the path); it prints one JSON
+    object on its last line, returned here."""
+    full_env = {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
+    full_env.update(env, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=full_env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {"stderr": out.stderr, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def test_every_entry_is_applied_on_the_pinned_stack():
+    import argparse
+
+    import numpy as np
+    from fairseq.logging import meters
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+    from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+    from torch.optim import optimizer as torch_optimizer
+
+    from fairseq_attnzoo.modules import constrained
+    from fairseq_attnzoo.optim import mixed_precision
+
+    names = [p.name for p in compat.PATCHES]
+    assert len(names) == len(set(names))
+    assert compat.status() == {n: compat.APPLIED for n in names}
+    # ... and each did what its entry says
+    assert argparse.Namespace in torch.serialization.get_safe_globals()
+    assert constrained.project_after_step in torch_optimizer._global_optimizer_post_hooks.values()
+    assert np.compat.long is np.int64
+    assert AMPOptimizer.step is mixed_precision.amp_step
+    assert _FP16OptimizerMixin._sync_fp32_params_to_fp16.__qualname__.startswith("projecting_sync")
+    assert meters.SlotUsageMeter.__module__ == "fairseq_attnzoo.models.pkm"
+    # applying again is a no-op (once per process)
+    assert compat.apply_all() == compat.status()
+    assert list(torch_optimizer._global_optimizer_post_hooks.values()).count(
+        constrained.project_after_step) == 1
+
+
+def test_describe_lists_every_entry_with_its_status_and_target():
+    text = compat.describe()
+    for p in compat.PATCHES:
+        line = next(line for line in text.splitlines() if line.startswith(p.name + " "))
+        assert compat.APPLIED in line and p.target in line
+        assert p.why in text
+
+
+def test_known_source_check_rejects_another_version():
+    def f():
+        return 1
+
+    def g():
+        return 2
+
+    ok = compat.known_source(lambda: f, compat.source_digest(f))
+    assert ok() is None
+    reason = compat.known_source(lambda: g, compat.source_digest(f))()
+    assert "not the version" in reason and compat.source_digest(g) in reason
+    assert "target not found" in compat.known_source(lambda: _missing_attribute(), "x")()
+
+
+def _missing_attribute():
+    raise AttributeError("no such function")
+
+
+_STATE = """
+import argparse, json, sys, numpy as np, torch
+{prelude}
+import fairseq_attnzoo
+from fairseq_attnzoo import compat
+from fairseq.optim.amp_optimizer import AMPOptimizer
+from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+from fairseq.logging import meters
+from torch.optim import optimizer as o
+print(json.dumps({{
+    "status": compat.status(),
+    "amp_step": AMPOptimizer.step.__qualname__,
+    "amp_digest": compat.source_digest(AMPOptimizer.step),
+    "sync_digest": compat.source_digest(_FP16OptimizerMixin._sync_fp32_params_to_fp16),
+    "np_compat": hasattr(np, "compat"),
+    "meter": hasattr(meters, "SlotUsageMeter"),
+    "step_hooks": len(o._global_optimizer_post_hooks),
+    "namespace_allowed": argparse.Namespace in torch.serialization.get_safe_globals(),
+}}))
+"""
+
+#: digests of the fairseq functions as shipped (compat.py's known versions)
+AMP_DIGEST, SYNC_DIGEST = "2b8a6f80fa6ca14b", "a53fdba609963e2d"
+
+
+def test_a_changed_target_is_skipped_with_a_warning_and_left_unchanged():
+    prelude = ("from fairseq.optim.amp_optimizer import AMPOptimizer\n"
+               "def step(self):  # another fairseq's AMPOptimizer.step\n"
+               "    self.scaler.step(self.optimizer)\n"
+               "AMPOptimizer.step = step\n")
+    got = _python(_STATE.format(prelude=prelude))
+    assert got["status"]["fairseq_amp_single_unscale"] == compat.SKIPPED
+    assert got["amp_step"] == "step"  # ours, not compat's
+    assert "fairseq_amp_single_unscale not applied" in got["stderr"]
+    assert "left unchanged" in got["stderr"]
+    others = {k: v for k, v in got["status"].items() if k != "fairseq_amp_single_unscale"}
+    assert set(others.values()) == {compat.APPLIED}
+
+
+def test_disable_one_entry_by_name():
+    got = _python(_STATE.format(prelude=""),
+                  **{compat.ENV_DISABLE: "fairseq_amp_single_unscale, numpy_compat_long,amp"})
+    assert "no compat patch named amp; the names are torch_safe_globals_namespace" in got["stderr"]
+    assert got["status"]["fairseq_amp_single_unscale"] == compat.DISABLED
+    assert got["status"]["numpy_compat_long"] == compat.DISABLED
+    assert got["amp_digest"] == AMP_DIGEST and not got["np_compat"]
+    assert got["status"]["fairseq_fp16_master_projection"] == compat.APPLIED
+    assert got["sync_digest"] != SYNC_DIGEST
+
+
+def test_disable_all_leaves_every_target_unchanged():
+    got = _python(_STATE.format(prelude=""), **{compat.ENV_DISABLE: "all"})
+    assert set(got["status"].values()) == {compat.DISABLED}
+    assert got["amp_digest"] == AMP_DIGEST and got["sync_digest"] == SYNC_DIGEST
+    assert not got["np_compat"] and not got["meter"]
+    assert got["step_hooks"] == 0 and not got["namespace_allowed"]
+
+
+def test_modules_change_nothing_at_import():
+    """``fairseq_attnzoo.modules.*`` is plain PyTorch: importing every file of it (without the
+    package's ``__init__``, which applies the compat table) registers no optimizer hook, allow-lists
+    nothing, patches neither fairseq, numpy nor ``sys.excepthook``."""
+    code = """
+import argparse, glob, importlib, json, os, sys, types
+import numpy as np, torch
+from torch.optim import optimizer as o
+hook = sys.excepthook
+pkg = types.ModuleType("fairseq_attnzoo")  # the package without its __init__ (no compat.apply_all)
+pkg.__path__ = [os.path.join(os.getcwd(), "fairseq_attnzoo")]
+sys.modules["fairseq_attnzoo"] = pkg
+names = sorted(os.path.basename(p)[:-3] for p in glob.glob("fairseq_attnzoo/modules/*.py"))
+for name in names:
+    importlib.import_module("fairseq_attnzoo.modules" + ("" if name == "__init__" else "." + name))
+amp = None
+if "fairseq" in sys.modules:
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+    amp = AMPOptimizer.step.__module__
+print(json.dumps({
+    "imported": names,
+    "hooks": len(o._global_optimizer_post_hooks) + len(o._global_optimizer_pre_hooks),
+    "namespace_allowed": argparse.Namespace in torch.serialization.get_safe_globals(),
+    "np_compat": hasattr(np, "compat"),
+    "excepthook": sys.excepthook is hook,
+    "amp": amp,
+    "ours": sorted(m for m in sys.modules if m.startswith("fairseq_attnzoo.")
+                   and not m.startswith("fairseq_attnzoo.modules")),
+}))
+"""
+    got = _python(code)
+    assert {"__init__", "base", "constrained", "precision"} <= set(got["imported"])
+    assert got["hooks"] == 0 and not got["namespace_allowed"]
+    assert not got["np_compat"] and got["excepthook"]
+    assert got["amp"] in (None, "fairseq.optim.amp_optimizer")
+    assert got["ours"] == [], "modules/ must not import the fairseq wiring"
+
+
+# ---- the projection hook -------------------------------------------------------------------------
+
+class Span(Float32Module):
+    """The shape of an adaptive span: a float32 module holding a UnitIntervalParameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.z = UnitIntervalParameter(torch.full((3,), 0.5))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.span = Span()
+
+
+def _push_out_of_bounds(params, optimizer):
+    """One SGD step that moves every bounded parameter to 0.5 + 10 (above its bound of 1)."""
+    for p in params:
+        p.grad = torch.full_like(p, -10.0)
+    optimizer.step()
+
+
+class UnhashableSGD(torch.optim.SGD):
+    def __eq__(self, other):  # no __hash__: instances are unhashable
+        return self is other
+
+
+def test_unhashable_optimizer_steps_and_projects():
+    z = UnitIntervalParameter(torch.full((3,), 0.5))
+    opt = UnhashableSGD([z], lr=1.0)
+    with pytest.raises(TypeError):
+        hash(opt)
+    _push_out_of_bounds([z], opt)
+    assert torch.equal(z.detach(), torch.ones(3))
+
+
+def test_bounded_parameter_swapped_into_a_group_of_the_same_size_is_projected():
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([a, b], lr=1.0)
+    _push_out_of_bounds([a, b], opt)  # the hook has seen this group: no bounded parameter
+    z = UnitIntervalParameter(torch.full((3,), 0.5))
+    opt.param_groups[0]["params"][1] = z  # same number of parameters
+    _push_out_of_bounds([a, z], opt)
+    assert torch.equal(z.detach(), torch.ones(3))
+
+
+def test_projection_cache_holds_parameters_not_their_ids():
+    """A parameter freed and replaced may get the same ``id``: the cache must still see the new
+    object (it keeps the parameters it was computed for)."""
+    from fairseq_attnzoo.modules.constrained import bounded_params_of
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=1.0)
+    assert bounded_params_of(opt) == []
+    group = opt.param_groups[0]["params"]
+    data = torch.full((3,), 0.5)
+    # a cache keyed by ids alone: the parameter is freed here and CPython gives its memory (its id)
+    # to the next object of that size, the bounded parameter below, which then looks cached
+    del group[0]
+    z = UnitIntervalParameter(data)
+    group.append(z)
+    assert bounded_params_of(opt) == [z]
+
+
+@pytest.fixture(params=["swap", "overwrite", "default"])
+def conversion_flag(request):
+    future = torch.__future__
+    old = (future.get_swap_module_params_on_conversion(),
+           future.get_overwrite_module_params_on_conversion())
+    try:
+        future.set_swap_module_params_on_conversion(request.param == "swap")
+        future.set_overwrite_module_params_on_conversion(request.param == "overwrite")
+        yield request.param
+    finally:
+        future.set_swap_module_params_on_conversion(old[0])
+        future.set_overwrite_module_params_on_conversion(old[1])
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "cpu"])
+def test_cast_keeps_float32_and_the_class_under_torch_conversion_flags(conversion_flag, cast):
+    model = Model()
+    if cast == "half":
+        model.half()
+    elif cast == "bfloat16":
+        model.to(torch.bfloat16)
+    else:
+        model.to("cpu")
+    z = model.span.z
+    assert type(z) is UnitIntervalParameter
+    assert z.dtype == torch.float32 and torch.equal(z.detach(), torch.full((3,), 0.5))
+    assert model.proj.weight.dtype == {"half": torch.float16, "bfloat16": torch.bfloat16,
+                                       "cpu": torch.float32}[cast]
+    assert [n for n, _ in model.named_parameters()] == ["proj.weight", "proj.bias", "span.z"]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    _push_out_of_bounds([z], opt)
+    assert torch.equal(model.span.z.detach(), torch.ones(3))
+
+
+def test_pickle_round_trip_keeps_the_class_and_the_projection():
+    model = Model()
+    clones = pickle.loads(pickle.dumps(model)), copy.deepcopy(model), _torch_round_trip(model)
+    for clone in clones:
+        z = clone.span.z
+        assert type(z) is UnitIntervalParameter and z.requires_grad
+        assert torch.equal(z.detach(), model.span.z.detach())
+        opt = torch.optim.Adam(clone.parameters(), lr=1.0)
+        _push_out_of_bounds([z], opt)
+        assert torch.equal(clone.span.z.detach(), torch.ones(3))
+
+
+def _torch_round_trip(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_bounded_parameter_state_dict_holds_plain_tensors():
+    state = Model().state_dict()
+    assert type(state["span.z"]) is torch.Tensor
+    assert not isinstance(state["span.z"], BoundedParameter)

@@ -1,0 +1,137 @@
+"""Every mistake a user can make with our flags, archs and the shipped configs ends in one line on
+stderr that names the flag and the fix (the last line, ``fairseq-attnzoo: ...``), with a non-zero
+exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real console script."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zoo_testlib import REPO, USER_DIR, quiet, run_cli
+
+BIN = os.path.dirname(sys.executable)
+TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
+           "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+           "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+           "--decoder-attention-heads", "2"]
+
+
+def cli(program, *argv, env=None, cwd=None):
+    """Run a fairseq console script; return (exit code, non-empty stderr lines)."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1")
+    full_env.pop("ATTNZOO_TRACEBACK", None)
+    full_env.update(env or {})
+    r = subprocess.run([os.path.join(BIN, program), *argv], capture_output=True, text=True,
+                       timeout=300, env=full_env, cwd=cwd)
+    return r.returncode, [line for line in r.stderr.splitlines() if line.strip()]
+
+
+def assert_one_line(code, lines, *words):
+    assert code != 0, lines[-20:]
+    last = lines[-1]
+    assert last.startswith("fairseq-attnzoo: "), lines[-20:]
+    assert all(w in last for w in words), last
+    assert not any(line.startswith("Traceback") for line in lines), lines[-20:]
+    return last
+
+
+def train(data, *flags, **kw):
+    return cli("fairseq-train", data, "--user-dir", USER_DIR, "--cpu", "--max-tokens", "500",
+               "--max-update", "1", "--optimizer", "adam", "--lr", "1e-3", "--no-save",
+               *TINY_MT, *flags, **kw)
+
+
+def test_our_flag_error_is_one_line(mt_data):
+    """A validation error of our code (a plain ValueError raised in fairseq_attnzoo)."""
+    code, lines = train(mt_data, "--arch", "transformer_pkm", "--pkm-knn", "32",
+                        "--pkm-n-keys", "16")
+    assert_one_line(code, lines, "--pkm-knn", "--pkm-n-keys")
+
+
+def test_traceback_on_request(mt_data):
+    code, lines = train(mt_data, "--arch", "transformer_pkm", "--pkm-knn", "32",
+                        "--pkm-n-keys", "16", env={"ATTNZOO_TRACEBACK": "1"})
+    assert code != 0 and any(line.startswith("Traceback") for line in lines)
+    assert lines[-1].startswith("fairseq-attnzoo: ") and "--pkm-knn" in lines[-1]
+
+
+def test_misspelled_arch_did_you_mean(mt_data):
+    code, lines = train(mt_data, "--arch", "transfomer_synth_dense")
+    last = assert_one_line(code, lines, "--arch", "did you mean", "transformer_synth_dense")
+    assert len(last) < 250 and len(lines) == 1, lines  # not argparse's usage and 200 choices
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a CPU-only machine")
+def test_fp16_on_cpu(mt_data):
+    code, lines = train(mt_data, "--arch", "transformer_aop", "--fp16")
+    assert_one_line(code, lines, "--fp16", "GPU", "drop --fp16", "--cpu")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a CPU-only machine")
+def test_hydra_config_fp16_on_cpu(mt_data, tmp_path):
+    """The shipped configs set common.fp16=true: on a CPU machine the hint gives the overrides
+    (hydra itself would print its own report and a HYDRA_FULL_ERROR line instead)."""
+    code, lines = cli(
+        "fairseq-hydra-train", "--config-dir", f"{REPO}/examples/wmt14_en_de/config",
+        "--config-name", "transformer_aop", f"common.user_dir={USER_DIR}", f"task.data={mt_data}",
+        "task.source_lang=src", "task.target_lang=tgt", "checkpoint.save_dir=ckpt",
+        "model.encoder_layers=1", "model.decoder_layers=1", "model.encoder_embed_dim=16",
+        "model.decoder_embed_dim=16", "model.encoder_ffn_embed_dim=32",
+        "model.decoder_ffn_embed_dim=32", "dataset.num_workers=0", cwd=tmp_path)
+    assert_one_line(code, lines, "common.fp16=false", "common.cpu=true")
+    assert not (tmp_path / "outputs").exists()  # hydra's run dir is under checkpoint.save_dir
+    assert (tmp_path / "ckpt" / "hydra").is_dir()
+
+
+@pytest.fixture(scope="module")
+def synth_lm(lm_data, tmp_path_factory):
+    """A Synthesizer LM whose tables hold 24 positions, trained 1 update."""
+    from zoo_testlib import tiny_flags
+
+    save = str(tmp_path_factory.mktemp("synth_lm"))
+    flags = tiny_flags("transformer_lm_synth_dense", lm_data) + [
+        "--synth-max-len", "24", "--tokens-per-sample", "24", "--save-dir", save,
+        "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--max-tokens", "400",
+        "--num-workers", "0", "--no-epoch-checkpoints", "--disable-validation"]
+    with quiet():
+        run_cli("train", flags)
+    return os.path.join(save, "checkpoint_last.pt")
+
+
+@pytest.mark.parametrize("flags,words", [
+    ([], ["--tokens-per-sample 1024", "24 positions", "--tokens-per-sample 24"]),
+    (["--tokens-per-sample", "32", "--context-window", "16"],
+     ["--tokens-per-sample 32", "--context-window 16", "--tokens-per-sample 24"]),
+])
+def test_eval_lm_refuses_a_block_the_model_cannot_serve(lm_data, synth_lm, flags, words):
+    """Used to report "Evaluated 0 tokens ... Perplexity: 1.00" and exit 0."""
+    code, lines = cli("fairseq-eval-lm", lm_data, "--user-dir", USER_DIR, "--path", synth_lm,
+                      "--cpu", *flags)
+    assert_one_line(code, lines, *words)
+
+
+def test_eval_lm_within_the_bound_scores(lm_data, synth_lm):
+    out = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path", synth_lm, "--cpu",
+                              "--tokens-per-sample", "24"])
+    assert not any("Evaluated 0 tokens" in line for line in out)
+    assert any("Evaluated" in line for line in out)
+
+
+def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
+    from fairseq_attnzoo.cli_hints import hint_for, one_line
+
+    xla = AttributeError("'NoneType' object has no attribute 'xla_device'")
+    cpu = hint_for(xla, cuda=False)
+    assert "--bf16" in cpu and "--cpu" in cpu and "use --fp16" not in cpu
+    gpu = hint_for(xla, cuda=True)
+    assert "--bf16" in gpu and "--amp" in gpu
+    # our validation errors: a ValueError raised by our code; not one raised elsewhere
+    from fairseq_attnzoo.errors import ZooConfigError
+    from fairseq_attnzoo.models.synthesizer import parse_mix
+
+    with pytest.raises(ValueError) as err:
+        parse_mix("nosuch")
+    assert one_line(err.value).startswith("--synth-mix 'nosuch'")
+    assert one_line(ValueError("from somewhere else")) is None
+    assert one_line(ZooConfigError("--x 1: pass --x 2")) == "--x 1: pass --x 2"
