@@ -359,6 +359,70 @@ def _batch_keep_tail():
     data_utils.batch_by_size = keep_tail(data_utils.batch_by_size)
 
 
+def _trainer_train_step():
+    from fairseq.trainer import Trainer
+
+    return Trainer.train_step
+
+
+def _is_padding_batch(sample) -> bool:
+    """The test ``Trainer._prepare_sample`` applies: an empty slot from the sharded iterator, for
+    which a rank runs its dummy batch with the loss multiplied by 0."""
+    return sample is None or len(sample) == 0
+
+
+def _zeroed(logging_output: dict) -> dict:
+    """A logging output that adds nothing when fairseq sums it (numbers and tensors times 0)."""
+    import torch
+
+    return {k: v * 0 if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
+            else v for k, v in logging_output.items()}
+
+
+def padding_batches_first(train_step):
+    """``Trainer.train_step`` for an update whose micro-batches on this rank mix real batches and
+    padding (dummy) ones. fairseq 0.12 zeroes the rank's whole ``sample_size`` and drops all its
+    logging outputs when the *last* micro-batch is a dummy, but keeps the real batches' gradients:
+    with --update-freq > 1 under DDP the last update of an epoch is normalised by the wrong token
+    count and logs the wrong loss. Here each dummy micro-batch counts for nothing (sample size and
+    logging outputs times 0, its loss already is) and runs first, so the real ones are counted."""
+
+    def train_step_counting_real_batches(self, samples, raise_oom=False):
+        padding = [s for s in samples if _is_padding_batch(s)]
+        if not padding or len(padding) == len(samples):
+            return train_step(self, samples, raise_oom)
+        task = self.task
+        inner = task.train_step
+
+        def task_train_step(*args, **kwargs):
+            loss, sample_size, logging_output = inner(*args, **kwargs)
+            if kwargs.get("ignore_grad"):
+                return loss, sample_size * 0, _zeroed(logging_output)
+            return loss, sample_size, logging_output
+
+        task.train_step = task_train_step
+        try:
+            return train_step(self, padding + [s for s in samples if not _is_padding_batch(s)],
+                              raise_oom)
+        finally:
+            del task.train_step
+
+    train_step_counting_real_batches.__doc__ = train_step.__doc__
+    train_step_counting_real_batches._attnzoo_wraps = train_step
+    return train_step_counting_real_batches
+
+
+@patch("fairseq_ddp_partial_update", "fairseq.trainer:Trainer.train_step",
+       "under DDP with --update-freq > 1, a rank whose last update of an epoch ends in a padding "
+       "(dummy) batch dropped its real batches from the sample size and the logs but kept their "
+       "gradients: that update was normalised by the wrong token count. Count the real batches",
+       known_source(_trainer_train_step, "8cbf0406b1fe5093"))
+def _ddp_partial_update():
+    from fairseq.trainer import Trainer
+
+    Trainer.train_step = padding_batches_first(Trainer.train_step)
+
+
 def _lm_eval_dataloader():
     from fairseq.tasks.language_modeling import LanguageModelingTask
 

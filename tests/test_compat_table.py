@@ -65,6 +65,8 @@ def test_every_entry_is_applied_on_the_pinned_stack():
     assert AMPOptimizer.step is mixed_precision.amp_step
     assert _FP16OptimizerMixin._sync_fp32_params_to_fp16.__qualname__.startswith("projecting_sync")
     assert meters.SlotUsageMeter.__module__ == "fairseq_attnzoo.models.pkm"
+    from fairseq.trainer import Trainer
+    assert Trainer.train_step.__name__ == "train_step_counting_real_batches"
     # applying again is a no-op (once per process)
     assert compat.apply_all() == compat.status()
     assert list(torch_optimizer._global_optimizer_post_hooks.values()).count(
@@ -77,6 +79,45 @@ def test_describe_lists_every_entry_with_its_status_and_target():
         line = next(line for line in text.splitlines() if line.startswith(p.name + " "))
         assert compat.APPLIED in line and p.target in line
         assert p.why in text
+
+
+def test_readme_documents_every_entry():
+    """The README's compatibility table names every entry (a patch users cannot see is a patch
+    they cannot opt out of)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = [line for line in f if line.startswith("| `")]
+    missing = [p.name for p in compat.PATCHES if not any(f"| `{p.name}` |" in r for r in rows)]
+    assert not missing, f"README's compatibility table lacks {missing}"
+
+
+def test_padding_batch_of_a_mixed_update_counts_nothing_and_runs_first():
+    """fairseq_ddp_partial_update: a rank's update [real, padding] ran as [padding, real] with the
+    padding batch's sample size and logging outputs times 0; all-real and all-padding updates
+    are passed through unchanged."""
+    seen = []
+
+    class Task:
+        def train_step(self, sample, ignore_grad=False, **kwargs):
+            seen.append(sample)
+            return 0.0, 7, {"loss": 3.5, "ntokens": 7, "nsentences": 2, "name": "x"}
+
+    class Trainer:
+        task = Task()
+
+        def train_step(self, samples, raise_oom=False):
+            out = [self.task.train_step(sample=s, ignore_grad=not s) for s in samples]
+            return samples, out
+
+    step = compat.padding_batches_first(Trainer.train_step)
+    trainer = Trainer()
+    real = {"id": torch.tensor([1])}
+    order, out = step(trainer, [real, {}])
+    assert order == [{}, real]
+    assert out[0][1] == 0 and out[0][2] == {"loss": 0.0, "ntokens": 0, "nsentences": 0, "name": "x"}
+    assert out[1][1] == 7 and out[1][2]["ntokens"] == 7
+    assert "train_step" not in vars(trainer.task)  # the task is left as it was
+    for samples in ([real, real], [{}, {}]):
+        assert step(trainer, samples)[0] == samples
 
 
 def test_known_source_check_rejects_another_version():

@@ -133,6 +133,26 @@ def test_value_read_gradients_equal_plain_autograd(sparse):
     torch.testing.assert_close(g_w, w.grad)
 
 
+def test_zeroed_loss_reads_no_sparse_rows():
+    """fairseq multiplies the loss of a DDP rank's padding (dummy) batch by 0; its sparse table
+    gradient must hold no rows, or the lazy value optimiser decays the moments of rows that one
+    process never read (update 3 of the 2-rank --update-freq 2 run differed by 6e-4)."""
+    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(20, 6, generator=g, requires_grad=True)
+    real, dummy = (torch.randint(0, 20, (7, 5), generator=g) for _ in range(2))
+    w = torch.rand(7, 5, generator=g)
+    up = torch.randn(7, 6, generator=g)
+    (_WeightedRowSum.apply(table, real, w, True) * up).sum().backward()
+    (_WeightedRowSum.apply(table, dummy, w, True) * up).sum().mul(0).backward()
+    grad = table.grad.coalesce()
+    assert torch.equal(grad.indices()[0], torch.unique(real))
+    table.grad = None
+    (_WeightedRowSum.apply(table, dummy, w, True) * up).sum().mul(0).backward()
+    assert table.grad.is_sparse and table.grad._nnz() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_table_gradient_equals_embedding_bag_autograd(dtype):
     """The dense gradient (one bag per table row, empty bags = the unread rows) equals the stock

@@ -208,7 +208,14 @@ class _WeightedRowSum(torch.autograd.Function):
             grad_weights = grad_weights.view(n, m)
         if ctx.needs_input_grad[0]:
             w = weights.reshape(-1).index_select(0, order)
-            if ctx.sparse:
+            if ctx.sparse and not bool(grad.any()):
+                # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs
+                # when it has fewer batches than the others, an OOM skip) read no rows: the lazy
+                # optimizer must not decay their moments, as one process would not
+                grad_table = torch.sparse_coo_tensor(rows_read.new_zeros(1, 0),
+                                                     grad.new_zeros(0, table.size(1)),
+                                                     table.shape, is_coalesced=True)
+            elif ctx.sparse:
                 rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
                 starts = counts.cumsum(0) - counts
                 rows_grad = F.embedding_bag(token, grad, starts, mode="sum", per_sample_weights=w)
