@@ -214,7 +214,8 @@ class _WeightedRowSum(torch.autograd.Function):
                 # optimizer must not decay their moments, as one process would not
                 grad_table = torch.sparse_coo_tensor(rows_read.new_zeros(1, 0),
                                                      grad.new_zeros(0, table.size(1)),
-                                                     table.shape, is_coalesced=True)
+                                                     table.shape, is_coalesced=True,
+                                                     check_invariants=False)
             elif ctx.sparse:
                 rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
                 starts = counts.cumsum(0) - counts
