@@ -50,7 +50,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Float32Module, ZooFeedForward, float32_region
+from .feedforward import ZooFeedForward
+from .precision import Float32Module, float32_region
 
 #: ``param_group`` tag of the value tables (fairseq's convention for per-group optimizer
 #: settings; FP16Optimizer copies it onto its fp32 parameters). ``pkm_adam`` looks for it.
