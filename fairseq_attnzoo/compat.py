@@ -518,3 +518,29 @@ def _train_parser_one_line():
 
     add_model_args_checked.__doc__ = add_model_args.__doc__
     options.add_model_args = add_model_args_checked
+
+
+def _add_dataset_args():
+    from fairseq import options
+
+    return options.add_dataset_args
+
+
+@patch("fairseq_parser_one_line", "fairseq.options:add_dataset_args (every command's parser)",
+       "a bad flag value of fairseq-generate, -interactive, -validate or -eval-lm printed the whole "
+       "usage (hundreds of flags) before argparse's message: answer in one line, as training "
+       "does (fairseq-* console scripts only)",
+       known_source(_add_dataset_args, "d28d7bdb8e29e2c3"))
+def _parser_one_line():
+    from fairseq import options
+
+    from .cli_hints import one_line_parser_errors
+
+    add_dataset_args = options.add_dataset_args
+
+    def add_dataset_args_one_line(parser, *args, **kwargs):
+        one_line_parser_errors(parser)
+        return add_dataset_args(parser, *args, **kwargs)
+
+    add_dataset_args_one_line.__doc__ = add_dataset_args.__doc__
+    options.add_dataset_args = add_dataset_args_one_line

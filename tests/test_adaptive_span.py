@@ -20,7 +20,7 @@ from fairseq_attnzoo.modules.adaptive_span import (
 )
 from fairseq_attnzoo.optim.adagrad_clip import AdagradClip
 from fairseq_attnzoo.tasks.stream_lm import StreamBatches
-from zoo_testlib import build
+from zoo_testlib import build, decode_steps
 
 
 def _attn(dim=16, heads=2, span=12, ramp=4, init=0.0, **kw):
@@ -200,17 +200,12 @@ def test_incremental_equals_full_and_reorder(lm_data, arch, extra):
     d = task.source_dictionary
     torch.manual_seed(2)
     tokens = torch.randint(d.nspecial, len(d), (4, 30))  # longer than S = 16: sliding window
+    order = torch.tensor([1, 0, 3, 3])
     with torch.no_grad():
-        full = model(tokens)[0]
-        state, steps = {}, []
-        order = torch.tensor([1, 0, 3, 3])
-        for t in range(30):
-            if t == 11:
-                model.decoder.reorder_incremental_state_scripting(state, order)
-                tokens, full = tokens[order], full[order]
-                steps = [s[order] for s in steps]
-            steps.append(model.decoder(tokens[:, : t + 1], incremental_state=state)[0][:, -1])
-        step = torch.stack(steps, 1)
+        full = model(tokens)[0][order]
+        state = {}
+        step, tokens = decode_steps(model, tokens, None, new_order=order, reorder_at=11,
+                                    state=state)
         assert (full - model(tokens)[0]).abs().max() < 1e-5
         assert (step - full).abs().max() < 1e-5
         # the cache keeps only the window: S - 1 = 15 positions at most

@@ -62,6 +62,18 @@ def test_misspelled_arch_did_you_mean(mt_data):
     assert len(last) < 250 and len(lines) == 1, lines  # not argparse's usage and 200 choices
 
 
+@pytest.mark.parametrize("program,flags", [
+    ("fairseq-generate", ["--beam", "five"]),
+    ("fairseq-eval-lm", ["--tokens-per-sample", "many"]),
+    ("fairseq-validate", ["--max-tokens", "lots"]),
+])
+def test_bad_flag_value_of_other_commands_is_one_line(mt_data, program, flags):
+    """argparse's own errors in the evaluation commands: one line, not the whole usage."""
+    code, lines = cli(program, mt_data, "--user-dir", USER_DIR, "--path", "ckpt.pt", *flags)
+    assert_one_line(code, lines, flags[0], "invalid")
+    assert not any(line.startswith("usage:") for line in lines), lines[:3]
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a CPU-only machine")
 def test_fp16_on_cpu(mt_data):
     code, lines = train(mt_data, "--arch", "transformer_aop", "--fp16")

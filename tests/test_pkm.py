@@ -545,10 +545,10 @@ def test_layer_selection():
         _args("transformer_pkm", ["--task", "translation", "--pkm-decoder-layers", "2",
                                   "--decoder-ffn", "pkm"])
     # fairseq applies the arch function again at build time (and to checkpoint args): idempotent
-    from fairseq_attnzoo.models.pkm import transformer_pkm
+    from fairseq.models import ARCH_CONFIG_REGISTRY
 
     args = _args("transformer_pkm", ["--task", "translation", "--pkm-decoder-layers", "1,4"])
-    transformer_pkm(args)
+    ARCH_CONFIG_REGISTRY["transformer_pkm"](args)
     assert args.decoder_ffn == "ffn,pkm,ffn,ffn,pkm,ffn"
     assert memory_layers("middle", 12, "--x") == [6]
 
@@ -749,7 +749,7 @@ def test_memplus_preset_builds_one_pool_for_all_memory_layers(lm_data):
                                          ["--optimizer", "pkm_adam", "--decoder-layers", "3"])
     assert args.decoder_ffn == "pkm,pkm,pkm"  # spread over 3 layers: 0, 1, 2
     assert (args.pkm_shared_values, args.pkm_swilu_output, args.pkm_qk_norm,
-            args.pkm_query_batchnorm) == ("true", "true", "false", "false")
+            args.pkm_query_batchnorm) == (True, True, False, False)
     mems = [m for m in model.modules() if isinstance(m, ProductKeyMemory)]
     assert len(mems) == 3 and all(m.values is mems[0].values for m in mems)
     assert all(m.swilu == "reference" and not m.qk_norm and m.query_bn is None and m.sparse
@@ -793,17 +793,14 @@ def test_memplus_preset_is_the_papers_memory_plus():
             args.pkm_knn) == (1024, 512, 0, 4, 32)  # value dim 0 = d_model
     assert [i for i, s in enumerate(args.decoder_ffn.split(",")) if s == "pkm"] == [4, 12, 20]
     assert (args.pkm_shared_values, args.pkm_swilu_output, args.pkm_qk_norm,
-            args.pkm_query_batchnorm, args.pkm_init) == ("true", "true", "false", "false",
-                                                         "memplus")
+            args.pkm_query_batchnorm, args.pkm_init) == (True, True, False, False, "memplus")
     args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-embed-dim",
                                             "256"])
     assert args.pkm_k_dim == 128  # d/2 follows the model dim
 
-    from fairseq_attnzoo.models.pkm import build_pkm
-
     args = _args("transformer_lm_memplus", ["--task", "language_modeling", "--decoder-embed-dim",
                                             "32", "--pkm-n-keys", "8", "--pkm-knn", "4"])
-    m = build_pkm(_spec(args)).eval()
+    m = build_sublayer("pkm", _spec(args)).eval()
     assert (m.k_dim, m.v_dim, m.size, m.swilu, m.init) == (16, 32, 64, "reference", "memplus")
     assert m.gate_proj.bias is not None and m.gate_out.bias is not None and m.out_proj is None
     x = torch.randn(3, 2, 32)
@@ -817,17 +814,15 @@ def test_deprecated_gated_output_flag_gives_the_old_form():
     """Checkpoints written before issue 23 store --pkm-gated-output; it still builds the old
     form (no biases), the preset does not turn the reference form on over it, and asking for
     both forms is refused in one line."""
-    from fairseq_attnzoo.models.pkm import build_pkm
-
     small = ["--task", "language_modeling", "--decoder-embed-dim", "32", "--pkm-n-keys", "8",
              "--pkm-knn", "4", "--pkm-k-dim", "16"]
-    args = _args("transformer_lm_memplus", small + ["--pkm-gated-output", "true"])
-    m = build_pkm(_spec(args))
+    args = _args("transformer_lm_memplus", small + ["--pkm-gated-output"])
+    m = build_sublayer("pkm", _spec(args))
     assert m.swilu == "legacy" and m.gate_proj.bias is None and m.gate_out.bias is None
-    args = _args("transformer_lm_pkm", small + ["--pkm-gated-output", "true",
-                                                "--pkm-swilu-output", "true"])
+    args = _args("transformer_lm_pkm", small + ["--pkm-gated-output",
+                                                "--pkm-swilu-output"])
     with pytest.raises(ValueError, match="--pkm-swilu-output") as e:
-        build_pkm(_spec(args))
+        build_sublayer("pkm", _spec(args))
     assert "\n" not in str(e.value)
 
 

@@ -191,9 +191,10 @@ def incremental_vs_full(model, tokens, encoder_out, pad: int, transform=None) ->
     return ((full - step).abs() * keep).max().item()
 
 
-def decode_steps(model, tokens, encoder_out, new_order=None, reorder_at=None):
-    """Token-by-token decoding with fairseq's incremental state; optionally reorder the beam."""
-    state = {}
+def decode_steps(model, tokens, encoder_out, new_order=None, reorder_at=None, state=None):
+    """Token-by-token decoding with fairseq's incremental state (``state``: a dict to fill, to
+    look at the cache afterwards); optionally reorder the beam before step ``reorder_at``."""
+    state = {} if state is None else state
     outs = []
     for t in range(tokens.size(1)):
         if reorder_at is not None and t == reorder_at:

@@ -79,7 +79,7 @@ train)
     case "$ARCH" in
     transformer_lm_pkm)
         METHOD=(--pkm-decoder-layers 6 --pkm-n-keys 512 --pkm-heads 4 --pkm-knn 32 --pkm-k-dim 256
-                --pkm-query-batchnorm true --optimizer pkm_adam --pkm-values-lr 1e-3) ;;
+                --pkm-query-batchnorm --optimizer pkm_adam --pkm-values-lr 1e-3) ;;
     transformer_lm_memplus)  # Memory+ preset (shared pool, swilu output, 1024² slots, d_q = d/2,
         # 3 spread layers) with the memory code's value recipe: lr 1e-3 following the schedule,
         # weight decay 0.1 on the values too, values clipped separately (docs/pkm.md)

@@ -6,7 +6,7 @@ each of the |K| = n_keys² slots received. Prints the paper's two diagnostics pe
 usage (fraction of slots with Z_i > 0) and KL(z ‖ uniform) -- and writes a PNG with, per layer, a
 histogram of the slot weights and a heatmap of Z over the n_keys × n_keys product-key grid
 (slot a·n_keys + b at row a, column b; bright rows/columns = sub-keys that dominate).
-Memories that read one shared value pool (Memory+, ``--pkm-shared-values true``) are reported per
+Memories that read one shared value pool (Memory+, ``--pkm-shared-values``) are reported per
 layer and, summed over those layers, for the pool as a whole (``shared pool``).
 
     attnzoo-plot pkm-usage --path checkpoints/checkpoint_best.pt \\

@@ -33,13 +33,11 @@ import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
 from fairseq.logging.meters import Meter
-from fairseq.models import register_model_architecture
-from fairseq.models.transformer.transformer_legacy import base_architecture
-from fairseq.models.transformer_lm import base_lm_architecture
 
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
-from .sublayers import register_sublayer
-from .transformer import zoo_lm_base, zoo_mt_base
+from .registry import Derived
+from .sublayers import register_sublayer, require
+from .transformer import register_arch
 
 _FP_FLAGS = ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16")
 
@@ -57,9 +55,9 @@ class PKMConfig(FairseqDataclass):
     pkm_value_dim: int = field(
         default=0, metadata={"help": "PKM value dim (default 0 = d_model; otherwise a linear map "
                              "brings it back to d_model)"})
-    pkm_query_batchnorm: ChoiceEnum(["true", "false"]) = field(  # type: ignore
-        default="true", metadata={"help": "batch norm on the PKM query (statistics over non-pad "
-                                  "tokens only; default true)"})
+    pkm_query_batchnorm: bool = field(
+        default=True, metadata={"help": "batch norm on the PKM query (statistics over non-pad "
+                                "tokens only; default on)"})
     pkm_input_dropout: float = field(default=0.0, metadata={"help": "PKM input dropout (default 0)"})
     pkm_query_dropout: float = field(default=0.0, metadata={"help": "PKM query dropout (default 0)"})
     pkm_value_dropout: float = field(
@@ -70,21 +68,21 @@ class PKMConfig(FairseqDataclass):
                   "auto = sparse with --optimizer pkm_adam without --fp16/--bf16/--amp, on one "
                   "process or several (legacy_ddp/no_c10d/pytorch_ddp/c10d: pkm_adam exchanges "
                   "the rows read), dense otherwise (default auto)"})
-    pkm_shared_values: ChoiceEnum(["true", "false"]) = field(  # type: ignore
-        default="false",
+    pkm_shared_values: bool = field(
+        default=False,
         metadata={"help": "Memory+ shared memory pool: every memory layer of the model reads ONE "
-                  "value table V (own query network and sub-keys per layer); default false"})
-    pkm_swilu_output: ChoiceEnum(["true", "false"]) = field(  # type: ignore
-        default="false",
+                  "value table V (own query network and sub-keys per layer); default off"})
+    pkm_swilu_output: bool = field(
+        default=False,
         metadata={"help": "Memory+ 'swilu' output (Memory Layers at Scale; facebookresearch/"
                   "memory swilu_projection): out = W2(m(x) * SiLU(W1 x)), W1: d -> v_dim, W2: "
                   "v_dim -> d, both with biases and N(0, d^-1/2) weights, x after "
-                  "--pkm-input-dropout, --pkm-value-dropout on the output; default false "
-                  "(out = m(x)); transformer_lm_memplus: true"})
-    pkm_gated_output: Optional[str] = field(
+                  "--pkm-input-dropout, --pkm-value-dropout on the output; default off "
+                  "(out = m(x)); transformer_lm_memplus: on"})
+    pkm_gated_output: Optional[bool] = field(
         default=None,
         metadata={"help": "DEPRECATED, use --pkm-swilu-output (kept because checkpoints written "
-                  "before issue 23 store it): true = this project's old gated output, W2(m(x) * "
+                  "before 0.2 store it): on = this project's old gated output, W2(m(x) * "
                   "SiLU(W1 x)) without biases, gate on the undropped input, value dropout "
                   "before W2; default unset"})
     pkm_init: ChoiceEnum(["xlm", "memplus"]) = field(  # type: ignore
@@ -93,11 +91,11 @@ class PKMConfig(FairseqDataclass):
                   "nn.Linear query net), memplus = facebookresearch/memory's (sub-keys "
                   "uniform(+-1/sqrt(d_q)), Xavier-uniform query weight); values N(0, v_dim^-1/2) "
                   "in both; default xlm, transformer_lm_memplus: memplus"})
-    pkm_qk_norm: ChoiceEnum(["true", "false"]) = field(  # type: ignore
-        default="false",
+    pkm_qk_norm: bool = field(
+        default=False,
         metadata={"help": "qk-norm of the key search, OUR form (the Memory Layers paper uses "
                   "qk-norm 'when needed' without giving one; its code has none): half-queries "
-                  "RMS-normalised with a learned gain g, sub-keys c/||c||; default false"})
+                  "RMS-normalised with a learned gain g, sub-keys c/||c||; default off"})
     pkm_encoder_layers: Optional[str] = field(
         default=None,
         metadata={"help": "transformer_pkm: encoder layers (0-based, comma-separated) whose FFN "
@@ -109,6 +107,22 @@ class PKMConfig(FairseqDataclass):
                   "comma-separated) whose FFN is a memory; 'middle' = layer L//2, 'spread[:N]' "
                   "= N (default 3) evenly spaced layers, 'none' (default: middle; "
                   "transformer_lm_memplus: spread)"})
+
+    def validate(self):
+        for name in ("pkm_n_keys", "pkm_heads", "pkm_knn", "pkm_k_dim"):
+            require(self, name, getattr(self, name) > 0, "a positive integer")
+        require(self, "pkm_k_dim", self.pkm_k_dim % 2 == 0,
+                "even (the query is split in two halves)")
+        if self.pkm_knn > self.pkm_n_keys:
+            raise ValueError(f"--pkm-knn ({self.pkm_knn}) cannot exceed --pkm-n-keys "
+                             f"({self.pkm_n_keys}): each half-query picks its top-k among n_keys "
+                             "sub-keys")
+        require(self, "pkm_value_dim", self.pkm_value_dim >= 0, ">= 0 (0 = d_model)")
+        for name in ("pkm_input_dropout", "pkm_query_dropout", "pkm_value_dropout"):
+            require(self, name, 0.0 <= getattr(self, name) < 1.0, "in [0, 1)")
+        if self.pkm_gated_output and self.pkm_swilu_output:
+            raise ValueError("--pkm-gated-output (the old gated form, no biases) and "
+                             "--pkm-swilu-output contradict: give only --pkm-swilu-output")
 
 
 def _optimizer_name(args) -> Optional[str]:
@@ -138,9 +152,11 @@ def _multi_process_blocker(args) -> Optional[str]:
     return None
 
 
-def sparse_values(args) -> bool:
-    """Resolve --pkm-sparse; refuse combinations that cannot train, in one line."""
-    mode = str(getattr(args, "pkm_sparse", "auto"))
+def sparse_values(args, mode: Optional[str] = None) -> bool:
+    """Resolve --pkm-sparse ``mode`` (default: ``args.pkm_sparse``) against the training setup
+    in ``args`` (optimizer, precision, DDP); refuse combinations that cannot train, in one
+    line."""
+    mode = str(mode or getattr(args, "pkm_sparse", None) or "auto")
     optimizer = _optimizer_name(args)
     low_precision = [f"--{f.replace('_', '-')}" for f in _FP_FLAGS if getattr(args, f, False)]
     blocker = _multi_process_blocker(args)
@@ -224,19 +240,11 @@ class UsageLogger:
                 metrics.log_custom(lambda: SlotUsageMeter("kl"), f"{name}_kl", counts)
 
 
-def output_form(args) -> str:
+def output_form(options: PKMConfig) -> str:
     """--pkm-swilu-output / the deprecated --pkm-gated-output -> the module's ``swilu`` form."""
-    legacy = getattr(args, "pkm_gated_output", None)
-    swilu = str(getattr(args, "pkm_swilu_output", None) or "false")
-    if legacy is not None and str(legacy).lower() not in ("true", "false"):
-        raise ValueError(f"--pkm-gated-output must be true or false, got {legacy!r} (deprecated: "
-                         "use --pkm-swilu-output)")
-    if legacy is not None and str(legacy).lower() == "true":
-        if swilu == "true":
-            raise ValueError("--pkm-gated-output true (the old gated form, no biases) and "
-                             "--pkm-swilu-output true contradict: give only --pkm-swilu-output")
+    if options.pkm_gated_output:
         return "legacy"
-    return "reference" if swilu == "true" else "off"
+    return "reference" if options.pkm_swilu_output else "off"
 
 
 #: name of the shared value pool in the diagnostics and in ``SublayerSpec.shared``
@@ -251,45 +259,25 @@ POOL = "pkm_pool"
                    tolerances={"reduced_precision_step": 0.5})
 def build_pkm(spec):
     """product-key memory: exact top-k over n_keys² product keys, sparse value reads"""
-    a = spec.args
-    for flag, value in (("--pkm-n-keys", a.pkm_n_keys), ("--pkm-heads", a.pkm_heads),
-                        ("--pkm-knn", a.pkm_knn), ("--pkm-k-dim", a.pkm_k_dim)):
-        if value is None or int(value) <= 0:
-            raise ValueError(f"{flag} must be a positive integer, got {value}")
-    if int(a.pkm_k_dim) % 2:
-        raise ValueError(f"--pkm-k-dim must be even (the query is split in two halves), got "
-                         f"{a.pkm_k_dim}")
-    if int(a.pkm_knn) > int(a.pkm_n_keys):
-        raise ValueError(f"--pkm-knn ({a.pkm_knn}) cannot exceed --pkm-n-keys ({a.pkm_n_keys}): "
-                         "each half-query picks its top-k among n_keys sub-keys")
-    if int(a.pkm_value_dim or 0) < 0:
-        raise ValueError(f"--pkm-value-dim must be >= 0 (0 = d_model), got {a.pkm_value_dim}")
-    for flag, p in (("--pkm-input-dropout", a.pkm_input_dropout),
-                    ("--pkm-query-dropout", a.pkm_query_dropout),
-                    ("--pkm-value-dropout", a.pkm_value_dropout)):
-        if not 0.0 <= float(p) < 1.0:
-            raise ValueError(f"{flag} must be in [0, 1), got {p}")
-    shared = str(getattr(a, "pkm_shared_values", "false")) == "true"
-    pool = spec.shared.get(POOL) if shared else None  # the first memory's table, if built
-    v_dim = int(a.pkm_value_dim or 0) or spec.embed_dim
+    o = spec.options
+    pool = spec.shared.get(POOL) if o.pkm_shared_values else None  # the first memory's table
+    v_dim = o.pkm_value_dim or spec.embed_dim
     if pool is not None and pool.embedding_dim != v_dim:
-        raise ValueError(f"--pkm-shared-values true needs one value dim for every memory, got "
+        raise ValueError(f"--pkm-shared-values needs one value dim for every memory, got "
                          f"{pool.embedding_dim} and {v_dim}: set --pkm-value-dim")
-    if shared and str(getattr(a, "ddp_backend", "")) == "fully_sharded":
-        raise ValueError("--pkm-shared-values true cannot be used with --ddp-backend "
-                         "fully_sharded (FSDP wraps layers separately): use another --ddp-backend")
+    if o.pkm_shared_values and str(getattr(spec.args, "ddp_backend", "")) == "fully_sharded":
+        raise ValueError("--pkm-shared-values cannot be used with --ddp-backend fully_sharded "
+                         "(FSDP wraps layers separately): use another --ddp-backend")
     memory = ProductKeyMemory(
-        spec.embed_dim, spec.embed_dim, n_keys=int(a.pkm_n_keys), heads=int(a.pkm_heads),
-        knn=int(a.pkm_knn), k_dim=int(a.pkm_k_dim), v_dim=v_dim,
-        query_batchnorm=str(a.pkm_query_batchnorm) == "true",
-        input_dropout=float(a.pkm_input_dropout), query_dropout=float(a.pkm_query_dropout),
-        value_dropout=float(a.pkm_value_dropout), sparse=sparse_values(a), values=pool,
-        swilu=output_form(a), init=str(getattr(a, "pkm_init", None) or "xlm"),
-        qk_norm=str(getattr(a, "pkm_qk_norm", "false")) == "true")
-    if shared and pool is None:
+        spec.embed_dim, spec.embed_dim, n_keys=o.pkm_n_keys, heads=o.pkm_heads, knn=o.pkm_knn,
+        k_dim=o.pkm_k_dim, v_dim=v_dim, query_batchnorm=o.pkm_query_batchnorm,
+        input_dropout=o.pkm_input_dropout, query_dropout=o.pkm_query_dropout,
+        value_dropout=o.pkm_value_dropout, sparse=sparse_values(spec.args, o.pkm_sparse),
+        values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm)
+    if o.pkm_shared_values and pool is None:
         spec.shared[POOL] = memory.values
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,
-                                        POOL if shared else None)
+                                        POOL if o.pkm_shared_values else None)
     return memory
 
 
@@ -323,57 +311,50 @@ def memory_layers(value: Optional[str], n_layers: int, flag: str) -> List[int]:
     return layers
 
 
-def _select(args, side: str, n_layers: int):
-    """--pkm-{side}-layers -> the per-layer --{side}-ffn list (idempotent: fairseq applies the
-    arch function again when it builds the model, and checkpoints store both flags)."""
-    sel_attr, slot_attr = f"pkm_{side}_layers", f"{side}_ffn"
-    flag = f"--pkm-{side}-layers"
-    layers = memory_layers(getattr(args, sel_attr, None), n_layers, flag)
-    derived = (",".join("pkm" if i in layers else "ffn" for i in range(n_layers))
-               if n_layers > 0 else "ffn")
-    given = getattr(args, slot_attr, None)
-    if given is None:
-        setattr(args, slot_attr, derived)
-    elif getattr(args, sel_attr, None) is not None and given != derived:
-        raise ValueError(f"{flag} and --{side}-ffn disagree ({given}): give only one of them")
+def _memory_slots(side: str) -> Derived:
+    """--pkm-{side}-layers -> the per-layer --{side}-ffn list (when --{side}-ffn is not given)."""
+
+    def slots(args) -> str:
+        n_layers = int(getattr(args, f"{side}_layers"))
+        layers = memory_layers(getattr(args, f"pkm_{side}_layers", None), n_layers,
+                               f"--pkm-{side}-layers")
+        return ",".join("pkm" if i in layers else "ffn" for i in range(n_layers)) or "ffn"
+
+    return Derived(slots, f"pkm where --pkm-{side}-layers says, else ffn")
 
 
-@register_model_architecture("attnzoo_transformer", "transformer_pkm")
-def transformer_pkm(args):
-    """encoder-decoder transformer, product-key memory in the middle encoder and decoder layer"""
-    base_architecture(args)  # layer counts first
-    _select(args, "encoder", int(args.encoder_layers))
-    _select(args, "decoder", int(args.decoder_layers))
-    zoo_mt_base(args)
+def _check_selection(*sides: str):
+    """``post``: --pkm-{side}-layers and an explicit --{side}-ffn must agree (checkpoints store
+    both, so a loaded model passes)."""
+
+    def check(args):
+        for side in sides:
+            if getattr(args, f"pkm_{side}_layers", None) is None:
+                continue
+            given, derived = getattr(args, f"{side}_ffn"), _memory_slots(side).fn(args)
+            if given != derived:
+                raise ValueError(f"--pkm-{side}-layers and --{side}-ffn disagree ({given}): give "
+                                 "only one of them")
+
+    return check
 
 
-@register_model_architecture("attnzoo_lm", "transformer_lm_pkm")
-def transformer_lm_pkm(args):
-    """decoder-only LM with a product-key memory in the middle layer (the paper's setting)"""
-    base_lm_architecture(args)
-    _select(args, "decoder", int(args.decoder_layers))
-    zoo_lm_base(args)
+# transformer_pkm: encoder-decoder, a memory in the middle encoder and decoder layer;
+# transformer_lm_pkm: decoder-only LM, a memory in the middle layer (the paper's setting)
+register_arch("attnzoo_transformer", "transformer_pkm",
+              post=_check_selection("encoder", "decoder"), encoder_ffn=_memory_slots("encoder"), decoder_ffn=_memory_slots("decoder"))
+register_arch("attnzoo_lm", "transformer_lm_pkm", post=_check_selection("decoder"),
+              decoder_ffn=_memory_slots("decoder"))
 
-
-#: what transformer_lm_memplus changes relative to transformer_lm_pkm: the paper's Memory+ (shared
-#: pool, swilu output, the reference's inits, no query batch norm, 1024 half-keys, three memory
-#: layers spread through the stack); k_dim = d/2 is derived in the arch function (Table 4)
-MEMPLUS = {"pkm_shared_values": "true", "pkm_swilu_output": "true", "pkm_init": "memplus",
-           "pkm_qk_norm": "false", "pkm_query_batchnorm": "false", "pkm_n_keys": 1024,
-           "pkm_decoder_layers": "spread"}
-
-
-@register_model_architecture("attnzoo_lm", "transformer_lm_memplus")
-def transformer_lm_memplus(args):
-    """decoder-only LM with the Memory+ layer of Berges et al. (2024): one value pool shared by three
-    memory layers spread through the stack, swilu output, 1024² slots, k_dim = d/2, values d"""
-    if getattr(args, "pkm_gated_output", None) is not None:
-        # a checkpoint of the pre-issue-23 preset (or the deprecated flag): its output form wins
-        args.pkm_swilu_output = getattr(args, "pkm_swilu_output", None) or "false"
-    for key, value in MEMPLUS.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    base_lm_architecture(args)
-    if getattr(args, "pkm_k_dim", None) is None:  # Table 4: key dim = half the model dim
-        args.pkm_k_dim = max(2, int(args.decoder_embed_dim) // 2 // 2 * 2)
-    transformer_lm_pkm(args)
+#: transformer_lm_memplus, the Memory+ layer of Berges et al. (2024), relative to
+#: transformer_lm_pkm: one value pool shared by three memory layers spread through the stack,
+#: swilu output, the reference's inits, no query batch norm, 1024² slots, values d and k_dim =
+#: d/2 (Table 4). A checkpoint of the old preset stores --pkm-gated-output: its output form wins.
+MEMPLUS = {"pkm_shared_values": True, "pkm_init": "memplus", "pkm_qk_norm": False,
+           "pkm_query_batchnorm": False, "pkm_n_keys": 1024, "pkm_decoder_layers": "spread",
+           "pkm_swilu_output": Derived(lambda args: args.pkm_gated_output is None,
+                                       "on unless --pkm-gated-output is given"),
+           "pkm_k_dim": Derived(lambda args: max(2, int(args.decoder_embed_dim) // 4 * 2),
+                                "d_model / 2")}
+register_arch("attnzoo_lm", "transformer_lm_memplus", post=_check_selection("decoder"),
+              decoder_ffn=_memory_slots("decoder"), **MEMPLUS)

@@ -80,21 +80,41 @@ def register_base_arch(model: str, base: Callable, tiny: Optional[Mapping[str, A
     return base
 
 
+@dataclass(frozen=True)
+class Derived:
+    """A preset value computed from the config once the model's defaults are filled (e.g. a size
+    that follows d_model, a per-layer list that follows the layer count); used only when the user
+    (or the checkpoint being loaded) left the option unset."""
+
+    fn: Callable[[Any], Any]
+    what: str = "derived"  # how it is computed, for listings ("d_model / 2")
+
+    def __repr__(self):
+        return f"<{self.what}>"
+
+
 def register_arch(model: str, name: str, post: Optional[Callable] = None,
                   tiny: Optional[Mapping[str, Any]] = None,
                   test: Optional[Mapping[str, Any]] = None, **preset) -> Callable:
     """Register an arch of a zoo model: ``preset`` overrides defaults the user did not set, then
     the model's base arch fills the rest; the optional ``post(args)`` runs after all defaults are
-    filled (e.g. to derive dependent limits). ``tiny``/``test``: this arch's test hooks, on top of
-    the model's (see :class:`ArchTests`)."""
+    filled (e.g. to derive dependent limits or check a combination). A preset value may be a
+    :class:`Derived`, computed after the model's defaults. ``tiny``/``test``: this arch's test
+    hooks, on top of the model's (see :class:`ArchTests`)."""
     if model not in BASE_ARCHS:
         raise ValueError(f"model {model!r} has no base arch: register it with register_base_arch "
                          f"first (known: {', '.join(sorted(BASE_ARCHS))})")
     base = BASE_ARCHS[model]
 
+    fixed = {k: v for k, v in preset.items() if not isinstance(v, Derived)}
+    derived = {k: v.fn for k, v in preset.items() if isinstance(v, Derived)}
+
     def arch(args):
-        fill_unset(args, preset)
+        later = {k: fn for k, fn in derived.items() if getattr(args, k, None) is None}
+        fill_unset(args, fixed)
         base(args)
+        for key, fn in later.items():
+            setattr(args, key, fn(args))
         if post is not None:
             post(args)
 

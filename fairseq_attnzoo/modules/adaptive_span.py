@@ -49,8 +49,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Float32Module, UnitIntervalParameter, float32_region, mask_value
+from .constrained import UnitIntervalParameter
 from .persistent_memory import PersistentMemory
+from .precision import Float32Module, float32_region, mask_value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ class AdaptiveMask(Float32Module):
             self.span = None  # (a plain attribute: fairseq lists None parameters as "shared")
         else:
             # z / S per head, kept in [0, 1] after every optimizer step (a UnitIntervalParameter:
-            # see modules/base.py; reference scale: Adagrad's step size is per parameter, so this
+            # see modules/constrained.py; reference scale: Adagrad's step size is per parameter, so this
             # scale sets how fast spans move)
             self.span = UnitIntervalParameter(torch.full((num_heads,), float(init)))
         self._last_z: Optional[Tensor] = None  # dynamic spans of the last forward (for the loss)
