@@ -178,9 +178,9 @@ def test_tensorboard_gets_custom_metrics(arch, tags, data_for, tmp_path):
     logdir = str(tmp_path / "tb")
     flags = tiny_flags(arch, data_for(arch)) + [
         "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update", "2",
-        "--no-save", "--log-format", "json", "--log-interval", "1", "--seed", "1",
-        "--num-workers", "0", "--skip-invalid-size-inputs-valid-test",
-        "--tensorboard-logdir", logdir] + train_flags(arch)
+        "--no-save", "--save-dir", str(tmp_path / "ckpt"), "--log-format", "json",
+        "--log-interval", "1", "--seed", "1", "--num-workers", "0",
+        "--skip-invalid-size-inputs-valid-test", "--tensorboard-logdir", logdir] + train_flags(arch)
     _fresh_tensorboard_writers()
     try:
         run_cli("train", flags)

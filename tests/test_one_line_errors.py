@@ -5,6 +5,7 @@ exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real c
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -23,7 +24,7 @@ def cli(program, *argv, env=None, cwd=None):
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
     r = subprocess.run([os.path.join(BIN, program), *argv], capture_output=True, text=True,
-                       timeout=300, env=full_env, cwd=cwd)
+                       timeout=300, env=full_env, cwd=cwd or tempfile.gettempdir())
     return r.returncode, [line for line in r.stderr.splitlines() if line.strip()]
 
 
