@@ -78,17 +78,78 @@ SPAN_TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128", "--
              "--block", "32", "--batch", "4"]
 
 PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
+#: set by --profile for a child run: "PATH:WAIT:ACTIVE" (write the profile table to PATH)
+PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
+
+
+def _self_time(event, cuda: bool) -> float:
+    """An op's self time in µs on the device (CUDA: kernels; else CPU), across torch versions."""
+    names = (("self_device_time_total", "self_cuda_time_total") if cuda
+             else ("self_cpu_time_total",))
+    return next((float(getattr(event, n)) for n in names if hasattr(event, n)), 0.0)
+
+
+def profile_table(events, steps: int, cuda: bool, rows: int = 15) -> str:
+    """Top ops by self time (``torch.profiler`` key averages) as a markdown table: calls and ms
+    per training step, and the share of the step's total self time."""
+    timed = [(e.key, e.count, _self_time(e, cuda)) for e in events]
+    total = sum(t for _, _, t in timed) or 1.0
+    out = [f"total self {'CUDA' if cuda else 'CPU'} time per step: {total / steps / 1e3:.2f} ms",
+           "", "| op | calls/step | ms/step | share |", "|---|---|---|---|"]
+    for key, count, t in sorted(timed, key=lambda r: -r[2])[:rows]:
+        out.append(f"| `{key[:80]}` | {count / steps:g} | {t / steps / 1e3:.3f} | "
+                   f"{100 * t / total:.1f} % |")
+    return "\n".join(out)
+
+
+def _profile_train_steps(spec: str):
+    """Wrap ``Trainer.train_step`` in ``torch.profiler``: skip WAIT updates (start-up, cache
+    warm-up), warm the profiler up one, record ACTIVE; write :func:`profile_table` to PATH."""
+    import torch
+    from fairseq.trainer import Trainer
+
+    path, wait, active = spec.rsplit(":", 2)
+    wait, active = int(wait), int(active)
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def write(prof):
+        with open(path, "w") as f:
+            f.write(profile_table(prof.key_averages(), active, cuda) + "\n")
+
+    prof = torch.profiler.profile(
+        activities=activities, on_trace_ready=write,
+        schedule=torch.profiler.schedule(wait=wait, warmup=1, active=active, repeat=1))
+    step = Trainer.train_step
+
+    def profiled_step(self, samples, raise_oom=False):
+        out = step(self, samples, raise_oom)
+        if cuda:
+            torch.cuda.synchronize()
+        prof.step()
+        return out
+
+    prof.start()
+    Trainer.train_step = profiled_step
+    return prof
 
 
 def run_train_here(argv):
-    """``fairseq-train argv`` in this process, then print the peak CUDA memory it allocated."""
+    """``fairseq-train argv`` in this process, then print the peak CUDA memory it allocated
+    (under ``ATTNZOO_BENCH_PROFILE``: with its steps profiled)."""
     import torch
     from fairseq_cli import train
 
+    if os.environ.get(PROFILE_ENV):
+        prof = _profile_train_steps(os.environ[PROFILE_ENV])
     sys.argv = ["fairseq-train"] + argv
     try:
         train.cli_main()
     finally:
+        if os.environ.get(PROFILE_ENV):
+            prof.stop()
         if torch.cuda.is_available():
             print(f"{PEAK_TAG} {torch.cuda.max_memory_allocated()}", flush=True)
 
@@ -125,12 +186,12 @@ def _json_lines(text, tag):
     return out
 
 
-def one_run(group, arch, data, args):
+def one_run(group, arch, data, args, env=None):
     with tempfile.TemporaryDirectory() as tmp:
         cmd = train_command(group, arch, data, args, tmp)
         t0 = time.time()
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout,
-                             cwd=REPO)
+                             cwd=REPO, env=None if env is None else {**os.environ, **env})
         text = out.stdout + out.stderr
     if out.returncode != 0:
         return {"error": text.strip().splitlines()[-1][:300] if text.strip() else "failed"}
@@ -187,6 +248,21 @@ def format_row(row):
     return "| " + " | ".join(cells) + " |"
 
 
+def profile_run(group, arch, data, args, emit):
+    """One more, short run of ``arch`` under ``torch.profiler`` (after ``--profile-wait`` updates,
+    ``--profile-steps`` recorded, no validation); its top-ops table goes into the report."""
+    wait, active = args.profile_wait, args.profile_steps
+    short = argparse.Namespace(**{**vars(args), "updates": wait + 1 + active,
+                                  "extra": args.extra + " --disable-validation"})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "profile.md")
+        result = one_run(group, arch, data, short, env={PROFILE_ENV: f"{path}:{wait}:{active}"})
+        table = (open(path).read() if os.path.exists(path)
+                 else f"no profile written ({result.get('error', 'too few updates?')})")
+    emit(f"\n#### Profile: {group}, {args._precision}, {arch} ({active} updates after {wait})\n")
+    emit(table)
+
+
 def bench_span(args, emit):
     """Our adaptive_span_lm vs fairseq's examples/adaptive_span at the paper-small config, in each
     precision (tokens/s over the train_inner intervals and valid bpc by fairseq-eval-lm)."""
@@ -235,6 +311,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-timeout", type=int, default=1800, help="seconds per training run")
     p.add_argument("--extra", default="", help="more fairseq-train flags for every run")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs of each group and precision, profile one short run "
+                   "of the baseline and of each arch (torch.profiler: top ops by self device time)")
+    p.add_argument("--profile-wait", type=int, default=5, help="updates before profiling")
+    p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
     p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
     args = p.parse_args(argv)
     args.data_mt, args.data_lm = os.path.abspath(args.data_mt), os.path.abspath(args.data_lm)
@@ -258,9 +339,14 @@ def main(argv=None):
                                        ("lm", LM_ARCHS, args.data_lm)):
                 if group not in args.groups:
                     continue
-                for arch in archs:
-                    if args.archs is None or arch in args.archs:
-                        emit(format_row(bench_pair(group, arch, data, args)))
+                chosen = [a for a in archs if args.archs is None or a in args.archs]
+                for arch in chosen:
+                    emit(format_row(bench_pair(group, arch, data, args)))
+                if args.profile:
+                    for arch in [BASELINE[group]] + chosen:
+                        profile_run(group, arch, data, args, emit)
+                    emit("\n| " + " | ".join(COLUMNS) + " |")  # the next rows' header
+                    emit("|" + "---|" * len(COLUMNS))
         if "span" in args.groups:
             bench_span(args, emit)
 

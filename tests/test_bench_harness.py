@@ -1,0 +1,42 @@
+"""The paper-size GPU benchmark's harness (scripts/bench/bench_paper_size.py), dry-run on the CPU:
+the timed rows and the torch.profiler tables are written (the GPU figures come from a GPU session;
+docs/gpu.md)."""
+
+import types
+
+import pytest
+
+from zoo_testlib import REPO
+
+
+def test_profile_table_ranks_ops_by_self_time_per_step():
+    from scripts.bench.bench_paper_size import profile_table
+
+    ev = types.SimpleNamespace
+    events = [ev(key="aten::topk", count=3, self_cpu_time_total=1000.0),
+              ev(key="aten::mm", count=6, self_cpu_time_total=3000.0)]
+    lines = profile_table(events, steps=3, cuda=False).splitlines()
+    assert lines[0] == "total self CPU time per step: 1.33 ms"
+    assert lines[4:] == ["| `aten::mm` | 2 | 1.000 | 75.0 % |",
+                         "| `aten::topk` | 1 | 0.333 | 25.0 % |"]
+
+
+@pytest.mark.slow
+def test_tiny_dry_run_writes_rows_and_profiles(lm_data, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "paper_size.md"
+    cmd = [sys.executable, "-m", "scripts.bench.bench_paper_size", "--size", "tiny", "--device",
+           "cpu", "--groups", "lm", "--archs", "transformer_lm_pkm", "--precisions", "fp32",
+           "--updates", "6", "--repeats", "1", "--profile", "--profile-wait", "2",
+           "--profile-steps", "2", "--data-lm", lm_data, "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| lm | fp32 | "))
+    assert "failed" not in row and "transformer_lm_pkm" in row, row
+    for arch in ("transformer_lm", "transformer_lm_pkm"):
+        assert f"#### Profile: lm, fp32, {arch} (2 updates after 2)" in text
+    assert text.count("| `aten::") >= 10  # the ops of both profiles
+    assert "aten::topk" in text.split("transformer_lm_pkm (2 updates")[1]  # the memory's search
