@@ -14,7 +14,7 @@ Examples::
 
     python -m scripts.bench.bench --cases synth --threads 2
     python -m scripts.bench.bench --no-cases --train transformer_aop transformer_synth_random
-    python -m scripts.bench.bench --no-cases --train transformer_pkm adaptive_span_lm_small --plugin /tmp/old
+    python -m scripts.bench.bench --no-cases --train transformer_pkm adaptive_span_lm_small --plugin ../attnzoo-before
 
 (run from the repository root: ``scripts`` is a package).
 """

@@ -1,6 +1,6 @@
 """Product-key memory layer (|K| = 512² = 262,144 slots, 4 heads, knn 32, k_dim 256, values d=512)
 vs the FFN it replaces (512→2048→512), 4096 tokens, forward+backward.
-Goals: sparse <= 1.5x, dense <= 2.0x (issue 13).
+Goals: sparse <= 1.5x, dense <= 2.0x the FFN (docs/pkm.md, Measured).
 
 Extra columns: peak memory (MB) of one training update of the memory -- forward, backward and
 the value-table step of ``pkm_adam`` (after a warm-up step, so Adam's moment tables, 2 × 512 MB,
