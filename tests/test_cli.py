@@ -81,3 +81,35 @@ def test_sample_word_and_bpe_vocabularies(tmp_path, capsys):
         sample_cli.main(common + ["--prompt", "zebra"])
     assert "none of the prompt's tokens is in the dictionary" in str(e.value)
     assert "--bpe" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp_path):
+    """``pip install .`` (not editable) of a copy of the package: every console command runs from
+    / and imports the installed package, not this checkout."""
+    import shutil
+
+    src, site = tmp_path / "src", tmp_path / "site"
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(REPO, name), src / name)
+    shutil.copytree(os.path.join(REPO, "fairseq_attnzoo"), src / "fairseq_attnzoo",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                          "--no-build-isolation", "--target", str(site), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+
+    def run(*argv):
+        return subprocess.run([*argv], cwd="/", env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    where = run(sys.executable, "-c", "import fairseq_attnzoo; print(fairseq_attnzoo.__file__)")
+    assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr[-1000:]
+    listed = run(str(site / "bin" / "attnzoo-archs"), "--list")
+    assert listed.returncode == 0 and listed.stdout.split() == zoo_archs(), listed.stderr[-2000:]
+    for command in ("attnzoo-sample", "attnzoo-average-checkpoints",
+                    "attnzoo-collab-reparametrize", "attnzoo-plot"):
+        out = run(str(site / "bin" / command), "--help")
+        assert out.returncode == 0 and "usage" in out.stdout.lower(), (command, out.stderr[-1000:])
