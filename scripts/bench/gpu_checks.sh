@@ -7,8 +7,11 @@
 #   bash scripts/bench/gpu_checks.sh runs   OUT ARCH...   scripts/bench/precision_runs.py (--fp16, --amp)
 #   bash scripts/bench/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
 #   bash scripts/bench/gpu_checks.sh nccl   OUT       sparse PKM values / Memory+ through NCCL (world 1)
+#   bash scripts/bench/gpu_checks.sh paper  OUT [GROUP...]  paper-size fairseq-train vs the stock
+#                                                     baselines, fp16 and bf16, with profiles
+#                                                     (scripts/bench/bench_paper_size.py)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root (scripts/bench/ -> ../..)
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 stage=$1
 OUT=${2:-/tmp/gpu_out}
@@ -58,6 +61,13 @@ nccl)
     done
     grep -E "train_inner|distributed init|num. expert|Error" "$OUT/nccl.log" | cut -c1-300 | tail -14
     ;;
+paper)
+    shift 2
+    timeout "${TIMEOUT:-1500}" python -m scripts.bench.bench_paper_size --size base --device cuda \
+        --precisions ${PRECISIONS:-fp16 bf16} --groups ${@:-mt lm span} --updates "${UPDATES:-300}" \
+        --repeats "${REPEATS:-1}" --profile --out "$OUT/paper_size.md" > "$OUT/paper.log" 2>&1
+    echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300
+    ;;
 *)
-    echo "unknown stage $stage: setup | sweep | runs | bench | nccl" >&2; exit 2 ;;
+    echo "unknown stage $stage: setup | sweep | runs | bench | nccl | paper" >&2; exit 2 ;;
 esac
