@@ -73,7 +73,7 @@ HYDRA_CASES = {
         "task.tokens_per_sample=24", "dataset.max_tokens=400", "model.pkm_decoder_layers=0",
         "model.pkm_n_keys=8", "model.pkm_knn=4", "model.pkm_k_dim=16", "model.pkm_heads=2"],
     "wmt14_en_de/config/transformer_synth_dense": [
-        "task.source_lang=src", "task.target_lang=tgt", "common.fp16=false",
+        "task.source_lang=src", "task.target_lang=tgt", "common.fp16=false", "common.bf16=true",
         "dataset.max_tokens=400", "model.encoder_layers=1", "model.encoder_embed_dim=32",
         "model.encoder_ffn_embed_dim=64", "model.encoder_attention_heads=2",
         "+model.synth_max_len=64", "+model.max_source_positions=64",
@@ -123,6 +123,14 @@ def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
         assert (tmp_path / f"ckpt_{config}" / "hydra").is_dir()  # hydra.run.dir of the configs
     assert not (tmp_path / "outputs").exists()
     assert "(plain Adam)" not in out  # pkm_adam found the memory values
+    # common.bf16=true trains with fairseq's bf16 path: a bfloat16 model stepped by FP16Optimizer
+    # on fp32 masters (fairseq saves the weights as float32 either way)
+    import torch
+
+    state = torch.load(tmp_path / "ckpt_transformer_synth_dense" / "checkpoint_last.pt",
+                       map_location="cpu", weights_only=False)
+    assert state["cfg"]["common"]["bf16"] is True
+    assert state["optimizer_history"][-1]["optimizer_name"] == "FP16Optimizer"
     # the checkpoint (its model config a DictConfig) loads back with its memory
     from fairseq import checkpoint_utils
 
