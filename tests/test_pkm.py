@@ -819,6 +819,8 @@ def test_deprecated_gated_output_flag_gives_the_old_form():
     args = _args("transformer_lm_memplus", small + ["--pkm-gated-output"])
     m = build_sublayer("pkm", _spec(args))
     assert m.swilu == "legacy" and m.gate_proj.bias is None and m.gate_out.bias is None
+    args = _args("transformer_lm_memplus", small + ["--no-pkm-gated-output"])  # off: the preset's
+    assert build_sublayer("pkm", _spec(args)).swilu == "reference"
     args = _args("transformer_lm_pkm", small + ["--pkm-gated-output",
                                                 "--pkm-swilu-output"])
     with pytest.raises(ValueError, match="--pkm-swilu-output") as e:

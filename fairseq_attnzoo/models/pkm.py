@@ -36,7 +36,7 @@ from fairseq.logging.meters import Meter
 
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from .registry import Derived
-from .sublayers import register_sublayer, require
+from .sublayers import register_sublayer, require, to_bool
 from .transformer import register_arch
 
 _FP_FLAGS = ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16")
@@ -346,14 +346,20 @@ register_arch("attnzoo_transformer", "transformer_pkm",
 register_arch("attnzoo_lm", "transformer_lm_pkm", post=_check_selection("decoder"),
               decoder_ffn=_memory_slots("decoder"))
 
+def _gated(args) -> bool:
+    """Whether the deprecated --pkm-gated-output is on (a bool, or a checkpoint's string)."""
+    value = getattr(args, "pkm_gated_output", None)
+    return value is not None and to_bool(value, "--pkm-gated-output")
+
+
 #: transformer_lm_memplus, the Memory+ layer of Berges et al. (2024), relative to
 #: transformer_lm_pkm: one value pool shared by three memory layers spread through the stack,
 #: swilu output, the reference's inits, no query batch norm, 1024² slots, values d and k_dim =
 #: d/2 (Table 4). A checkpoint of the old preset stores --pkm-gated-output: its output form wins.
 MEMPLUS = {"pkm_shared_values": True, "pkm_init": "memplus", "pkm_qk_norm": False,
            "pkm_query_batchnorm": False, "pkm_n_keys": 1024, "pkm_decoder_layers": "spread",
-           "pkm_swilu_output": Derived(lambda args: args.pkm_gated_output is None,
-                                       "on unless --pkm-gated-output is given"),
+           "pkm_swilu_output": Derived(lambda args: not _gated(args),
+                                       "on unless --pkm-gated-output is on"),
            "pkm_k_dim": Derived(lambda args: max(2, int(args.decoder_embed_dim) // 4 * 2),
                                 "d_model / 2")}
 register_arch("attnzoo_lm", "transformer_lm_memplus", post=_check_selection("decoder"),
