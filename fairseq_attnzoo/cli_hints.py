@@ -122,12 +122,17 @@ def hint_for(exc: BaseException, cuda=None):
             return "this run needs a CUDA GPU and this machine has none: add common.cpu=true"
         return "this command needs a CUDA GPU and this machine has none: pass --cpu"
     if "xla_device" in text:  # no torch_xla: fairseq's --bf16 turned on --tpu
+        # reached only when compat's fairseq_bf16_without_tpu did not apply (disabled, --tpu given
+        # or another fairseq version)
         cuda = _cuda_available() if cuda is None else cuda
+        fix = ("fairseq 0.12's --bf16 implies --tpu (torch_xla), and the plugin's fix did not "
+               "apply (compat entry fairseq_bf16_without_tpu: disabled, --tpu given or another "
+               "fairseq version): ")
         if cuda:
-            return ("fairseq 0.12's --bf16 implies --tpu (torch_xla) and does not run on GPUs: use "
-                    "--amp (fp16 autocast, fp32 weights) or --fp16 (docs/precision.md)")
-        return ("fairseq 0.12's --bf16 implies --tpu (torch_xla): on this CPU-only machine drop "
-                "--bf16 and pass --cpu (fp32); on a GPU machine use --amp (docs/precision.md)")
+            return fix + ("re-enable it, or use --amp (fp16 autocast, fp32 weights) or --fp16 "
+                          "(docs/precision.md)")
+        return fix + ("re-enable it and pass --cpu, or drop --bf16 and pass --cpu (fp32) "
+                      "(docs/precision.md)")
     if "Could not infer language pair" in text:
         return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
                 "fairseq-preprocess first, or pass --source-lang/--target-lang")

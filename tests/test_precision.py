@@ -345,11 +345,15 @@ def test_amp_optimizer_unscales_once(optimizer):
 
 
 def test_bf16_on_gpu_hint():
-    """fairseq 0.12's --bf16 implies --tpu: on a GPU it dies in torch_xla; say so in one line."""
+    """fairseq 0.12's --bf16 implies --tpu: where the compat fix did not apply it dies in
+    torch_xla; say so in one line, naming the compat entry."""
     from fairseq_attnzoo.cli_hints import hint_for
 
-    hint = hint_for(AttributeError("'NoneType' object has no attribute 'xla_device'"))
-    assert hint and "--bf16" in hint and "--amp" in hint
+    xla = AttributeError("'NoneType' object has no attribute 'xla_device'")
+    for cuda in (True, False):
+        hint = hint_for(xla, cuda=cuda)
+        assert hint and "--bf16" in hint and "fairseq_bf16_without_tpu" in hint
+        assert ("--amp" in hint) == cuda and ("--cpu" in hint) != cuda
 
 
 @pytest.mark.parametrize("arch", ["transformer_synth_random", "transformer_lm_aop",
