@@ -229,7 +229,7 @@ def _fp16_master_projection():
         _FP16OptimizerMixin._sync_fp32_params_to_fp16)
 
 
-# ---- fairseq --bf16 on GPUs and CPUs ---------------------------------------------------------------
+# ---- fairseq --bf16 on GPUs and CPUs -------------------------------------------------------------
 
 def _call_main():
     from fairseq.distributed import utils as distributed_utils
@@ -343,7 +343,6 @@ def keep_tail(batch_by_size):
         return batches
 
     batch_by_size_keeping_tail.__doc__ = batch_by_size.__doc__
-    batch_by_size_keeping_tail._attnzoo_wraps = batch_by_size
     return batch_by_size_keeping_tail
 
 
@@ -408,7 +407,6 @@ def padding_batches_first(train_step):
             del task.train_step
 
     train_step_counting_real_batches.__doc__ = train_step.__doc__
-    train_step_counting_real_batches._attnzoo_wraps = train_step
     return train_step_counting_real_batches
 
 
@@ -495,16 +493,14 @@ def _add_model_args():
 
 
 @patch("fairseq_train_parser_one_line",
-       "fairseq.options:add_model_args (the training parser's --arch type and error())",
-       "a misspelled --arch printed argparse's usage and ~200 choices (over 10 KB) and no "
-       "suggestion; any bad flag value the whole usage: answer in one line, with the closest "
-       "arch names (fairseq-* console scripts; a parser built in a program keeps argparse's "
-       "behaviour)",
+       "fairseq.options:add_model_args (the training parser's --arch type)",
+       "a misspelled --arch printed argparse's ~200 choices (over 10 KB) and no suggestion: name "
+       "the closest arch names instead (the one-line error itself: fairseq_parser_one_line)",
        known_source(_add_model_args, "1c18c8c34cb60493"))
 def _train_parser_one_line():
     from fairseq import options
 
-    from .cli_hints import arch_type, one_line_parser_errors
+    from .cli_hints import arch_type
 
     add_model_args = options.add_model_args
 
@@ -513,7 +509,6 @@ def _train_parser_one_line():
         for action in group._group_actions:
             if "--arch" in action.option_strings:
                 action.type = arch_type
-        one_line_parser_errors(parser)
         return group
 
     add_model_args_checked.__doc__ = add_model_args.__doc__
@@ -527,9 +522,10 @@ def _add_dataset_args():
 
 
 @patch("fairseq_parser_one_line", "fairseq.options:add_dataset_args (every command's parser)",
-       "a bad flag value of fairseq-generate, -interactive, -validate or -eval-lm printed the whole "
-       "usage (hundreds of flags) before argparse's message: answer in one line, as training "
-       "does (fairseq-* console scripts only)",
+       "a bad flag value of fairseq-train, -generate, -interactive, -validate or -eval-lm printed "
+       "the whole usage (thousands of flags in fairseq-train) before argparse's message: answer "
+       "in one line (fairseq-* console scripts only; a parser built in a program keeps "
+       "argparse's behaviour)",
        known_source(_add_dataset_args, "d28d7bdb8e29e2c3"))
 def _parser_one_line():
     from fairseq import options

@@ -311,16 +311,18 @@ def memory_layers(value: Optional[str], n_layers: int, flag: str) -> List[int]:
     return layers
 
 
+def memory_slots(args, side: str) -> str:
+    """--pkm-{side}-layers -> the per-layer --{side}-ffn list ("ffn,pkm,ffn,...")."""
+    n_layers = int(getattr(args, f"{side}_layers"))
+    layers = memory_layers(getattr(args, f"pkm_{side}_layers", None), n_layers,
+                           f"--pkm-{side}-layers")
+    return ",".join("pkm" if i in layers else "ffn" for i in range(n_layers)) or "ffn"
+
+
 def _memory_slots(side: str) -> Derived:
-    """--pkm-{side}-layers -> the per-layer --{side}-ffn list (when --{side}-ffn is not given)."""
-
-    def slots(args) -> str:
-        n_layers = int(getattr(args, f"{side}_layers"))
-        layers = memory_layers(getattr(args, f"pkm_{side}_layers", None), n_layers,
-                               f"--pkm-{side}-layers")
-        return ",".join("pkm" if i in layers else "ffn" for i in range(n_layers)) or "ffn"
-
-    return Derived(slots, f"pkm where --pkm-{side}-layers says, else ffn")
+    """The preset value of --{side}-ffn: :func:`memory_slots` when --{side}-ffn is not given."""
+    return Derived(lambda args: memory_slots(args, side),
+                   f"pkm where --pkm-{side}-layers says, else ffn")
 
 
 def _check_selection(*sides: str):
@@ -331,8 +333,8 @@ def _check_selection(*sides: str):
         for side in sides:
             if getattr(args, f"pkm_{side}_layers", None) is None:
                 continue
-            given, derived = getattr(args, f"{side}_ffn"), _memory_slots(side).fn(args)
-            if given != derived:
+            given = getattr(args, f"{side}_ffn")
+            if given != memory_slots(args, side):
                 raise ValueError(f"--pkm-{side}-layers and --{side}-ffn disagree ({given}): give "
                                  "only one of them")
 
@@ -342,9 +344,11 @@ def _check_selection(*sides: str):
 # transformer_pkm: encoder-decoder, a memory in the middle encoder and decoder layer;
 # transformer_lm_pkm: decoder-only LM, a memory in the middle layer (the paper's setting)
 register_arch("attnzoo_transformer", "transformer_pkm",
-              post=_check_selection("encoder", "decoder"), encoder_ffn=_memory_slots("encoder"), decoder_ffn=_memory_slots("decoder"))
+              post=_check_selection("encoder", "decoder"), encoder_ffn=_memory_slots("encoder"),
+              decoder_ffn=_memory_slots("decoder"))
 register_arch("attnzoo_lm", "transformer_lm_pkm", post=_check_selection("decoder"),
               decoder_ffn=_memory_slots("decoder"))
+
 
 def _gated(args) -> bool:
     """Whether the deprecated --pkm-gated-output is on (a bool, or a checkpoint's string)."""

@@ -142,13 +142,13 @@ def run_train_here(argv):
     import torch
     from fairseq_cli import train
 
-    if os.environ.get(PROFILE_ENV):
-        prof = _profile_train_steps(os.environ[PROFILE_ENV])
+    spec = os.environ.get(PROFILE_ENV)
+    prof = _profile_train_steps(spec) if spec else None
     sys.argv = ["fairseq-train"] + argv
     try:
         train.cli_main()
     finally:
-        if os.environ.get(PROFILE_ENV):
+        if prof is not None:
             prof.stop()
         if torch.cuda.is_available():
             print(f"{PEAK_TAG} {torch.cuda.max_memory_allocated()}", flush=True)
@@ -257,8 +257,11 @@ def profile_run(group, arch, data, args, emit):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.md")
         result = one_run(group, arch, data, short, env={PROFILE_ENV: f"{path}:{wait}:{active}"})
-        table = (open(path).read() if os.path.exists(path)
-                 else f"no profile written ({result.get('error', 'too few updates?')})")
+        if os.path.exists(path):
+            with open(path) as f:
+                table = f.read()
+        else:
+            table = f"no profile written ({result.get('error', 'too few updates?')})"
     emit(f"\n#### Profile: {group}, {args._precision}, {arch} ({active} updates after {wait})\n")
     emit(table)
 
