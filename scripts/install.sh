@@ -26,6 +26,11 @@ fi
 # 4. evaluation / tokenisation tools and test runner
 "$VPY" -m pip install "${PIP_FLAGS[@]}" -c constraints.txt sacrebleu sentencepiece subword-nmt \
   tensorboardX pytest pytest-xdist matplotlib tensorly tqdm
+# 4b. Triton: CUDA builds of torch bring their own (never replace it); on a CPU build it runs the
+#     fused kernels' tests in its interpreter (tests/test_pkm_triton.py). Linux x86-64 wheels only.
+if ! "$VPY" -c "import triton" 2>/dev/null && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
+  "$VPY" -m pip install "${PIP_FLAGS[@]}" triton==3.9.0
+fi
 # 5. this plugin (editable)
 "$VPY" -m pip install "${PIP_FLAGS[@]}" -c constraints.txt --no-build-isolation --no-deps -e .
 "$VPY" -m pip check || true

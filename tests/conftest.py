@@ -2,6 +2,10 @@ import os
 
 # tests/ and the repository root are on sys.path through pytest.ini's `pythonpath`
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# fused Triton kernels (modules/pkm_triton.py) run in Triton's interpreter on CPU tensors; this
+# must be set before Triton is imported. ATTNZOO_TEST_DEVICE=cuda runs the compiled kernels.
+if os.environ.get("ATTNZOO_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -96,6 +96,11 @@ class PKMConfig(FairseqDataclass):
         metadata={"help": "qk-norm of the key search, OUR form (the Memory Layers paper uses "
                   "qk-norm 'when needed' without giving one; its code has none): half-queries "
                   "RMS-normalised with a learned gain g, sub-keys c/||c||; default off"})
+    pkm_kernel: ChoiceEnum(["auto", "triton", "torch"]) = field(  # type: ignore
+        default="auto",
+        metadata={"help": "PKM value read and its gradients: auto = fused Triton kernels on CUDA "
+                  "when Triton is importable, the PyTorch reference otherwise; triton / torch "
+                  "force one (same function; the kernels accumulate in float32); default auto"})
     pkm_encoder_layers: Optional[str] = field(
         default=None,
         metadata={"help": "transformer_pkm: encoder layers (0-based, comma-separated) whose FFN "
@@ -273,7 +278,8 @@ def build_pkm(spec):
         k_dim=o.pkm_k_dim, v_dim=v_dim, query_batchnorm=o.pkm_query_batchnorm,
         input_dropout=o.pkm_input_dropout, query_dropout=o.pkm_query_dropout,
         value_dropout=o.pkm_value_dropout, sparse=sparse_values(spec.args, o.pkm_sparse),
-        values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm)
+        values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm,
+        kernel=str(o.pkm_kernel))
     if o.pkm_shared_values and pool is None:
         spec.shared[POOL] = memory.values
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,

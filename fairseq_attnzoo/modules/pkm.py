@@ -12,7 +12,9 @@ per-half top-k lists -- an exact search over n_keys² keys at the cost of 2·n_k
 The value table is an ``nn.EmbeddingBag(n_keys², v_dim, mode="sum")`` read with per-sample weights
 (:class:`_WeightedRowSum`: the bag's forward, a backward that returns one gradient row per distinct
 slot read), so only the k·heads selected rows get a gradient; ``sparse=True`` makes that gradient a
-sparse tensor (needs an optimizer that takes sparse gradients: ``--optimizer pkm_adam``).
+sparse tensor (needs an optimizer that takes sparse gradients: ``--optimizer pkm_adam``). On CUDA
+the read and both of its gradients run as fused Triton kernels (:mod:`.pkm_triton`; ``kernel=``
+switches), with this PyTorch path as their reference and as the CPU path.
 
 Choices (XLM's ``pq_fast`` memory is the reference; this is an independent implementation):
 
@@ -50,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import pkm_triton
 from .feedforward import ZooFeedForward
 from .precision import Float32Module, float32_region
 
@@ -189,9 +192,12 @@ class _WeightedRowSum(torch.autograd.Function):
       written once, with no zero-fill and no scatter of a compact copy."""
 
     @staticmethod
-    def forward(ctx, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool) -> Tensor:
+    def forward(ctx, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
+                fused: bool = False) -> Tensor:
         ctx.save_for_backward(table, indices, weights)
-        ctx.sparse = sparse
+        ctx.sparse, ctx.fused = sparse, fused
+        if fused:  # the Triton kernels (pkm_triton); this class is their reference
+            return pkm_triton.read(table, indices, weights)
         return F.embedding_bag(indices, table, mode="sum", per_sample_weights=weights)
 
     @staticmethod
@@ -199,6 +205,20 @@ class _WeightedRowSum(torch.autograd.Function):
         table, indices, weights = ctx.saved_tensors
         grad = grad.contiguous()
         n, m = indices.shape
+        if ctx.sparse and ctx.needs_input_grad[0] and not bool(grad.any()):
+            # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs when it
+            # has fewer batches than the others, an OOM skip) read no rows: the lazy optimizer
+            # must not decay their moments, as one process would not
+            empty = torch.sparse_coo_tensor(indices.new_zeros(1, 0),
+                                            grad.new_zeros(0, table.size(1)), table.shape,
+                                            is_coalesced=True, check_invariants=False)
+            grad_weights = torch.zeros_like(weights) if ctx.needs_input_grad[2] else None
+            return empty, None, grad_weights, None, None
+        if ctx.fused:
+            grad_table, grad_weights = pkm_triton.backward(
+                grad, table, indices, weights, ctx.sparse, ctx.needs_input_grad[0],
+                ctx.needs_input_grad[2])
+            return grad_table, None, grad_weights, None, None
         flat = indices.reshape(-1)
         rows_read, order = torch.sort(flat)  # table row of each read, ascending
         token = order // m  # the bag (token) of each sorted read
@@ -209,15 +229,7 @@ class _WeightedRowSum(torch.autograd.Function):
             grad_weights = grad_weights.view(n, m)
         if ctx.needs_input_grad[0]:
             w = weights.reshape(-1).index_select(0, order)
-            if ctx.sparse and not bool(grad.any()):
-                # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs
-                # when it has fewer batches than the others, an OOM skip) read no rows: the lazy
-                # optimizer must not decay their moments, as one process would not
-                grad_table = torch.sparse_coo_tensor(rows_read.new_zeros(1, 0),
-                                                     grad.new_zeros(0, table.size(1)),
-                                                     table.shape, is_coalesced=True,
-                                                     check_invariants=False)
-            elif ctx.sparse:
+            if ctx.sparse:
                 rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
                 starts = counts.cumsum(0) - counts
                 rows_grad = F.embedding_bag(token, grad, starts, mode="sum", per_sample_weights=w)
@@ -228,7 +240,7 @@ class _WeightedRowSum(torch.autograd.Function):
                 starts = counts.cumsum(0) - counts  # = searchsorted(rows_read, r), 13x faster
                 grad_table = F.embedding_bag(token, grad, starts, mode="sum",
                                              per_sample_weights=w)
-        return grad_table, None, grad_weights, None
+        return grad_table, None, grad_weights, None, None
 
 
 def read_dots(grad: Tensor, table: Tensor, rows: Tensor, token: Tensor, n: int, m: int,
@@ -310,8 +322,12 @@ class ProductKeyMemory(ZooFeedForward):
                  query_batchnorm: bool = True, input_dropout: float = 0.0,
                  query_dropout: float = 0.0, value_dropout: float = 0.0, sparse: bool = False,
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
-                 qk_norm: bool = False, swilu: str = "off", init: str = "xlm"):
+                 qk_norm: bool = False, swilu: str = "off", init: str = "xlm",
+                 kernel: str = "auto"):
         super().__init__()
+        #: value read and its gradients: "auto" = the Triton kernels (pkm_triton) on CUDA when
+        #: Triton is importable, else the PyTorch reference; "triton" / "torch" force one
+        self.kernel = pkm_triton.check_kernel(kernel)
         if gated:  # the pre-issue-23 name of the legacy gated output
             swilu = "legacy" if swilu == "off" else swilu
         if swilu not in SWILU_FORMS:
@@ -445,7 +461,8 @@ class ProductKeyMemory(ZooFeedForward):
         """Σ_i w_i v_i for unpadded tokens x [N, d] -> [N, v_dim] (no value dropout)."""
         weights, indices = self.lookup(self.query(x, dropped))
         table = self.values.weight
-        out = _WeightedRowSum.apply(table, indices, weights.to(table.dtype), self.sparse)
+        out = _WeightedRowSum.apply(table, indices, weights.to(table.dtype), self.sparse,
+                                    pkm_triton.use_kernel(self.kernel, table))
         if not self.training and self.usage_callback is not None:
             self.usage_callback(indices.detach(), weights.detach())
         return out.to(x.dtype)
@@ -489,4 +506,5 @@ class ProductKeyMemory(ZooFeedForward):
                 + ("" if self.owns_values else ", values=shared (owned by another memory)")
                 + (f", swilu={self.swilu}" if self.gated else "")
                 + (f", init={self.init}" if self.init != "xlm" else "")
-                + (", qk_norm" if self.qk_norm else ""))
+                + (", qk_norm" if self.qk_norm else "")
+                + (f", kernel={self.kernel}" if self.kernel != "auto" else ""))

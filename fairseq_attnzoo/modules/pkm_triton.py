@@ -1,0 +1,224 @@
+"""Fused Triton kernels for the product-key memory's value read and its gradients.
+
+The reference is :class:`~fairseq_attnzoo.modules.pkm._WeightedRowSum` in plain PyTorch (ATen's
+embedding-bag kernels); these kernels compute the same three quantities, each accumulated in
+float32 whatever the table's dtype, and are used on CUDA when Triton is importable
+(``ProductKeyMemory(kernel="auto")``, fairseq ``--pkm-kernel``):
+
+* **read** ``out[n] = Σ_j w[n, j] · V[idx[n, j]]``: one program per token, its k·heads rows read
+  once each, one rounding at the end;
+* **backward**, one fused kernel over the reads sorted by table row (one ``torch.sort``): one
+  program per table row r (dense gradient: every row, unread rows write their zeros, so the
+  |K| × d gradient is written once with no zero-fill) or per distinct row read (sparse: a U × d
+  coalesced gradient). The program loads V[r] once and walks its reads i in index order::
+
+        ∂L/∂V[r]  = Σ_{i: idx_i = r} w_i · grad[token_i]     (the value gradient)
+        ∂L/∂w_i   = ⟨grad[token_i], V[r]⟩                     (the weight gradient, stored at i)
+
+  Each read's output-gradient row is loaded once and serves both products; the table row is read
+  once instead of once per read; the sum over a row's reads runs in a fixed order, so the value
+  gradient is deterministic (no atomics). This replaces ATen's two embedding-bag calls and the
+  float32 gather fallback that bfloat16 needs on CUDA (ATen has no bf16 CUDA kernel for the
+  weight gradient).
+
+Triton is optional and imported on first use: without it (or on a CPU) the reference path runs.
+With ``TRITON_INTERPRET=1`` in the environment before Triton is imported, the kernels run on CPU
+tensors in Triton's interpreter -- that is how the tests compare them with the reference on
+machines without a GPU (tests/conftest.py sets it).
+"""
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+#: table rows of at most this many elements are handled by one program (larger: reference path)
+MAX_DIM = 8192
+#: elements of the [reads, d] tile a program holds at once
+_TILE = 8192
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+    return HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def available(table: Tensor) -> bool:
+    """The kernels can run on ``table``'s device and width."""
+    if not HAS_TRITON or table.size(1) > MAX_DIM:
+        return False
+    return table.is_cuda or (interpreted() and table.device.type == "cpu")
+
+
+def why_unavailable(table: Tensor) -> str:
+    """One line: why :func:`available` is False for this table (for ``kernel="triton"``)."""
+    if not HAS_TRITON:
+        return "Triton is not importable (pip install triton; it ships with CUDA builds of torch)"
+    if table.size(1) > MAX_DIM:
+        return f"the value dim {table.size(1)} exceeds the kernels' {MAX_DIM}"
+    return (f"the value table is on {table.device.type}; the kernels need a CUDA device "
+            "(or TRITON_INTERPRET=1 to interpret them on the CPU)")
+
+
+_KERNELS = []
+triton = tl = None  # imported by _kernels()
+
+
+def _kernels():
+    """The two jitted kernels, built on first use (Triton is imported then: in interpreter mode
+    when ``TRITON_INTERPRET`` is set at that moment)."""
+    if not _KERNELS:
+        _KERNELS.extend(_define())
+    return _KERNELS
+
+
+def _define():
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    def _read_kernel(table, idx, w, out, m, d, stride_t,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < d
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s in range(0, m, BLOCK_M):
+            j = s + tl.arange(0, BLOCK_M)
+            j_ok = j < m
+            rows = tl.load(idx + n * m + j, mask=j_ok, other=0)
+            wj = tl.load(w + n * m + j, mask=j_ok, other=0).to(tl.float32)
+            v = tl.load(table + rows[:, None] * stride_t + cols[None, :],
+                        mask=j_ok[:, None] & col_ok[None, :], other=0).to(tl.float32)
+            acc += tl.sum(v * wj[:, None], axis=0)
+        tl.store(out + n * d + cols, acc.to(out.dtype.element_ty), mask=col_ok)
+
+
+    def _backward_kernel(grad, table, w, order, starts, counts, rows, grad_table, grad_w, m, d,
+                         stride_g, stride_t, stride_gt,
+                         HAS_ROWS: tl.constexpr, NEED_GT: tl.constexpr,
+                         NEED_GW: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64)
+        start = tl.load(starts + p)
+        count = tl.load(counts + p)
+        if HAS_ROWS:  # sparse: the program's table row
+            row = tl.load(rows + p)
+        else:  # dense: program p is table row p
+            row = p
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < d
+        if NEED_GW:
+            v = tl.load(table + row * stride_t + cols, mask=col_ok, other=0).to(tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s in range(0, count, BLOCK_R):
+            r = s + tl.arange(0, BLOCK_R)
+            r_ok = r < count
+            flat = tl.load(order + start + r, mask=r_ok, other=0)  # read i = token·m + j
+            token = flat // m
+            g = tl.load(grad + token[:, None] * stride_g + cols[None, :],
+                        mask=r_ok[:, None] & col_ok[None, :], other=0).to(tl.float32)
+            if NEED_GT:
+                wi = tl.load(w + flat, mask=r_ok, other=0).to(tl.float32)
+                acc += tl.sum(g * wi[:, None], axis=0)
+            if NEED_GW:
+                dots = tl.sum(g * v[None, :], axis=1)
+                tl.store(grad_w + flat, dots.to(grad_w.dtype.element_ty), mask=r_ok)
+        if NEED_GT:
+            tl.store(grad_table + p * stride_gt + cols, acc.to(grad_table.dtype.element_ty),
+                     mask=col_ok)
+
+
+    return triton.jit(_read_kernel), triton.jit(_backward_kernel)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _warps(block_d: int) -> int:
+    return 4 if block_d <= 512 else 8
+
+
+def read(table: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``out[n] = Σ_j weights[n, j] · table[indices[n, j]]``: [N, m] × [|K|, d] -> [N, d]
+    (table's dtype, float32 accumulation)."""
+    read_kernel, _ = _kernels()
+    n, m = indices.shape
+    d = table.size(1)
+    table = table if table.stride(1) == 1 else table.contiguous()
+    out = torch.empty(n, d, dtype=table.dtype, device=table.device)
+    if n == 0:
+        return out
+    block_d = _pow2(d)
+    block_m = max(1, min(_pow2(m), _TILE // block_d))
+    read_kernel[(n,)](table, indices.contiguous(), weights.contiguous(), out, m, d,
+                      table.stride(0), BLOCK_M=block_m, BLOCK_D=block_d,
+                      num_warps=_warps(block_d))
+    return out
+
+
+def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
+             need_table: bool, need_weights: bool):
+    """The gradients of :func:`read`: ``(grad_table, grad_weights)``, each None when not needed.
+
+    ``grad_table`` is dense [|K|, d], or with ``sparse`` a coalesced sparse tensor holding the
+    rows read; ``grad_weights`` is [N, m] in ``weights``' dtype."""
+    _, backward_kernel = _kernels()
+    n, m = indices.shape
+    size, d = table.shape
+    grad = grad if grad.stride(1) == 1 else grad.contiguous()
+    table = table if table.stride(1) == 1 else table.contiguous()
+    # reads sorted by table row, ties in read order (stable): the sum order of a row is fixed
+    rows_read, order = torch.sort(indices.reshape(-1), stable=True)
+    if need_table and sparse:  # one program per distinct row read
+        rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
+        grad_rows = grad.new_empty(rows.numel(), d)
+        out_table = grad_rows
+    else:  # one program per table row; empty reads write the zero rows
+        rows = None
+        counts = torch.bincount(rows_read, minlength=size)
+        out_table = grad.new_empty(size, d) if need_table else grad
+    starts = counts.cumsum(0) - counts
+    grad_w = (torch.empty(n * m, dtype=weights.dtype, device=weights.device) if need_weights
+              else weights)
+    block_d = _pow2(d)
+    if counts.numel():
+        backward_kernel[(counts.numel(),)](
+            grad, table, weights.contiguous(), order, starts, counts,
+            rows if rows is not None else starts, out_table, grad_w, m, d,
+            grad.stride(0), table.stride(0), out_table.stride(0),
+            HAS_ROWS=rows is not None, NEED_GT=need_table, NEED_GW=need_weights,
+            BLOCK_R=max(1, _TILE // block_d), BLOCK_D=block_d, num_warps=_warps(block_d))
+    grad_table = None
+    if need_table:
+        grad_table = out_table if rows is None else torch.sparse_coo_tensor(
+            rows.unsqueeze(0), grad_rows, table.shape, is_coalesced=True, check_invariants=False)
+    return grad_table, grad_w.view(n, m) if need_weights else None
+
+
+def use_kernel(kernel: str, table: Tensor) -> bool:
+    """Resolve ``kernel`` ("auto", "triton", "torch") for a read of ``table``."""
+    if kernel == "torch":
+        return False
+    if kernel == "triton":
+        if not available(table):
+            raise ValueError(f"--pkm-kernel triton cannot run: {why_unavailable(table)}; use "
+                               "--pkm-kernel auto (a checkpoint: --model-overrides "
+                               "\"{'pkm_kernel': 'auto'}\")")
+        return True
+    return available(table) and table.is_cuda
+
+
+KERNELS = ("auto", "triton", "torch")
+
+
+def check_kernel(kernel: Optional[str]) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"PKM kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return kernel

@@ -1,0 +1,170 @@
+"""The fused Triton kernels of the PKM value read (modules/pkm_triton.py) against their PyTorch
+reference (modules/pkm.py ``_WeightedRowSum``), in fp32, fp16 and bf16, dense and sparse.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set
+here per test); ``ATTNZOO_TEST_DEVICE=cuda`` runs the same tests on a GPU's compiled kernels. The
+kernels are also compiled ahead of time for an H100 (sm_90), which needs no GPU: a codegen error
+that the interpreter cannot see fails here, not on a lent machine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_attnzoo.modules import pkm_triton
+from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
+
+pytestmark = pytest.mark.skipif(not pkm_triton.HAS_TRITON,
+                                reason="Triton is not installed (make install adds it)")
+
+DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    assert DEVICE.type != "cpu" or pkm_triton.interpreted(), "conftest sets TRITON_INTERPRET"
+    torch.manual_seed(0)
+
+
+def _tol(dtype):
+    # the kernels accumulate in float32 and round once; the reference is float32 arithmetic on the
+    # same (rounded) inputs, so the difference is the output's rounding: 1-2 ulps
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+            torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}[dtype]
+
+
+def _problem(dtype, size=40, n=9, m=6, d=24, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(size, d, generator=g)
+    idx = torch.randint(0, size - 8, (n, m), generator=g)  # the last 8 rows are never read
+    idx[1, :4] = 7  # a row read four times by one token
+    idx[4, 0] = 7  # and again by another
+    w = torch.rand(n, m, generator=g)
+    up = torch.randn(n, d, generator=g)
+    return [t.to(DEVICE) for t in (table.to(dtype), idx, w.to(dtype), up.to(dtype))]
+
+
+def _grads(table, idx, w, up, sparse, fused):
+    table = table.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(True)
+    out = _WeightedRowSum.apply(table, idx, w, sparse, fused)
+    out.backward(up)
+    return out, table.grad, w.grad
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernels_equal_the_reference(dtype, sparse):
+    """Read, table gradient (dense: every row, unread rows exactly 0; sparse: the distinct rows
+    read, coalesced) and weight gradient equal the PyTorch path computed in float32."""
+    table, idx, w, up = _problem(dtype)
+    out, g_table, g_w = _grads(table, idx, w, up, sparse, fused=True)
+    ref_out, ref_table, ref_w = _grads(table.float(), idx, w.float(), up.float(), sparse, False)
+    assert out.dtype == g_w.dtype == g_table.dtype == dtype
+    assert g_table.is_sparse == sparse
+    if sparse:  # one entry per distinct row, sorted (autograd drops the coalesced flag)
+        assert torch.equal(g_table._indices()[0], torch.unique(idx))
+        g_table, ref_table = g_table.to_dense(), ref_table.to_dense()
+    else:
+        assert g_table[-8:].abs().max() == 0
+    for ours, ref in ((out, ref_out), (g_table, ref_table), (g_w, ref_w)):
+        torch.testing.assert_close(ours.float(), ref, **_tol(dtype))
+
+
+def test_value_dim_not_a_power_of_two_and_one_read_per_token():
+    table, idx, w, up = _problem(torch.float32, size=10, n=5, m=1, d=37)
+    for got, ref in zip(_grads(table, idx, w, up, False, True),
+                        _grads(table, idx, w, up, False, False)):
+        torch.testing.assert_close(got, ref)
+
+
+def test_a_zeroed_loss_gives_an_empty_sparse_gradient():
+    """The padding batch of a DDP rank (loss × 0) reads no rows on the kernel path either."""
+    table, idx, w, up = _problem(torch.float32)
+    _, g_table, g_w = _grads(table, idx, w, up * 0, True, True)
+    assert g_table.is_sparse and g_table._nnz() == 0 and g_w.abs().max() == 0
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_memory_with_kernels_equals_memory_without(sparse):
+    """A whole PKM layer (search, batch norm, padding, value read) gives the same output and the
+    same gradient on every parameter with ``kernel="triton"`` and ``kernel="torch"``."""
+    results = []
+    for kernel in ("triton", "torch"):
+        torch.manual_seed(0)
+        m = ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, sparse=sparse,
+                             kernel=kernel).to(DEVICE)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(5, 3, 16, generator=g).to(DEVICE).requires_grad_(True)
+        pad = torch.zeros(3, 5, dtype=torch.bool, device=DEVICE)
+        pad[1, 3:] = True
+        out = m(x, pad)
+        out.backward(torch.randn(out.shape, generator=g).to(DEVICE))
+        grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                 for n, p in m.named_parameters()}
+        results.append((out, x.grad, grads))
+    (out, gx, grads), (ref, ref_gx, ref_grads) = results
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, ref_gx)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
+
+
+def test_kernel_choice(monkeypatch):
+    """auto: the kernels on CUDA only; triton where they cannot run: one line with the fix."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.zeros(4, 8)
+    assert not pkm_triton.use_kernel("auto", cpu) and not pkm_triton.use_kernel("torch", cpu)
+    with pytest.raises(ValueError, match=r"--pkm-kernel triton cannot run: .*CUDA.*"
+                                         r"--pkm-kernel auto") as e:
+        pkm_triton.use_kernel("triton", cpu)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="PKM kernel must be one of auto, triton, torch"):
+        ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="cuda")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the kernels run compiled on this device")
+def test_kernels_compile_for_an_h100():
+    """Every specialisation the module launches compiles for sm_90 (in a process where Triton is
+    not in interpreter mode; no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import test_pkm_triton as t; t.compile_for_sm90()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(__file__), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["compiled", "30"]
+
+
+def compile_for_sm90():
+    from triton import compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert not pkm_triton.interpreted()
+    read_kernel, backward_kernel = pkm_triton._kernels()
+    done = 0
+    for dt in ("fp32", "fp16", "bf16"):
+        for block_d in (512, 1024):
+            opts = dict(num_warps=pkm_triton._warps(block_d))
+            sig = dict(table=f"*{dt}", idx="*i64", w=f"*{dt}", out=f"*{dt}", m="i32", d="i32",
+                       stride_t="i32", BLOCK_M="constexpr", BLOCK_D="constexpr")
+            compile(ASTSource(read_kernel, sig, constexprs=dict(
+                BLOCK_M=pkm_triton._TILE // block_d, BLOCK_D=block_d)),
+                target=GPUTarget("cuda", 90, 32), options=opts)
+            sig = dict(grad=f"*{dt}", table=f"*{dt}", w=f"*{dt}", order="*i64", starts="*i64",
+                       counts="*i64", rows="*i64", grad_table=f"*{dt}", grad_w=f"*{dt}",
+                       m="i32", d="i32", stride_g="i32", stride_t="i32", stride_gt="i32",
+                       HAS_ROWS="constexpr", NEED_GT="constexpr", NEED_GW="constexpr",
+                       BLOCK_R="constexpr", BLOCK_D="constexpr")
+            for rows, gt, gw in ((True, True, True), (False, True, True), (False, True, False),
+                                 (False, False, True)):
+                compile(ASTSource(backward_kernel, sig, constexprs=dict(
+                    HAS_ROWS=rows, NEED_GT=gt, NEED_GW=gw, BLOCK_R=pkm_triton._TILE // block_d,
+                    BLOCK_D=block_d)), target=GPUTarget("cuda", 90, 32), options=opts)
+            done += 5
+    print("compiled", done)
