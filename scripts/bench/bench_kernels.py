@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Sublayer benchmarks at the sizes of the GPU targets (not a test; numbers for docs/gpu.md).
+
+Stages, each printed and appended to ``--out`` as a markdown table when it finishes (a run cut
+off by a time limit keeps the tables of the stages it finished):
+
+``copy``
+    the device's copy bandwidth: ``dst.copy_(src)`` of a 1 GiB tensor, bytes read + written per
+    second (the physical roofline of a memory-bound op).
+``pkm_read``
+    the PKM value read ``out[n] = Σ_j w[n, j] V[idx[n, j]]`` and its backward (value and weight
+    gradients), dense and sparse, with the fused Triton kernels (``--pkm-kernel triton``) and the
+    PyTorch path (``torch``): |K| = 262,144 slots, 4 heads × knn 32 reads a token, 16,384 tokens,
+    d 512 and 1024, in ``--dtype``. Bytes moved, counted as the access pattern needs them:
+    read = one table row per read + the indices and weights + the output;
+    backward = one output-gradient row per read + one table row per distinct row read (the
+    weight gradient) + the value gradient written (dense: |K| rows; sparse: the rows read) + the
+    indices, weights and weight gradient. "% copy" = (bytes / time) / copy bandwidth.
+``pkm_layer``
+    a whole PKM layer (query net + batch norm, product-key search, read), forward + backward, ours
+    (dense/sparse values × triton/torch) against lucidrains' ``product-key-memory`` (peer, when
+    importable: LayerNorm, BatchNorm, and LayerNorm with sparse values) at the same config.
+``aop``
+    AOP₁ (h 8, d_pk = d_pv = 64, n_p 1536: ``transformer_aop``) and AOP₂ (h 16, d_pk = 64, n_p 512:
+    ``transformer_aop_h16``) against the FFN of the same weight count (d 512, FFN 2048, no
+    biases), forward + backward.
+
+``--size tiny --device cpu`` runs every stage at toy shapes (the harness's test); the Triton
+rows then need ``TRITON_INTERPRET=1`` (interpreted kernels, timings meaningless).
+
+    python -m scripts.bench.bench_kernels --device cuda --dtype bf16 --out docs/kernels.md
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+from scripts.bench.benchlib import format_table, time_pair
+from fairseq_attnzoo.modules import pkm_triton
+from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_slots
+from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: (|K| = n_keys², heads, knn, k_dim, tokens, value dims, copy MiB) per size
+SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dims=(512, 1024),
+                       copy_mib=1024, ffn=2048),
+         "tiny": dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32, dims=(32,), copy_mib=8,
+                      ffn=256)}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    def run():
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - t0
+    return run
+
+
+def median_ms(fn, device, repeats):
+    run = timed(fn, device)
+    for _ in range(min(2, repeats)):  # warm-up (Triton compiles at the first call)
+        run()
+    return 1000 * statistics.median(run() for _ in range(repeats))
+
+
+def copy_bandwidth(args, device) -> float:
+    """Bytes read + written per second by ``dst.copy_(src)`` (GB/s)."""
+    n = args.cfg["copy_mib"] << 20
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, args.repeats)
+    return 2 * n / ms / 1e6
+
+
+def kernels(device):
+    """The value-read paths to time on this device."""
+    probe = torch.empty(1, 1, device=device)
+    return ["triton", "torch"] if pkm_triton.available(probe) else ["torch"]
+
+
+def pkm_read_rows(args, device, dtype, bandwidth):
+    c = args.cfg
+    size, m, n = c["n_keys"] ** 2, c["heads"] * c["knn"], c["tokens"]
+    e = torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for d in c["dims"]:
+        table = (torch.randn(size, d, generator=g) * d ** -0.5).to(device, dtype)
+        idx = torch.randint(0, size, (n, m), generator=g).to(device)
+        w = torch.softmax(torch.randn(n, m, generator=g), -1).to(device, dtype)
+        up = torch.randn(n, d, generator=g).to(device, dtype)
+        distinct = int(torch.unique(idx).numel())
+        small = n * m * (8 + 2 * e)  # indices, weights, weight gradient
+        read_bytes = n * m * d * e + n * m * (8 + e) + n * d * e
+        for sparse in (False, True):
+            back_bytes = n * m * d * e + distinct * d * e + (distinct if sparse else size) * d * e \
+                + small
+            for kernel in kernels(device):
+                fused = kernel == "triton"
+                t = table.detach().requires_grad_(True)
+                ww = w.detach().requires_grad_(True)
+                fwd = median_ms(lambda: _WeightedRowSum.apply(t, idx, ww, sparse, fused), device,
+                                args.repeats)
+                out = _WeightedRowSum.apply(t, idx, ww, sparse, fused)
+                bwd = median_ms(lambda: torch.autograd.grad(out, (t, ww), up, retain_graph=True),
+                                device, args.repeats)
+                rows.append({
+                    "d": d, "values": "sparse" if sparse else "dense", "kernel": kernel,
+                    "read ms": fwd, "read GB/s": read_bytes / fwd / 1e6,
+                    "read % copy": 100 * read_bytes / fwd / 1e6 / bandwidth,
+                    "backward ms": bwd, "backward GB/s": back_bytes / bwd / 1e6,
+                    "backward % copy": 100 * back_bytes / bwd / 1e6 / bandwidth})
+                del out
+    return rows
+
+
+def _tokens(args, d, device, dtype, batch_first=False):
+    n = args.cfg["tokens"]
+    t = 128 if n % 128 == 0 else n
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(t, n // t, d, generator=g)
+    x = x.transpose(0, 1).contiguous() if batch_first else x
+    return x.to(device, dtype).requires_grad_(True)
+
+
+def fwd_bwd(module, x):
+    def run():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        out = module(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+    return run
+
+
+def peer_memory(args, d, use_layernorm, sparse):
+    from product_key_memory import PKM
+
+    c = args.cfg
+    m = PKM(d, heads=c["heads"], num_keys=c["n_keys"], topk=c["knn"], dim_head=c["k_dim"] // 2,
+            use_layernorm=use_layernorm)
+    m.values.sparse = sparse
+    return m
+
+
+PEERS = (("peer LayerNorm", True, False), ("peer BatchNorm", False, False),
+         ("peer LayerNorm sparse", True, True))
+
+
+def pkm_layer_rows(args, device, dtype):
+    c = args.cfg
+    rows = []
+    for d in c["dims"]:
+        peers = {}
+        for name, ln, sparse in PEERS:
+            try:
+                torch.manual_seed(0)
+                peer = peer_memory(args, d, ln, sparse).to(device, dtype)
+                x = _tokens(args, d, device, dtype, batch_first=True)
+                peers[name] = median_ms(fwd_bwd(peer, x), device, args.repeats)
+            except ImportError:
+                peers[name] = "not installed"
+            except Exception as exc:  # a peer mode that does not run in this dtype/device
+                peers[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            finally:
+                peer = None
+        for sparse in (False, True):
+            for kernel in kernels(device):
+                torch.manual_seed(0)
+                m = ProductKeyMemory(d, d, n_keys=c["n_keys"], heads=c["heads"], knn=c["knn"],
+                                     k_dim=c["k_dim"], sparse=sparse, kernel=kernel)
+                m = m.to(device, dtype)
+                ms = median_ms(fwd_bwd(m, _tokens(args, d, device, dtype)), device, args.repeats)
+                row = {"d": d, "values": "sparse" if sparse else "dense", "kernel": kernel,
+                       "ours ms": ms}
+                for name, peer_ms in peers.items():
+                    row[f"{name} ms"] = peer_ms
+                    row[f"{name} / ours"] = peer_ms / ms if isinstance(peer_ms, float) else ""
+                rows.append(row)
+    return rows
+
+
+def aop_rows(args, device, dtype):
+    c = args.cfg
+    d, ffn_dim = c["dims"][0], c["ffn"]
+    rows = []
+    for heads, width in ((8, 1), (16, 2)):  # transformer_aop, transformer_aop_h16: h·d_pk = w·d
+        head_dim = width * d // heads
+        slots = ffn_matching_slots(d, ffn_dim, heads, head_dim, head_dim)
+        torch.manual_seed(0)
+        aop = AttentionOverParameters(d, heads, head_dim, head_dim, slots).to(device, dtype)
+        ffn = nn.Sequential(nn.Linear(d, ffn_dim, bias=False), nn.ReLU(),
+                            nn.Linear(ffn_dim, d, bias=False)).to(device, dtype)
+        x = _tokens(args, d, device, dtype)
+        a_ms, f_ms = time_pair(timed(fwd_bwd(aop, x), device), timed(fwd_bwd(ffn, x), device),
+                               repeats=args.repeats)
+        rows.append({"case": f"AOP h {heads}, n_p {slots}", "d": d, "FFN": ffn_dim,
+                     "params": sum(p.numel() for p in aop.parameters()),
+                     "FFN params": sum(p.numel() for p in ffn.parameters()),
+                     "AOP ms": a_ms, "FFN ms": f_ms, "ratio": a_ms / f_ms, "target": "<= 1.15"})
+    return rows
+
+
+STAGES = ("copy", "pkm_read", "pkm_layer", "aop")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--size", choices=sorted(SIZES), default="paper")
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", help="append the tables to this markdown file")
+    args = p.parse_args(argv)
+    args.cfg = SIZES[args.size]
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    head = (f"device {name}, torch {torch.__version__}, {args.dtype}, size {args.size}, "
+            f"medians of {args.repeats}")
+    print(head, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(f"\n{head}\n")
+    bandwidth = None
+    for stage in args.stages:
+        if stage == "copy" or (stage == "pkm_read" and bandwidth is None):
+            bandwidth = copy_bandwidth(args, device)
+            rows = [{"stage": "copy", "bytes": args.cfg["copy_mib"] << 20,
+                     "GB/s (read + write)": bandwidth}]
+            if stage == "copy":
+                emit(args, "copy bandwidth", rows)
+                continue
+        if stage == "pkm_read":
+            rows = pkm_read_rows(args, device, dtype, bandwidth)
+        elif stage == "pkm_layer":
+            rows = pkm_layer_rows(args, device, dtype)
+        else:
+            rows = aop_rows(args, device, dtype)
+        emit(args, stage, rows)
+
+
+def emit(args, title, rows):
+    table = f"\n{title}\n\n{format_table(rows)}"
+    print(table, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
