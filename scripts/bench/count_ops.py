@@ -77,7 +77,7 @@ def _outermost_copies(events):
             continue
         if e.name in ("aten::to", "aten::contiguous") and not e.cpu_children:
             continue  # already the right dtype / layout: returns its input, copies nothing
-        if e.input_shapes and e.input_shapes[0] == []:
+        if e.name != "aten::cat" and e.input_shapes and e.input_shapes[0] == []:
             continue  # a 0-dim scalar (a Python number wrapped for an op)
         parent, inner = e.cpu_parent, False
         while parent is not None:
