@@ -169,6 +169,57 @@ def test_factorized_dense_tiles_every_pair():
         torch.testing.assert_close(logits[..., j], A[..., j % 4] * B[..., j // 4])
 
 
+def test_projection_of_the_time_first_input_is_the_batch_first_linear():
+    # forward hands over x_q as a transposed view of the time-first input: project() applies the
+    # Linear to the time-first tensor (no flattening copy), same values and gradients
+    lin = torch.nn.Linear(16, 8)
+    xt = torch.randn(5, 3, 16, requires_grad=True)  # [T, B, C]
+    out = SynthesizerAttention.project(lin, xt.transpose(0, 1))
+    assert out.shape == (3, 5, 8) and out.transpose(0, 1).is_contiguous()
+    ref_x = xt.detach().clone().requires_grad_()
+    ref = lin(ref_x.transpose(0, 1).contiguous())
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(3, 5, 8)
+    gx, gw = torch.autograd.grad(out, (xt, lin.weight), g)
+    rx, rw = torch.autograd.grad(ref, (ref_x, lin.weight), g)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+    x = torch.randn(3, 5, 16)  # an ordinary batch-first tensor: plain Linear
+    torch.testing.assert_close(SynthesizerAttention.project(lin, x), lin(x))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_gathered_tables_equal_the_position_formulas(share):
+    # with padding, every table is gathered by the tokens' real positions in one index:
+    # Random R[h, i, j], Factorized Random R1[h, i] . R2[h, j], Factorized Dense A[p] B[q] at
+    # column j = q*a + p, Dense h_i . W2[h, j] + b2[h, j], for query/key positions i, j
+    from fairseq_attnzoo.modules.attention import AttnContext
+
+    m = SynthesizerAttention(D, H, components=("random", "factorized_random", "factorized_dense",
+                                               "dense"), max_len=N, rank=3, factor_a=4,
+                             factor_b=3, share_heads=share)
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(8))
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, :3] = True  # left padding: positions 0..3 on the last four slots
+    ctx = AttnContext(m, None, pad, None, 2, 7, False)
+    dots, tables = m.terms(x, None, ctx, 7)
+    alpha = torch.softmax(m.mix_logits, 0)
+    pos = torch.tensor([[0, 0, 0, 0, 1, 2, 3], list(range(7))])
+    hidden = torch.relu(m.fdense_W1(x)).view(2, 7, H, D // H).transpose(1, 2)
+    A = hidden @ m.fdense_WA + m.fdense_bA[:, None]
+    Bf = hidden @ m.fdense_WB + m.fdense_bB[:, None]
+    dense_q = torch.relu(m.dense_W1(x)).view(2, 7, H, D // H).transpose(1, 2)
+    for b in range(2):
+        i, j = pos[b][:, None], pos[b][None, :]
+        torch.testing.assert_close(tables[0][b], alpha[0] * m.R[:, i, j])
+        torch.testing.assert_close(tables[1][b], alpha[1] * m.R1[:, pos[b]] @ m.R2[:, pos[b]].mT)
+        fdense = Bf[b][..., pos[b] // 4] * A[b][..., pos[b] % 4]
+        torch.testing.assert_close(tables[2][b], alpha[2] * fdense)
+        q, k = torch.cat(dots[0][0], -1)[b], torch.cat(dots[0][1], -1)[b]
+        want = dense_q[b] @ m.dense_W2[:, pos[b]].mT + m.dense_b2[:, None, pos[b]]
+        torch.testing.assert_close(q @ k.mT, alpha[3] * want)
+
+
 @pytest.mark.parametrize("mode", ["random_dense", "dense_vanilla", "random_vanilla"])
 def test_mixture_weights_sum_to_one(mode):
     m = make(mode, seed=5)

@@ -180,8 +180,8 @@ class AttnContext:
 
         logits ``[B, H, Tq, Tk]``, v ``[B, H, Tk, dv]``."""
         blocked = self.blocked(logits.size(-1), logits.device)
-        if blocked is not None:
-            logits = logits.masked_fill(blocked, mask_value(logits.dtype))
+        if blocked is not None:  # one pass (an out-of-place masked_fill is a clone, then a fill)
+            logits = torch.where(blocked, mask_value(logits.dtype), logits)
         probs = fp32_softmax(logits)
         probs = F.dropout(probs, p=self.module.dropout, training=self.module.training)
         return torch.matmul(probs, v)
@@ -231,6 +231,15 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
         raise NotImplementedError
 
     # helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def project(linear: nn.Module, x: Tensor) -> Tensor:
+        """``linear(x)`` for batch-first ``x [B, T, C]``. :meth:`forward` hands over a transposed
+        view of the time-first input, which ``nn.Linear`` would copy to flatten (and copy the
+        gradient back): applied to the time-first tensor instead, the result is the same view."""
+        if x.dim() == 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
+            return linear(x.transpose(0, 1)).transpose(0, 1)
+        return linear(x)
+
     def split_heads(self, x: Tensor, head_dim: Optional[int] = None) -> Tensor:
         """[B, T, H*d] -> [B, H, T, d]"""
         b, t, _ = x.shape

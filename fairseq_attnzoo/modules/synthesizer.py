@@ -182,20 +182,22 @@ class SynthesizerAttention(ZooAttention):
 
     def _hidden(self, x: Tensor, W1: nn.Linear) -> Tensor:
         """ReLU(X W1 + b1), split per head: [B, T, C] -> [B, H, T, d_h]."""
-        return self.split_heads(F.relu(W1(x)))
+        return self.split_heads(F.relu(self.project(W1, x)))
 
     def _by_position(self, table: Tensor, pos: Optional[Tensor], start: int, length: int) -> Tensor:
         """Rows of a position table [h, N, ...] for positions ``pos`` [B, T] (gathered) or, with
         no padding, ``start .. start+length-1`` (sliced): -> [B or 1, h, T, ...]."""
         if pos is None:
             return table[:, start:start + length].unsqueeze(0)
-        return table[:, pos].transpose(0, 1)
+        heads = torch.arange(table.size(0), device=pos.device)
+        return table[heads[None, :, None], pos[:, None, :]]  # batch-first, no transposed copy
 
     def terms(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext, k_len: int):
         """The components' logits, each already weighted by its alpha, in two forms:
 
-        * dot-product terms (q_i, k_i) with S_i = q_i k_i^T (Dense, Vanilla): they go through the
-          fused SDPA kernel, concatenated along the feature dimension;
+        * dot-product terms S_i = q_i k_i^T (Dense, Vanilla) as lists of feature blocks
+          ([q blocks], [k blocks]): they go through the fused SDPA kernel, all blocks concatenated
+          along the feature dimension in one copy;
         * tables [B or 1, H or 1, Tq, Tk] (Random, Factorized Random, Factorized Dense), added
           to the logits.
         """
@@ -215,19 +217,22 @@ class SynthesizerAttention(ZooAttention):
                 # B = ReLU(X W1 + b1) W2 + b2: row t from token t; column j is W2's j-th
                 # d_h-vector (and b2_j), so b2 rides along as a constant-1 query feature
                 q = self._hidden(x_q, self.dense_W1)
-                q = torch.cat([q, q.new_ones(q.shape[:-1] + (1,))], -1)
-                kk = torch.cat([self._by_position(self.dense_W2, kpos, 0, k_len),
-                                self._by_position(self.dense_b2.unsqueeze(-1), kpos, 0, k_len)], -1)
-                dots.append((q if w is None else q * w, kk))
-            elif name == "vanilla":  # Q K^T / sqrt(d_k)
-                q = self.split_heads(self.q_proj(x_q)) * self.head_dim ** -0.5
-                dots.append((q if w is None else q * w, k))
+                one = (q.new_ones(()) if w is None else w.to(q.dtype)).expand(q.shape[:-1] + (1,))
+                kk = [self._by_position(self.dense_W2, kpos, 0, k_len),
+                      self._by_position(self.dense_b2.unsqueeze(-1), kpos, 0, k_len)]
+                dots.append(([q if w is None else q * w, one], kk))
+            elif name == "vanilla":  # Q K^T / sqrt(d_k), alpha folded into the one scaling
+                scale = self.head_dim ** -0.5
+                q = self.split_heads(self.project(self.q_proj, x_q))
+                dots.append(([q * (scale if w is None else w * scale)], [k]))
             else:
                 if name == "random":  # R[qpos, kpos]
-                    R = self.R if qpos is None else self.R[:, :, :k_len]
-                    t = self._by_position(R, qpos, off, tq)
-                    t = t[..., :k_len] if kpos is None else t.gather(
-                        -1, kpos[:, None, None, :].expand(t.shape[:-1] + (k_len,)))
+                    if qpos is None:
+                        t = self.R[:, off:off + tq, :k_len].unsqueeze(0)
+                    else:  # one gather of rows and columns, straight into [B, h, Tq, Tk]
+                        heads = torch.arange(self.R.size(0), device=x_q.device)
+                        t = self.R[heads[None, :, None, None], qpos[:, None, :, None],
+                                   kpos[:, None, None, :]]
                 elif name == "factorized_random":  # R1[qpos] R2[kpos]^T
                     t = torch.matmul(self._by_position(self.R1, qpos, off, tq),
                                      self._by_position(self.R2, kpos, 0, k_len).transpose(-1, -2))
@@ -235,9 +240,14 @@ class SynthesizerAttention(ZooAttention):
                     hid = self._hidden(x_q, self.fdense_W1)
                     A = torch.matmul(hid, self.fdense_WA) + self.fdense_bA[:, None]
                     Bf = torch.matmul(hid, self.fdense_WB) + self.fdense_bB[:, None]
-                    t = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)[..., :cols]
-                    if kpos is not None:
-                        t = t.gather(-1, kpos[:, None, None, :].expand(t.shape[:-1] + (k_len,)))
+                    # only the Tk columns in use, not all a*b of the outer product
+                    a = self.factor_a
+                    if kpos is None:
+                        j = torch.arange(cols, device=x_q.device)
+                        t = Bf[..., j // a] * A[..., j % a]
+                    else:
+                        j = kpos[:, None, None, :].expand(A.shape[:-1] + (k_len,))
+                        t = Bf.gather(-1, j // a) * A.gather(-1, j % a)
                 tables.append(t if w is None else t * w)
         return dots, tables
 
@@ -250,7 +260,9 @@ class SynthesizerAttention(ZooAttention):
     def _sum_terms(dots, tables) -> Tensor:
         """sum_i q_i k_i^T + sum_j table_j (each already weighted by its alpha)."""
         logits = None
-        for term in [torch.matmul(q, kk.transpose(-1, -2)) for q, kk in dots] + list(tables):
+        cat = lambda blocks: blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+        products = [torch.matmul(cat(q), cat(kk).transpose(-1, -2)) for q, kk in dots]
+        for term in products + list(tables):
             logits = term if logits is None else logits + term
         return logits
 
@@ -259,9 +271,9 @@ class SynthesizerAttention(ZooAttention):
         if ctx.static_kv or (x_kv is not None and x_kv is not x_q):
             raise ValueError("Synthesizer attention is self-attention only: keep --cross-attn mha")
         bsz, tq, d = x_q.shape
-        new = {"v": self.v_proj(x_q)}  # G(X)
+        new = {"v": self.project(self.v_proj, x_q)}  # G(X)
         if "vanilla" in self.components:
-            new["k"] = self.k_proj(x_q)
+            new["k"] = self.project(self.k_proj, x_q)
         full = ctx.cache(**new)  # incremental: all values so far; extends the padding mask
         v = full["v"]
         tk = v.size(1)
@@ -275,8 +287,8 @@ class SynthesizerAttention(ZooAttention):
 
         logits = self._sum_terms(dots, tables)
         blocked = ctx.blocked(tk, x_q.device)
-        if blocked is not None:
-            logits = logits.masked_fill(blocked, mask_value(logits.dtype))
+        if blocked is not None:  # one pass (an out-of-place masked_fill is a clone, then a fill)
+            logits = torch.where(blocked, mask_value(logits.dtype), logits)
         dropout = self.dropout if self.training else 0.0
         shared = logits.size(0) == 1 and dropout == 0.0
         if not shared:
@@ -297,16 +309,19 @@ class SynthesizerAttention(ZooAttention):
         return self.out_proj(out)
 
     def _attend_dots(self, dots, v: Tensor, ctx: AttnContext) -> Tensor:
-        """Softmax(sum_i q_i k_i^T + mask) V with the fused kernel: the terms are concatenated
-        along the feature dimension, and q, k, v zero-padded to one width (a multiple of 8) so
-        the fast kernel applies."""
-        bsz, h, tq = v.size(0), v.size(1), dots[0][0].size(2)
-        q = torch.cat([t.expand(bsz, h, tq, t.size(-1)) for t, _ in dots], -1)
-        k = torch.cat([t.expand(bsz, h, t.size(2), t.size(-1)) for _, t in dots], -1)
-        width = max(q.size(-1), v.size(-1))
-        width = -(-width // 8) * 8
-        if q.size(-1) != width:
-            q, k = F.pad(q, (0, width - q.size(-1))), F.pad(k, (0, width - k.size(-1)))
+        """Softmax(sum_i q_i k_i^T + mask) V with the fused kernel: the blocks of all terms are
+        concatenated along the feature dimension, with the zero padding to one width for q, k, v
+        (a multiple of 8, so the fast kernel applies) in the same copy."""
+        bsz, h, tq, tk = v.size(0), v.size(1), dots[0][0][0].size(2), v.size(2)
+        qs = [t for q, _ in dots for t in q]
+        ks = [t for _, kk in dots for t in kk]
+        dqk = sum(t.size(-1) for t in qs)
+        width = -(-max(dqk, v.size(-1)) // 8) * 8
+        if dqk != width:
+            qs = qs + [qs[0].new_zeros(()).expand(1, 1, 1, width - dqk)]
+            ks = ks + [ks[0].new_zeros(()).expand(1, 1, 1, width - dqk)]
+        q = torch.cat([t.expand(bsz, h, tq, t.size(-1)) for t in qs], -1)
+        k = torch.cat([t.expand(bsz, h, tk, t.size(-1)) for t in ks], -1)
         dv = v.size(-1)
         if dv != width:
             v = F.pad(v, (0, width - dv))
