@@ -40,3 +40,23 @@ def test_tiny_dry_run_writes_rows_and_profiles(lm_data, tmp_path):
         assert f"#### Profile: lm, fp32, {arch} (2 updates after 2)" in text
     assert text.count("| `aten::") >= 10  # the ops of both profiles
     assert "aten::topk" in text.split("transformer_lm_pkm (2 updates")[1]  # the memory's search
+
+
+def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
+    """scripts/bench/bench_kernels.py at toy shapes on the CPU: every stage's table is written,
+    with a Triton row beside each PyTorch row where Triton is installed (interpreted here)."""
+    from fairseq_attnzoo.modules import pkm_triton
+    from scripts.bench import bench_kernels
+
+    out = tmp_path / "kernels.md"
+    bench_kernels.main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--repeats", "1",
+                        "--out", str(out)])
+    text = out.read_text()
+    for title in ("copy bandwidth", "pkm_read", "pkm_layer", "aop"):
+        assert f"\n{title}\n" in text
+    kernels = ["torch"] + (["triton"] if pkm_triton.HAS_TRITON else [])
+    for values in ("dense", "sparse"):
+        for kernel in kernels:
+            assert text.count(f"| 32 | {values} | {kernel} | ") == 2  # read table, layer table
+    aop = [line for line in text.splitlines() if line.startswith("| AOP h ")]
+    assert len(aop) == 2 and all(line.split(" | ")[3] == line.split(" | ")[4] for line in aop)

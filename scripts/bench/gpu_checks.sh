@@ -7,6 +7,8 @@
 #   bash scripts/bench/gpu_checks.sh runs   OUT ARCH...   scripts/bench/precision_runs.py (--fp16, --amp)
 #   bash scripts/bench/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
 #   bash scripts/bench/gpu_checks.sh nccl   OUT       sparse PKM values / Memory+ through NCCL (world 1)
+#   bash scripts/bench/gpu_checks.sh kernels OUT      the fused kernels' tests on CUDA, then the
+#                                                     sublayer targets (scripts/bench/bench_kernels.py)
 #   bash scripts/bench/gpu_checks.sh paper  OUT [GROUP...]  paper-size fairseq-train vs the stock
 #                                                     baselines, fp16 and bf16, with profiles
 #                                                     (scripts/bench/bench_paper_size.py)
@@ -61,6 +63,17 @@ nccl)
     done
     grep -E "train_inner|distributed init|num. expert|Error" "$OUT/nccl.log" | cut -c1-300 | tail -14
     ;;
+kernels)
+    ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q \
+        -p no:cacheprovider tests/test_pkm_triton.py tests/test_pkm.py > "$OUT/kernels_tests.log" 2>&1
+    echo "kernel tests rc $?"; tail -3 "$OUT/kernels_tests.log"
+    for dtype in ${DTYPES:-bf16 fp16}; do
+        timeout "${TIMEOUT:-240}" python3 -m scripts.bench.bench_kernels --device cuda \
+            --dtype "$dtype" --out "$OUT/kernels.md" > "$OUT/kernels_$dtype.log" 2>&1
+        echo "bench_kernels $dtype rc $?"
+    done
+    cat "$OUT/kernels.md" | cut -c1-300
+    ;;
 paper)
     shift 2
     timeout "${TIMEOUT:-1500}" python -m scripts.bench.bench_paper_size --size base --device cuda \
@@ -69,5 +82,5 @@ paper)
     echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300
     ;;
 *)
-    echo "unknown stage $stage: setup | sweep | runs | bench | nccl | paper" >&2; exit 2 ;;
+    echo "unknown stage $stage: setup | sweep | runs | bench | nccl | kernels | paper" >&2; exit 2 ;;
 esac
