@@ -2,6 +2,7 @@
 # The GPU checks recorded in docs/gpu.md, on a machine that has torch + CUDA but no package index
 # (wheels and the fairseq sdist carried in .whl/, the demo data in data/; docs/gpu.md "Setup").
 #
+#   bash scripts/bench/gpu_checks.sh wheels           HERE, where pip works: fill .whl/ (carry it)
 #   bash scripts/bench/gpu_checks.sh setup            install fairseq & co into /tmp/site
 #   bash scripts/bench/gpu_checks.sh sweep  OUT       tests/test_precision.py on the GPU's kernels
 #   bash scripts/bench/gpu_checks.sh runs   OUT ARCH...   scripts/bench/precision_runs.py (--fp16, --amp)
@@ -19,6 +20,18 @@ stage=$1
 OUT=${2:-/tmp/gpu_out}
 mkdir -p "$OUT"
 case "$stage" in
+wheels)  # Python 3.12 wheels for the lent machine + the fairseq-fixed sdist + the PKM peer
+    PYBIN=${PYBIN:-.venv/bin/python}
+    DL=("$PYBIN" -m pip download -q --no-deps --disable-pip-version-check -d .whl)
+    "${DL[@]}" --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux_2_28_x86_64 hydra-core==1.3.2 omegaconf==2.3.0 bitarray regex cffi \
+        tensorboardX product-key-memory==0.3.0 einops einx colt5-attention local-attention \
+        hyper-connections frozendict
+    "${DL[@]}" --no-binary :all: --no-build-isolation antlr4-python3-runtime==4.9.3 \
+        fairseq-fixed==0.12.3.1  # (its metadata step needs torch: the venv's)
+    ls .whl
+    ;;
 setup)
     bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
         tail -30 "$OUT/install.log"; exit 1; }
@@ -82,5 +95,5 @@ paper)
     echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300
     ;;
 *)
-    echo "unknown stage $stage: setup | sweep | runs | bench | nccl | kernels | paper" >&2; exit 2 ;;
+    echo "unknown stage $stage: wheels | setup | sweep | runs | bench | nccl | kernels | paper" >&2; exit 2 ;;
 esac
