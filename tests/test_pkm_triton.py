@@ -168,3 +168,24 @@ def compile_for_sm90():
                     BLOCK_D=block_d)), target=GPUTarget("cuda", 90, 32), options=opts)
             done += 5
     print("compiled", done)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="fairseq-train --cpu")
+@pytest.mark.parametrize("sparse", ["true", "false"])
+def test_fairseq_train_with_kernels_logs_the_same_losses(sparse, lm_data, tmp_path):
+    """``fairseq-train --pkm-kernel triton`` (interpreted here) and ``--pkm-kernel torch`` log
+    the same losses update after update (sparse values under pkm_adam, and dense), and the flag
+    reaches the memory."""
+    from zoo_testlib import json_logs, run_cli, tiny_flags
+
+    logs = {}
+    for kernel in ("triton", "torch"):
+        lines = run_cli("train", tiny_flags("transformer_lm_pkm", lm_data) + [
+            "--pkm-kernel", kernel, "--pkm-sparse", sparse, "--optimizer", "pkm_adam",
+            "--lr", "1e-3", "--max-tokens", "400", "--max-update", "4", "--no-save",
+            "--disable-validation", "--log-interval", "1", "--log-format", "json",
+            "--num-workers", "0", "--seed", "1", "--save-dir", str(tmp_path / kernel)])
+        assert any(f"kernel={kernel}" in line for line in lines)  # the model as logged
+        logs[kernel] = [float(r["loss"]) for r in json_logs(lines, "train_inner")]
+    assert len(logs["triton"]) == 4
+    assert logs["triton"] == pytest.approx(logs["torch"], abs=1e-3)
