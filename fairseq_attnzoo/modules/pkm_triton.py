@@ -113,8 +113,9 @@ def _define():
             row = p
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < d
-        if NEED_GW:
-            v = tl.load(table + row * stride_t + cols, mask=col_ok, other=0).to(tl.float32)
+        if NEED_GW:  # (an unread row's program loads nothing)
+            width = tl.where(count > 0, d, 0)
+            v = tl.load(table + row * stride_t + cols, mask=cols < width, other=0).to(tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for s in range(0, count, BLOCK_R):
             r = s + tl.arange(0, BLOCK_R)
