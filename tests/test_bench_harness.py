@@ -60,3 +60,29 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
             assert text.count(f"| 32 | {values} | {kernel} | ") == 2  # read table, layer table
     aop = [line for line in text.splitlines() if line.startswith("| AOP h ")]
     assert len(aop) == 2 and all(line.split(" | ")[3] == line.split(" | ")[4] for line in aop)
+
+
+def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatch):
+    """``--baseline bracket``: one baseline run before a group's archs and one after (drift note),
+    the archs' rows against the first; ``pair`` runs the baseline beside every arch."""
+    from scripts.bench import bench_paper_size as bps
+
+    runs = []
+
+    def fake_run(group, arch, data, args, env=None):
+        runs.append(arch)
+        speed = {"transformer_lm": 100.0 + 10 * runs.count(arch)}.get(arch, 50.0)
+        return {"tokens/s": speed, "peak GiB": 1.0, "valid loss": 2.0, "wall s": 1.0}
+
+    monkeypatch.setattr(bps, "one_run", fake_run)
+    common = ["--size", "tiny", "--device", "cpu", "--groups", "lm", "--precisions", "fp32",
+              "--repeats", "1", "--data-lm", str(tmp_path)]
+    bps.main(common + ["--baseline", "bracket", "--out", str(tmp_path / "bracket.md")])
+    assert runs == ["transformer_lm", "transformer_lm_pkm", "transformer_lm_memplus",
+                    "transformer_lm"]
+    text = (tmp_path / "bracket.md").read_text()
+    assert "| lm | fp32 | transformer_lm_pkm | 50 | 110 | 0.455 |" in text
+    assert "baseline tokens/s 110 before the rows above, 120 after them: drift +9.1 %" in text
+    runs.clear()
+    bps.main(common + ["--out", str(tmp_path / "pair.md")])
+    assert runs.count("transformer_lm") == 2 and len(runs) == 4

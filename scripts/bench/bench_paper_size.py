@@ -7,7 +7,9 @@ reports training tokens/s (median of fairseq's ``wps`` over the ``train_inner`` 
 first, so start-up and compilation are left out), peak GPU memory (``torch.cuda.max_memory_
 allocated`` of the training process) and the valid loss reached at the last update. The table
 gives medians over the repeats and the ratios to the baseline; every row is written to ``--out``
-as soon as it is measured, so a cut-off run keeps what it finished.
+as soon as it is measured, so a cut-off run keeps what it finished. ``--baseline bracket`` halves
+the runs for a short GPU loan: the baseline runs once before a group's archs and once after them,
+the rows use the first run, and a note gives the drift between the two.
 
 Groups (``--size base``; ``--size tiny`` shrinks every model for a CPU dry run of the harness):
 
@@ -210,14 +212,19 @@ def median_of(runs, key):
     return statistics.median(vals) if vals else float("nan")
 
 
-def bench_pair(group, arch, data, args):
-    """Alternate baseline and arch ``--repeats`` times; one table row."""
+def bench_pair(group, arch, data, args, base=None):
+    """Alternate baseline and arch ``--repeats`` times; one table row. ``base``: baseline runs
+    already made (``--baseline bracket``): only the arch runs."""
     baseline = BASELINE[group]
-    base, cand = [], []
-    for i in range(args.repeats):
-        order = [(baseline, base), (arch, cand)]
-        for name, sink in (order if i % 2 == 0 else order[::-1]):
-            sink.append(one_run(group, name, data, args))
+    cand = []
+    if base is None:
+        base = []
+        for i in range(args.repeats):
+            order = [(baseline, base), (arch, cand)]
+            for name, sink in (order if i % 2 == 0 else order[::-1]):
+                sink.append(one_run(group, name, data, args))
+    else:
+        cand = [one_run(group, arch, data, args) for _ in range(args.repeats)]
     errors = [r["error"] for r in base + cand if "error" in r]
     row = {"group": group, "precision": args._precision, "arch": arch, "baseline": baseline}
     if errors:
@@ -233,6 +240,16 @@ def bench_pair(group, arch, data, args):
 
 COLUMNS = ["group", "precision", "arch", "tokens/s", "baseline tokens/s", "speed ratio",
            "peak GiB", "baseline peak GiB", "memory ratio", "valid loss", "baseline valid loss"]
+
+
+def bracket_note(group, first, last) -> str:
+    """``--baseline bracket``: the closing baseline run against the opening one (the rows above
+    used the opening run; a drift beyond the run-to-run noise makes their ratios suspect)."""
+    if "error" in last or "error" in first[0]:
+        return f"\n({group}: closing baseline run failed: {last.get('error', '')})\n"
+    a, b = first[0]["tokens/s"], last["tokens/s"]
+    return (f"\n({group}, {BASELINE[group]}: baseline tokens/s {a:,.0f} before the rows above, "
+            f"{b:,.0f} after them: drift {100 * (b - a) / a:+.1f} %)\n")
 
 
 def format_row(row):
@@ -310,6 +327,10 @@ def main(argv=None):
     p.add_argument("--data-lm", default=os.path.join(REPO, "data/wiki-gensim/bin"))
     p.add_argument("--updates", type=int, default=300, help="updates per run (default 300)")
     p.add_argument("--repeats", type=int, default=2, help="runs per arch and baseline")
+    p.add_argument("--baseline", choices=["pair", "bracket"], default="pair",
+                   help="pair: the baseline runs beside every arch (alternating); bracket: once "
+                   "before a group's archs and once after them (the drift is reported), half the "
+                   "runs -- for a short GPU loan")
     p.add_argument("--valid-steps", type=int, default=50, help="--max-valid-steps of each run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-timeout", type=int, default=1800, help="seconds per training run")
@@ -343,8 +364,13 @@ def main(argv=None):
                 if group not in args.groups:
                     continue
                 chosen = [a for a in archs if args.archs is None or a in args.archs]
+                base = None
+                if args.baseline == "bracket":
+                    base = [one_run(group, BASELINE[group], data, args)]
                 for arch in chosen:
-                    emit(format_row(bench_pair(group, arch, data, args)))
+                    emit(format_row(bench_pair(group, arch, data, args, base)))
+                if base is not None:
+                    emit(bracket_note(group, base, one_run(group, BASELINE[group], data, args)))
                 if args.profile:
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)

@@ -12,7 +12,9 @@
 #                                                     sublayer targets (scripts/bench/bench_kernels.py)
 #   bash scripts/bench/gpu_checks.sh paper  OUT [GROUP...]  paper-size fairseq-train vs the stock
 #                                                     baselines, fp16 and bf16, with profiles
-#                                                     (scripts/bench/bench_paper_size.py)
+#                                                     (scripts/bench/bench_paper_size.py; env
+#                                                     TIMEOUT UPDATES REPEATS PRECISIONS ARCHS
+#                                                     BASELINE=pair|bracket PROFILE= to skip)
 set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root (scripts/bench/ -> ../..)
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -32,9 +34,13 @@ wheels)  # Python 3.12 wheels for the lent machine + the fairseq-fixed sdist + t
         fairseq-fixed==0.12.3.1  # (its metadata step needs torch: the venv's)
     ls .whl
     ;;
-setup)
-    bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
-        tail -30 "$OUT/install.log"; exit 1; }
+setup)  # once per machine: a later call on the same (still warm) machine skips it
+    if python3 -c "import fairseq, hydra" 2>/dev/null; then
+        echo "setup: fairseq already in /tmp/site"
+    else
+        bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
+            tail -30 "$OUT/install.log"; exit 1; }
+    fi
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
     ;;
 sweep)
@@ -89,9 +95,10 @@ kernels)
     ;;
 paper)
     shift 2
-    timeout "${TIMEOUT:-1500}" python -m scripts.bench.bench_paper_size --size base --device cuda \
+    timeout "${TIMEOUT:-540}" python -m scripts.bench.bench_paper_size --size base --device cuda \
         --precisions ${PRECISIONS:-fp16 bf16} --groups ${@:-mt lm span} --updates "${UPDATES:-300}" \
-        --repeats "${REPEATS:-1}" --profile --out "$OUT/paper_size.md" > "$OUT/paper.log" 2>&1
+        --repeats "${REPEATS:-1}" --baseline "${BASELINE:-pair}" ${ARCHS:+--archs $ARCHS} \
+        ${PROFILE---profile} --out "$OUT/paper_size.md" > "$OUT/paper.log" 2>&1
     echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300
     ;;
 *)
