@@ -199,6 +199,24 @@ def test_sdpa_path_matches_explicit_math_in_training_mode_backward():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("groups", [3, 4])  # both divide the 12 tokens; 5 (below) does not
+def test_token_groups_give_the_same_function_and_gradients(groups):
+    """Tokens split into SDPA batch entries sharing the memory (the expanded K, V get the summed
+    gradient); an indivisible count falls back to one entry."""
+    results = []
+    for g in (1, groups, 5):
+        torch.manual_seed(0)
+        m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=9)
+        m.token_groups = g
+        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = m(x)
+        y.square().sum().backward()
+        results.append([y.detach()] + [p.grad for p in m.parameters()] + [x.grad])
+    for other in results[1:]:
+        for a, b in zip(other, results[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_scale_at_init_has_t2t_statistics_and_the_same_function_at_init():
     """tensor2tensor since 2018-06-11 folds √h_p, √d into the initialiser: K ~ N(0, √h_p·d^-½),
     V ~ N(0, 1) stored and used as is; at init that is the at-use form's function exactly."""

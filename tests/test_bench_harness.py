@@ -58,8 +58,10 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     for values in ("dense", "sparse"):
         for kernel in kernels:
             assert text.count(f"| 32 | {values} | {kernel} | ") == 2  # read table, layer table
-    aop = [line for line in text.splitlines() if line.startswith("| AOP h ")]
-    assert len(aop) == 2 and all(line.split(" | ")[3] == line.split(" | ")[4] for line in aop)
+    aop = [line.split(" | ") for line in text.splitlines() if line.startswith("| AOP h ")]
+    assert [(row[0][2:], row[1]) for row in aop] == [  # equal weights to the FFN's
+        (case, groups) for case in ("AOP h 8, n_p 224", "AOP h 16, n_p 96") for groups in "12"]
+    assert all(row[4] == row[5] for row in aop)
 
 
 def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatch):

@@ -82,6 +82,12 @@ class AttentionOverParameters(ZooFeedForward):
         self.key_scale, self.value_scale = constants if scale_at == "use" else (1.0, 1.0)
         self._init_std = tuple(embed_dim ** -0.5 * (1.0 if scale_at == "use" else c)
                                for c in constants)
+        #: the N tokens go to SDPA as this many batch entries of N/g tokens sharing the memory
+        #: (1: one sequence of all tokens; falls back to 1 when g does not divide N). Same
+        #: function; what changes is the fused kernels' parallelism: their backward runs one
+        #: block per (entry, head, block of slots), so one entry gives only h·n_p/block blocks
+        #: (scripts/bench/bench_kernels.py measures the choices)
+        self.token_groups = 1
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -107,10 +113,12 @@ class AttentionOverParameters(ZooFeedForward):
         # position-wise: [T, B, C] is just T·B independent tokens; pads are computed and ignored
         t, b, _ = x.shape
         n = t * b
-        q = self.q_proj(x).view(1, n, self.heads, self.key_dim).transpose(1, 2)  # [1, h, N, d_pk]
-        k, v = self.memory()
+        g = self.token_groups if n % self.token_groups == 0 else 1
+        q = self.q_proj(x).view(g, n // g, self.heads, self.key_dim).transpose(1, 2)
+        k, v = self.memory()  # [h, n_p, d], shared by the g entries [g, h, N/g, d_pk]
         # softmax(q Kᵀ) V over the n_p slots; scale=1: the √h_p on K replaces 1/√d_pk
-        y = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), scale=1.0)
+        y = F.scaled_dot_product_attention(q, k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1),
+                                           scale=1.0)
         y = y.transpose(1, 2).reshape(t, b, self.heads * self.value_dim)
         return self.out_proj(y)
 
