@@ -134,7 +134,6 @@ def _define():
             tl.store(grad_table + p * stride_gt + cols, acc.to(grad_table.dtype.element_ty),
                      mask=col_ok)
 
-
     return triton.jit(_read_kernel), triton.jit(_backward_kernel)
 
 
@@ -210,8 +209,8 @@ def use_kernel(kernel: str, table: Tensor) -> bool:
     if kernel == "triton":
         if not available(table):
             raise ValueError(f"--pkm-kernel triton cannot run: {why_unavailable(table)}; use "
-                               "--pkm-kernel auto (a checkpoint: --model-overrides "
-                               "\"{'pkm_kernel': 'auto'}\")")
+                             "--pkm-kernel auto (a checkpoint: --model-overrides "
+                             "\"{'pkm_kernel': 'auto'}\")")
         return True
     return available(table) and table.is_cuda
 
