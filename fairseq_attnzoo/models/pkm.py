@@ -35,6 +35,7 @@ from fairseq.logging import metrics
 from fairseq.logging.meters import Meter
 
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
+from ..modules.pkm_triton import KERNELS
 from .registry import Derived
 from .sublayers import register_sublayer, require, to_bool
 from .transformer import register_arch
@@ -96,7 +97,7 @@ class PKMConfig(FairseqDataclass):
         metadata={"help": "qk-norm of the key search, OUR form (the Memory Layers paper uses "
                   "qk-norm 'when needed' without giving one; its code has none): half-queries "
                   "RMS-normalised with a learned gain g, sub-keys c/||c||; default off"})
-    pkm_kernel: ChoiceEnum(["auto", "triton", "torch"]) = field(  # type: ignore
+    pkm_kernel: ChoiceEnum(list(KERNELS)) = field(  # type: ignore
         default="auto",
         metadata={"help": "PKM value read and its gradients: auto = fused Triton kernels on CUDA "
                   "when Triton is importable, the PyTorch reference otherwise; triton / torch "

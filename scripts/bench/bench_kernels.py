@@ -34,12 +34,11 @@ rows then need ``TRITON_INTERPRET=1`` (interpreted kernels, timings meaningless)
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn as nn
 
-from scripts.bench.benchlib import format_table, time_pair
+from scripts.bench.benchlib import format_table, module_timer, time_pair, timer
 from fairseq_attnzoo.modules import pkm_triton
 from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_slots
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
@@ -52,23 +51,12 @@ SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dim
                       ffn=256, token_groups=(1, 2))}
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device):
-    def run():
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0
-    return run
-
-
 def median_ms(fn, device, repeats):
-    run = timed(fn, device)
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after a warm-up."""
+    return median_runs(timer(fn, device), repeats)
+
+
+def median_runs(run, repeats):
     for _ in range(min(2, repeats)):  # warm-up (Triton compiles at the first call)
         run()
     return 1000 * statistics.median(run() for _ in range(repeats))
@@ -134,16 +122,6 @@ def _tokens(args, d, device, dtype, batch_first=False):
     return x.to(device, dtype).requires_grad_(True)
 
 
-def fwd_bwd(module, x):
-    def run():
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        out = module(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.float().sum().backward()
-    return run
-
-
 def peer_memory(args, d, use_layernorm, sparse):
     from product_key_memory import PKM
 
@@ -168,7 +146,7 @@ def pkm_layer_rows(args, device, dtype):
                 torch.manual_seed(0)
                 peer = peer_memory(args, d, ln, sparse).to(device, dtype)
                 x = _tokens(args, d, device, dtype, batch_first=True)
-                peers[name] = median_ms(fwd_bwd(peer, x), device, args.repeats)
+                peers[name] = median_runs(module_timer(peer, (x,), False, device), args.repeats)
             except ImportError:
                 peers[name] = "not installed"
             except Exception as exc:  # a peer mode that does not run in this dtype/device
@@ -181,7 +159,8 @@ def pkm_layer_rows(args, device, dtype):
                 m = ProductKeyMemory(d, d, n_keys=c["n_keys"], heads=c["heads"], knn=c["knn"],
                                      k_dim=c["k_dim"], sparse=sparse, kernel=kernel)
                 m = m.to(device, dtype)
-                ms = median_ms(fwd_bwd(m, _tokens(args, d, device, dtype)), device, args.repeats)
+                x = _tokens(args, d, device, dtype)
+                ms = median_runs(module_timer(m, (x,), False, device), args.repeats)
                 row = {"d": d, "values": "sparse" if sparse else "dense", "kernel": kernel,
                        "ours ms": ms}
                 for name, peer_ms in peers.items():
@@ -205,8 +184,8 @@ def aop_rows(args, device, dtype):
         x = _tokens(args, d, device, dtype)
         for groups in c["token_groups"]:
             aop.token_groups = groups
-            a_ms, f_ms = time_pair(timed(fwd_bwd(aop, x), device),
-                                   timed(fwd_bwd(ffn, x), device), repeats=args.repeats)
+            a_ms, f_ms = time_pair(module_timer(aop, (x,), False, device),
+                                   module_timer(ffn, (x,), False, device), repeats=args.repeats)
             rows.append({"case": f"AOP h {heads}, n_p {slots}", "token groups": groups, "d": d,
                          "FFN": ffn_dim, "params": sum(p.numel() for p in aop.parameters()),
                          "FFN params": sum(p.numel() for p in ffn.parameters()),

@@ -54,22 +54,32 @@ def _step(module, inputs, forward_only):
     out.float().sum().backward()
 
 
-def _timer(module, inputs, forward_only, device):
+def timer(fn: Callable[[], Any], device) -> Callable[[], float]:
+    """A call of ``fn`` that returns its wall time in seconds (on CUDA: to the end of the work it
+    queued)."""
     def run():
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def module_timer(module, inputs, forward_only, device) -> Callable[[], float]:
+    """:func:`timer` of one forward (no grad), or forward + backward of ``module(*inputs)``."""
+    def call():
         if forward_only:
             with torch.no_grad():
                 _step(module, inputs, True)
         else:
             module.zero_grad(set_to_none=True)
             _step(module, inputs, False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
-    return run
+    return timer(call, device)
 
 
 def time_pair(candidate, baseline, repeats: int = 10, warmup: int = 2) -> Tuple[float, float]:
@@ -124,8 +134,8 @@ def run_case(case: SublayerCase, device, repeats: int, dtype=torch.float32) -> D
     bm, bin_ = move(bm, bin_)
     if dtype != torch.float32:
         cm, bm = cm.to(dtype), bm.to(dtype)
-    ct, bt = time_pair(_timer(cm, cin, case.forward_only, device),
-                       _timer(bm, bin_, case.forward_only, device), repeats=repeats)
+    ct, bt = time_pair(module_timer(cm, cin, case.forward_only, device),
+                       module_timer(bm, bin_, case.forward_only, device), repeats=repeats)
     row = {"group": case.group, "case": case.name, "note": case.note,
            "candidate ms": ct, "baseline ms": bt, "ratio": ct / bt,
            "target": f"<= {case.target:.2f}" if case.target else ""}
