@@ -5,6 +5,7 @@ every arch; here: the math against explicit computations, trimming, clamping, pa
 cache, the task's layout, the criterion's bits and the optimizer."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -21,6 +22,11 @@ from fairseq_attnzoo.modules.adaptive_span import (
 from fairseq_attnzoo.optim.adagrad_clip import AdagradClip
 from fairseq_attnzoo.tasks.stream_lm import StreamBatches
 from zoo_testlib import build, decode_steps
+
+
+#: where the fused band attention is compared with the explicit path (``ATTNZOO_TEST_DEVICE=cuda``:
+#: torch's memory-efficient CUDA kernel; on the CPU, SDPA's CPU path)
+DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
 
 
 def _attn(dim=16, heads=2, span=12, ramp=4, init=0.0, **kw):
@@ -107,6 +113,65 @@ def test_soft_mask_window_and_cache_match_explicit(init, persistent, renorm):
     assert (out - _explicit(att, x, mem, renorm)).abs().max() < 1e-5
 
 
+def _band_run(att, kernel, dtype, x, memory, kpm, weights):
+    """Output and every gradient (input, parameters) of ``att`` run with ``kernel``, in float64."""
+    att = att.to(DEVICE, dtype)
+    att.kernel = kernel
+    att.zero_grad()
+    x = x.to(DEVICE, dtype, copy=True).requires_grad_(True)
+    out, _ = att(x, memory=None if memory is None else memory.to(DEVICE, dtype),
+                 key_padding_mask=None if kpm is None else kpm.to(DEVICE))
+    (out.double() * weights.to(DEVICE)).sum().backward()
+    return [out.detach().double().cpu(), x.grad.double().cpu()] + [
+        p.grad.double().cpu() for p in att.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "padded", "memory", "exclude_self", "dynamic"])
+def test_sdpa_band_equals_explicit(dtype, case):
+    """The fused path (``kernel="sdpa"``: position logits + log-mask as an additive bias of torch's
+    scaled_dot_product_attention, query chunks as batch entries) computes the explicit path's
+    output and gradients: equal in float32, and in float16/bfloat16 as close to the float32
+    result as the explicit path itself is."""
+    torch.manual_seed(0)
+    att = AdaptiveSpanAttention(32, 4, 96, ramp=8, span_init=0.3, own_key_pe=True, query_chunk=16,
+                                trim_chunk=16, dynamic=case == "dynamic",
+                                exclude_self=case == "exclude_self")
+    x = torch.randn(3, 64, 32)
+    memory = torch.randn(3, 40, 32) if case in ("memory", "padded") else None
+    kpm = None
+    if case == "padded":  # a left-padded stream start, a padded tail, padding in the cache
+        kpm = torch.zeros(3, 104, dtype=torch.bool)
+        kpm[0, :50], kpm[1, -7:], kpm[2, 10:20] = True, True, True
+    z = att.mask.spans(x)
+    assert att.chunk_size(64, att.mask.window(z)) < 64  # several query chunks
+    weights = torch.randn(3, 64, 32, dtype=torch.float64)
+    ref = _band_run(att, "explicit", torch.float32, x, memory, kpm, weights)
+    fused = _band_run(att, "sdpa", dtype, x, memory, kpm, weights)
+    explicit = _band_run(att, "explicit", dtype, x, memory, kpm, weights)
+    assert len(fused) == len(ref) >= 8  # out, x, q/k/v/out projections, key_pe, span
+    for r, f, e in zip(ref, fused, explicit):
+        scale = r.abs().max().item()
+        if dtype == torch.float32:
+            assert (f - r).abs().max().item() <= 1e-5 * scale
+        else:
+            assert (f - r).abs().max().item() <= 2 * (e - r).abs().max().item() + 1e-3 * scale
+
+
+def test_sdpa_kernel_choice_and_errors():
+    att = _attn()
+    assert not att.uses_sdpa(torch.zeros(1))  # auto: the explicit path off CUDA
+    att.kernel = "sdpa"
+    assert att.uses_sdpa(torch.zeros(1))
+    assert "kernel=sdpa" in repr(att)
+    with pytest.raises(ValueError, match="--adaptive-span-kernel sdpa needs"):
+        _attn(persistent_slots=2, kernel="sdpa")
+    with pytest.raises(ValueError, match="--adaptive-span-kernel sdpa needs"):
+        _attn(renorm=False, kernel="sdpa")
+    with pytest.raises(ValueError, match="must be one of auto, sdpa, explicit"):
+        _attn(kernel="flash")
+
+
 def test_trimmed_equals_untrimmed_and_trims():
     torch.manual_seed(0)
     att = AdaptiveSpanAttention(32, 4, max_span=512, ramp=32, span_init=0.05, own_key_pe=True)
@@ -171,9 +236,11 @@ def _lm(lm_data, arch="adaptive_span_lm_small", extra=()):
     return args, task, model.eval(), criterion
 
 
-@pytest.mark.parametrize("arch", ["adaptive_span_lm_small", "all_attention_lm"])
-def test_padding_does_not_change_outputs(lm_data, arch):
-    _, task, model, _ = _lm(lm_data, arch)
+@pytest.mark.parametrize("arch,extra", [("adaptive_span_lm_small", []),
+                                        ("adaptive_span_lm_small", ["--adaptive-span-kernel", "sdpa"]),
+                                        ("all_attention_lm", [])])
+def test_padding_does_not_change_outputs(lm_data, arch, extra):
+    _, task, model, _ = _lm(lm_data, arch, extra)
     d = task.source_dictionary
     torch.manual_seed(1)
     seqs = [torch.randint(d.nspecial, len(d), (n,)) for n in (20, 13, 6)]
@@ -194,6 +261,8 @@ def test_padding_does_not_change_outputs(lm_data, arch):
 
 @pytest.mark.parametrize("arch,extra", [("adaptive_span_lm_small", []),
                                         ("adaptive_span_lm_small", ["--adaptive-span-dynamic"]),
+                                        ("adaptive_span_lm_small", ["--adaptive-span-dynamic",
+                                                                    "--adaptive-span-kernel", "sdpa"]),
                                         ("all_attention_lm", [])])
 def test_incremental_equals_full_and_reorder(lm_data, arch, extra):
     _, task, model, _ = _lm(lm_data, arch, extra)
@@ -249,15 +318,17 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_stream_forward_reads_the_host_a_fixed_number_of_times(lm_data, padded):
+@pytest.mark.parametrize("padded,kernel", [(False, "explicit"), (True, "explicit"),
+                                           (True, "sdpa")])
+def test_stream_forward_reads_the_host_a_fixed_number_of_times(lm_data, padded, kernel):
     """A training step (criterion forward, stream mode) reads device values into Python twice,
     whatever the number of layers (before: three reads per layer and five in the criterion)."""
     from fairseq_attnzoo.tasks.stream_lm import StreamBatches
 
     reads = {}
     for layers in (2, 5):
-        _, task, model, criterion = _lm(lm_data, extra=["--decoder-layers", str(layers)])
+        _, task, model, criterion = _lm(lm_data, extra=["--decoder-layers", str(layers),
+                                                        "--adaptive-span-kernel", kernel])
         model.train()
         d = task.source_dictionary
         tokens = torch.randint(d.nspecial, len(d), (2000,), generator=torch.Generator()
@@ -457,3 +528,24 @@ def test_register_arch_errors_name_the_problem():
         register_arch("no_such_model", "no_such_arch")
     with pytest.raises(ValueError, match=r"unknown test hooks \['tolerance'\]"):
         register_arch("attnzoo_lm", "attnzoo_lm_bad_hooks", test={"tolerance": 1e-3})
+
+
+def test_fairseq_train_with_sdpa_kernel_logs_the_same_losses(lm_data, tmp_path):
+    """``fairseq-train --adaptive-span-kernel sdpa`` and ``explicit`` log the same losses update
+    after update (stream task, span penalty, adagrad_clip; no dropout: the two paths draw their
+    dropout masks differently), and the flag reaches the attention."""
+    from zoo_testlib import json_logs, run_cli, tiny_flags, train_flags
+
+    logs = {}
+    for kernel in ("sdpa", "explicit"):
+        arch = "adaptive_span_lm_small"
+        lines = run_cli("train", tiny_flags(arch, lm_data) + train_flags(arch) + [
+            "--optimizer", "adagrad_clip", "--lr", "0.07", "--max-tokens", "400",
+            "--adaptive-span-kernel", kernel, "--dropout", "0", "--adaptive-span-init", "0.3",
+            "--max-update", "4", "--no-save", "--disable-validation", "--log-interval", "1",
+            "--log-format", "json", "--num-workers", "0", "--seed", "1",
+            "--save-dir", str(tmp_path / kernel)])
+        assert any(f"kernel={kernel}" in line for line in lines)  # the model as logged
+        logs[kernel] = [float(r["loss"]) for r in json_logs(lines, "train_inner")]
+    assert len(logs["sdpa"]) == 4
+    assert logs["sdpa"] == pytest.approx(logs["explicit"], abs=1e-3)

@@ -52,7 +52,7 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     bench_kernels.main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--repeats", "1",
                         "--out", str(out)])
     text = out.read_text()
-    for title in ("copy bandwidth", "pkm_read", "pkm_layer", "aop"):
+    for title in ("copy bandwidth", "pkm_read", "pkm_layer", "aop", "span"):
         assert f"\n{title}\n" in text
     kernels = ["torch"] + (["triton"] if pkm_triton.HAS_TRITON else [])
     for values in ("dense", "sparse"):
@@ -62,6 +62,10 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     assert [(row[0][2:], row[1]) for row in aop] == [  # equal weights to the FFN's
         (case, groups) for case in ("AOP h 8, n_p 224", "AOP h 16, n_p 96") for groups in "12"]
     assert all(row[4] == row[5] for row in aop)
+    span = [line.split(" | ")[:3] for line in text.splitlines() if line.startswith("| 64 | ")
+            or line.startswith("| 128 | ")]
+    assert span == [[f"| {w}", name, str(w)] for w in (64, 128)  # every path at the same window
+                    for name in ("ours sdpa", "ours explicit", "fairseq example")]
 
 
 def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatch):

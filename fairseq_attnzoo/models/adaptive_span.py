@@ -37,6 +37,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model
 
+from ..modules.adaptive_span import KERNELS as SPAN_KERNELS
 from ..modules.adaptive_span import AdaptiveMask, clamp_spans, layer_spans, span_penalty
 from ..modules.span_stack import AdaptiveSpanStack
 from .registry import apply_base_arch, fill_unset, register_arch, register_base_arch
@@ -97,6 +98,13 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
                     "(embeddings N(0, d^-1/2), xavier-normal attention projections, xavier-uniform "
                     "FFN weights); torch_default = PyTorch's default inits, as the authors' "
                     "facebookresearch/adaptive-span code (default fairseq_example)"})
+    adaptive_span_kernel: ChoiceEnum(list(SPAN_KERNELS)) = field(  # type: ignore
+        default="auto", metadata={
+            "help": "how the band attention runs: sdpa = torch's fused scaled_dot_product_attention "
+                    "(on CUDA its memory-efficient kernel) with the position logits and span mask "
+                    "as a bias; explicit = op by op (the reference path); auto = sdpa on CUDA "
+                    "unless --adaptive-span-no-renorm or --persistent-memory-size need explicit "
+                    "(default auto)"})
     persistent_memory_size: int = field(
         default=0, metadata={"help": "N persistent key/value vectors per head (All-Attention); "
                              "0 = none (default 0)"})
@@ -142,7 +150,8 @@ class AdaptiveSpanDecoder(FairseqIncrementalDecoder):
             trim_chunk=args.adaptive_span_trim_chunk, dynamic=args.adaptive_span_dynamic,
             persistent_slots=args.persistent_memory_size,
             renorm=not args.adaptive_span_no_renorm,
-            exclude_self=bool(getattr(args, "adaptive_span_exclude_self", False)))
+            exclude_self=bool(getattr(args, "adaptive_span_exclude_self", False)),
+            kernel=str(getattr(args, "adaptive_span_kernel", None) or "auto"))
         self.share_embed = args.share_decoder_input_output_embed
         if self.share_embed:
             self.output_projection = None

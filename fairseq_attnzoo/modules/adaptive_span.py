@@ -54,6 +54,12 @@ from .persistent_memory import PersistentMemory
 from .precision import Float32Module, float32_region, mask_value
 
 
+#: how the band attention is computed (``AdaptiveSpanAttention(kernel=)``, fairseq
+#: ``--adaptive-span-kernel``): "sdpa" = torch's fused attention with the position logits and span
+#: mask as a bias, "explicit" = op by op (the reference), "auto" = sdpa on CUDA where it applies
+KERNELS = ("auto", "sdpa", "explicit")
+
+
 # ---------------------------------------------------------------------------------------------
 # key layout <-> distance layout
 # ---------------------------------------------------------------------------------------------
@@ -68,14 +74,16 @@ def unskew(x: Tensor, span: int) -> Tensor:
     return x.as_strided((*batch, m, span), (*x.stride()[:-2], w + 1, 1), x.storage_offset())
 
 
-def skew(x: Tensor) -> Tensor:
-    """Distance layout -> key layout, the inverse of :func:`unskew` (zeros off the band).
+def skew(x: Tensor, fill: float = 0.0, align: int = 1) -> Tensor:
+    """Distance layout -> key layout, the inverse of :func:`unskew` (``fill`` off the band).
 
-    ``x [..., M, L]`` -> ``[..., M, M + L - 1]`` with ``out[..., i, i + j] = x[..., i, j]``."""
+    ``x [..., M, L]`` -> ``[..., M, M + L - 1]`` with ``out[..., i, i + j] = x[..., i, j]``. With
+    ``align > 1`` the rows are allocated ``align``-element aligned (the result is a slice of that
+    storage: fused attention kernels take such a bias without copying it)."""
     *batch, m, span = x.shape
     w = m + span - 1
-    out = x.new_zeros(*batch, m, w)
-    out.as_strided((*batch, m, span), (*out.stride()[:-2], w + 1, 1)).copy_(x)
+    out = x.new_full((*batch, m, -(-w // align) * align), fill)[..., :w]
+    out.as_strided((*batch, m, span), (*out.stride()[:-2], out.stride(-2) + 1, 1)).copy_(x)
     return out
 
 
@@ -253,11 +261,19 @@ class AdaptiveSpanAttention(nn.Module):
                  span_init: float = 0.0, span_loss: float = 0.0, dropout: float = 0.0,
                  trim_chunk: int = 64, dynamic: bool = False, persistent_slots: int = 0,
                  own_key_pe: bool = False, query_chunk: int = 64, renorm: bool = True,
-                 exclude_self: bool = False):
+                 exclude_self: bool = False, kernel: str = "auto"):
         super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by {num_heads} heads: change "
                              "--decoder-attention-heads or --decoder-embed-dim")
+        if kernel not in KERNELS:
+            raise ValueError(f"adaptive-span kernel must be one of {', '.join(KERNELS)}, "
+                             f"got {kernel!r}")
+        if kernel == "sdpa" and (persistent_slots > 0 or not renorm):
+            raise ValueError("--adaptive-span-kernel sdpa needs the renormalised span mask and no "
+                             "persistent memory: drop --adaptive-span-no-renorm / "
+                             "--persistent-memory-size, or use --adaptive-span-kernel auto")
+        self.kernel = kernel
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
@@ -278,6 +294,10 @@ class AdaptiveSpanAttention(nn.Module):
                            if persistent_slots > 0 else None)
         # a model shares one table between its layers; standalone use gets its own
         self.key_pe = nn.Parameter(torch.randn(1, self.head_dim, max_span)) if own_key_pe else None
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, S={self.max_span}, renorm={self.renorm}, "
+                f"exclude_self={self.exclude_self}, kernel={self.kernel}")
 
     def split_heads(self, x: Tensor) -> Tensor:
         """[B, T, H*d] -> [B, H, T, d]"""
@@ -333,23 +353,85 @@ class AdaptiveSpanAttention(nn.Module):
         if shift:  # the window ends one position before each query
             k, v = k[:, :, :-1], v[:, :, :-1]
         q = self.split_heads(self.q_proj(x)) * self.head_dim ** -0.5
-        out = self.attend(q, k, v, z, span, key_pe, pad)
-        b, h_, t, d = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, h_ * d)), new_kv
+        attend = self.attend_sdpa if self.uses_sdpa(q) else self.attend
+        return self.out_proj(attend(q, k, v, z, span, key_pe, pad)), new_kv
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, span: int, key_pe: Tensor,
-               pad: Optional[Tensor]) -> Tensor:
-        """Band attention of ``q [B, H, M, d]`` (scaled) over the window: ``k, v [B, H, T, d]`` end
-        at the last query; distances 0..span-1; ``pad [B, T]`` True = masked key."""
-        b, _, m, _ = q.shape
-        w = m + span - 1  # keys of the window in key layout
-        front = w - k.size(2)  # missing history before the first key: masked
+    def uses_sdpa(self, q: Tensor) -> bool:
+        """Whether the band goes through torch's fused attention (``kernel``: "sdpa" always,
+        "auto" on CUDA when the options allow it, "explicit" never)."""
+        if self.kernel == "auto":
+            return q.is_cuda and self.renorm and self.persistent is None
+        return self.kernel == "sdpa"
+
+    def _band_front(self, q: Tensor, k: Tensor, v: Tensor, span: int, pad: Optional[Tensor]):
+        """Keys/values of the whole window ``W = M + span - 1``: missing history before the first
+        key is zero vectors, masked (``pad`` grows accordingly)."""
+        b, m = q.size(0), q.size(2)
+        front = m + span - 1 - k.size(2)
         if front > 0:
             k = F.pad(k, (0, 0, front, 0))
             v = F.pad(v, (0, 0, front, 0))
             pad = torch.cat([torch.ones(b, front, dtype=torch.bool, device=q.device),
                              pad if pad is not None else
-                             torch.zeros(b, w - front, dtype=torch.bool, device=q.device)], dim=1)
+                             torch.zeros(b, k.size(2) - front, dtype=torch.bool, device=q.device)],
+                            dim=1)
+        return k, v, pad
+
+    def position_logits(self, q: Tensor, z: Tensor, span: int, key_pe: Tensor,
+                        pad: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """The logits that do not depend on the keys, in distance layout and float32: ``q_t
+        p_{t-x}`` (relative position) + ``log m_z(t-x)`` (span; when renormalising), masked keys
+        set to the finite mask value. Returns them ``[B, H, M, span]`` and ``log m``."""
+        b, _, m, _ = q.shape
+        pe = key_pe[:, :, self.max_span - span:].to(q.dtype)  # distances span-1 .. 0
+        logits = torch.matmul(q, pe.unsqueeze(0)).float()
+        log_m = self.mask.log_mask(z, span)
+        if self.renorm:
+            logits.add_(log_m)
+        if pad is not None:  # (not checked for any(): a host read, a GPU synchronisation)
+            idx = (torch.arange(m, device=q.device).unsqueeze(1)
+                   + torch.arange(span, device=q.device).unsqueeze(0))  # key index of (i, j)
+            # the model dtype's mask value (when narrower than float32): it survives the fused
+            # path's rounding to that dtype, and both paths then add the content logits to it
+            value = max(mask_value(q.dtype), mask_value(logits.dtype))
+            logits.masked_fill_(pad[:, idx].unsqueeze(1), value)
+        return logits, log_m
+
+    def attend_sdpa(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, span: int, key_pe: Tensor,
+                    pad: Optional[Tensor]) -> Tensor:
+        """:meth:`attend` through ``F.scaled_dot_product_attention`` (on CUDA its memory-efficient
+        kernel: no attention matrix kept for the backward, dropout inside): each query chunk is
+        one batch entry against its window of keys, and the position logits + log-mask go in as
+        an additive bias in key layout, ``-inf`` off the band (built in float32, then rounded
+        once to the model's dtype; the kernel accumulates in float32)."""
+        b, h, m, d = q.shape
+        k, v, pad = self._band_front(q, k, v, span, pad)
+        c = self.chunk_size(m, span)
+        n, w = m // c, c + span - 1
+        logits, _ = self.position_logits(q, z, span, key_pe, pad)
+        # [B, H, n, c, span] -> key layout [B, n, H, c, w] (rows 16-aligned), as [B n, H, c, w]
+        bias = skew(logits.to(q.dtype).view(b, h, n, c, span).transpose(1, 2), float("-inf"), 16)
+        bias = bias.view(b * n, h, c, w)
+
+        def rows(x: Tensor) -> Tensor:  # [B, H, T, d] -> [B, T, H d]
+            return x.transpose(1, 2).reshape(b, x.size(2), h * d)
+
+        def heads(x: Tensor, size: int) -> Tensor:  # [.., size, H d] -> [B n, H, size, d]
+            return x.reshape(b * n, size, h, d).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(rows(q), c), heads(windows(rows(k), w, c), w), heads(windows(rows(v), w, c), w),
+            attn_mask=bias,
+            dropout_p=self.dropout if self.training else 0.0, scale=1.0)
+        return out.transpose(1, 2).reshape(b, m, h * d)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, span: int, key_pe: Tensor,
+               pad: Optional[Tensor]) -> Tensor:
+        """Band attention of ``q [B, H, M, d]`` (scaled) over the window: ``k, v [B, H, T, d]`` end
+        at the last query; distances 0..span-1; ``pad [B, T]`` True = masked key. Returns
+        ``[B, M, H d]``. The explicit path, op by op: the reference of :meth:`attend_sdpa`."""
+        b, _, m, _ = q.shape
+        k, v, pad = self._band_front(q, k, v, span, pad)
         # queries in chunks of c: chunk n sees keys [n c, n c + c + span - 1) (window copies), so
         # the key-layout tensors are M x (c + span - 1) instead of M x (M + span - 1)
         c = self.chunk_size(m, span)
@@ -357,20 +439,13 @@ class AdaptiveSpanAttention(nn.Module):
         k_win = windows(k, c + span - 1, c)  # [B, H, n, c + span - 1, d]
         v_win = windows(v, c + span - 1, c)
         q_win = q.view(b, q.size(1), n, c, q.size(-1))
-        # s_tx = q_t p_{t-x} (relative position) + log m_z(t-x) (span) + q_t k_x (content, key
-        # layout -> distance layout); summed in float32 (the log-mask needs it; the softmax is
-        # float32 anyway), in place on the fresh matmul output
-        pe = key_pe[:, :, self.max_span - span:].to(q.dtype)  # distances span-1 .. 0
-        logits = torch.matmul(q, pe.unsqueeze(0)).float()
-        log_m = self.mask.log_mask(z, span)
-        if self.renorm:
-            logits.add_(log_m)
+        # s_tx = [q_t p_{t-x} (relative position) + log m_z(t-x) (span), masked keys set to the
+        # mask value] + q_t k_x (content, key layout -> distance layout); summed in float32 (the
+        # log-mask needs it; the softmax is float32 anyway). The content is added after the
+        # masking, as the fused kernel adds it to its bias: the two paths agree on every row
+        logits, log_m = self.position_logits(q, z, span, key_pe, pad)
         logits.add_(unskew(torch.matmul(q_win, k_win.transpose(-1, -2)), span)
                     .reshape(b, q.size(1), m, span))
-        if pad is not None:  # (not checked for any(): a host read, a GPU synchronisation)
-            idx = (torch.arange(m, device=q.device).unsqueeze(1)
-                   + torch.arange(span, device=q.device).unsqueeze(0))  # key index of (i, j)
-            logits = logits.masked_fill(pad[:, idx].unsqueeze(1), mask_value(logits.dtype))
         if self.persistent is not None:
             # one softmax over context + persistent slots; the span mask touched the context only
             logits = torch.cat([logits, self.persistent.logits(q).float()], dim=-1)
@@ -387,7 +462,7 @@ class AdaptiveSpanAttention(nn.Module):
         out = torch.matmul(skew(ctx), v_win).reshape(q.shape)
         if self.persistent is not None:
             out = out + self.persistent.read(probs[..., span:])
-        return out
+        return out.transpose(1, 2).reshape(b, m, -1)
 
 
 class FeedForward(nn.Module):
@@ -414,11 +489,12 @@ class AdaptiveSpanLayer(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, ffn_dim: int, max_span: int,
                  ramp: int = 32, span_init: float = 0.0, span_loss: float = 0.0,
                  dropout: float = 0.0, trim_chunk: int = 64, dynamic: bool = False,
-                 persistent_slots: int = 0, renorm: bool = True, exclude_self: bool = False):
+                 persistent_slots: int = 0, renorm: bool = True, exclude_self: bool = False,
+                 kernel: str = "auto"):
         super().__init__()
         self.attn = AdaptiveSpanAttention(embed_dim, num_heads, max_span, ramp, span_init,
                                           span_loss, dropout, trim_chunk, dynamic, persistent_slots,
-                                          renorm=renorm, exclude_self=exclude_self)
+                                          renorm=renorm, exclude_self=exclude_self, kernel=kernel)
         self.attn_norm = nn.LayerNorm(embed_dim)
         self.ffn = FeedForward(embed_dim, ffn_dim, dropout) if ffn_dim > 0 else None
         self.ffn_norm = nn.LayerNorm(embed_dim) if ffn_dim > 0 else None

@@ -26,6 +26,14 @@ off by a time limit keeps the tables of the stages it finished):
     biases), forward + backward; the 16,384 tokens as 1, 4 and 16 SDPA batch entries
     (``AttentionOverParameters.token_groups``: the fused backward's parallelism).
 
+``span``
+    the adaptive-span attention sublayer at the paper's small enwik8 configuration (d 512, 8
+    heads, block 512, S 8192, batch 64; the block's queries and the cache of previous positions
+    the model keeps), forward + backward and peak memory, with every span set so that the
+    trimmed window is 64 (the spans' initial value), 1024 or 4096 positions: ours through
+    torch's fused attention (``--adaptive-span-kernel sdpa``) and op by op (``explicit``) against
+    fairseq's ``examples/adaptive_span`` attention (``MultiHeadSeqAttention``) at the same window.
+
 ``--size tiny --device cpu`` runs every stage at toy shapes (the harness's test); the Triton
 rows then need ``TRITON_INTERPRET=1`` (interpreted kernels, timings meaningless).
 
@@ -38,17 +46,21 @@ import statistics
 import torch
 import torch.nn as nn
 
-from scripts.bench.benchlib import format_table, module_timer, time_pair, timer
+from scripts.bench.benchlib import format_table, module_timer, peak_memory_mb, time_pair, timer
 from fairseq_attnzoo.modules import pkm_triton
+from fairseq_attnzoo.modules.adaptive_span import AdaptiveSpanAttention
 from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_slots
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: (|K| = n_keys², heads, knn, k_dim, tokens, value dims, copy MiB) per size
 SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dims=(512, 1024),
-                       copy_mib=1024, ffn=2048, token_groups=(1, 4, 16)),
+                       copy_mib=1024, ffn=2048, token_groups=(1, 4, 16),
+                       span=dict(batch=64, block=512, d=512, heads=8, max_span=8192,
+                                 windows=(64, 1024, 4096))),
          "tiny": dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32, dims=(32,), copy_mib=8,
-                      ffn=256, token_groups=(1, 2))}
+                      ffn=256, token_groups=(1, 2),
+                      span=dict(batch=2, block=16, d=32, heads=2, max_span=128, windows=(64, 128)))}
 
 
 def median_ms(fn, device, repeats):
@@ -194,7 +206,66 @@ def aop_rows(args, device, dtype):
     return rows
 
 
-STAGES = ("copy", "pkm_read", "pkm_layer", "aop")
+class _SpanBlock(nn.Module):
+    """An adaptive-span attention over a block and the cache before it (what a layer runs in
+    training), returning the attention output only: ours, or fairseq's example's module."""
+
+    def __init__(self, att, memory, key_pe=None):
+        super().__init__()
+        self.att, self.memory, self.key_pe = att, memory, key_pe
+
+    def forward(self, x):
+        if self.key_pe is None:  # ours
+            return self.att(x, memory=self.memory)[0]
+        h = torch.cat([self.memory, x], dim=1)  # fairseq's TransformerSeqLayer
+        return self.att(x, h, h, self.key_pe)
+
+
+def span_rows(args, device, dtype):
+    c = args.cfg["span"]
+    ramp, s = 32, c["max_span"]
+    g = torch.Generator(device="cpu").manual_seed(2)
+    x = torch.randn(c["batch"], c["block"], c["d"], generator=g).to(device, dtype)
+    x.requires_grad_(True)
+    rows = []
+    for window in c["windows"]:
+        ratio = (window - ramp) / s  # max z + R = window: the trimmed window is `window`
+        # the cache the model keeps: the window + 64 positions (its --adaptive-span-cache-buffer)
+        memory = torch.randn(c["batch"], window - 1 + 64, c["d"], generator=g).to(device, dtype)
+        timed = {}
+        for kernel in ("sdpa", "explicit"):
+            torch.manual_seed(0)
+            att = AdaptiveSpanAttention(c["d"], c["heads"], s, ramp=ramp, span_init=ratio,
+                                        own_key_pe=True, kernel=kernel)
+            assert att.mask.window(att.mask.spans()) == window
+            timed[f"ours {kernel}"] = _SpanBlock(att, memory).to(device, dtype)
+        try:
+            from fairseq.examples.adaptive_span.adaptive_span_model import MultiHeadSeqAttention
+
+            torch.manual_seed(0)
+            example = MultiHeadSeqAttention(c["d"], c["heads"], attn_span=s, dropout=0.0,
+                                            adapt_span_layer=False, adapt_span_ramp=ramp,
+                                            adapt_span_init=ratio)
+            key_pe = nn.Parameter(torch.randn(1, c["d"] // c["heads"], s))
+            timed["fairseq example"] = _SpanBlock(example, memory, key_pe).to(device, dtype)
+        except ImportError:
+            pass
+        ms = {name: median_runs(module_timer(m, (x,), False, device), args.repeats)
+              for name, m in timed.items()}
+        mb = {name: peak_memory_mb(lambda: module_timer(m, (x,), False, device)(), device)
+              for name, m in timed.items()}
+        base = "fairseq example" if "fairseq example" in ms else "ours explicit"
+        for name, m in timed.items():
+            kept = (m.att.mask.window(m.att.mask.spans()) if m.key_pe is None
+                    else s - m.att.attn.adaptive_span.get_trim_len())  # as rounded in its dtype
+            rows.append({"window": window, "attention": name, "keys kept": kept,
+                         "fwd+bwd ms": ms[name],
+                         "speed vs " + base: ms[base] / ms[name], "peak MB": mb[name],
+                         "memory vs " + base: mb[name] / mb[base] if mb[base] > 0 else ""})
+    return rows
+
+
+STAGES = ("copy", "pkm_read", "pkm_layer", "aop", "span")
 
 
 def main(argv=None):
@@ -228,6 +299,8 @@ def main(argv=None):
             rows = pkm_read_rows(args, device, dtype, bandwidth)
         elif stage == "pkm_layer":
             rows = pkm_layer_rows(args, device, dtype)
+        elif stage == "span":
+            rows = span_rows(args, device, dtype)
         else:
             rows = aop_rows(args, device, dtype)
         emit(args, stage, rows)

@@ -86,6 +86,9 @@ kernels)
     ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q \
         -p no:cacheprovider tests/test_pkm_triton.py tests/test_pkm.py > "$OUT/kernels_tests.log" 2>&1
     echo "kernel tests rc $?"; tail -3 "$OUT/kernels_tests.log"
+    ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout 60 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_adaptive_span.py -k sdpa_band > "$OUT/span_tests.log" 2>&1
+    echo "adaptive-span sdpa tests rc $?"; tail -3 "$OUT/span_tests.log"
     for dtype in ${DTYPES:-bf16 fp16}; do
         timeout "${TIMEOUT:-240}" python3 -m scripts.bench.bench_kernels --device cuda \
             --dtype "$dtype" --out "$OUT/kernels.md" > "$OUT/kernels_$dtype.log" 2>&1
