@@ -42,7 +42,7 @@ torch only (plus :mod:`.base` for the shared finite mask value).
 """
 
 import math
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -533,16 +533,22 @@ def span_masks(model: nn.Module) -> Iterator[AdaptiveMask]:
             yield mod
 
 
-def host_span_maxima(masks: List[AdaptiveMask]) -> List[Optional[float]]:
-    """max z of each mask as a Python float, read in one device -> host copy for all of them (a
-    forward pass needs it per layer to size the window; per layer it would be one GPU
-    synchronisation each). None for dynamic spans: they depend on the layer's input."""
+def host_span_maxima(masks: List[AdaptiveMask], extra: Sequence[Tensor] = ()
+                     ) -> Tuple[List[Optional[float]], List[float]]:
+    """max z of each mask as a Python float (None for dynamic spans: they depend on the layer's
+    input), read in one device -> host copy for all of them together with the values of the
+    ``extra`` tensors (a forward pass needs the maxima to size each layer's window; read one by
+    one, each would be a GPU synchronisation). Returns the maxima and the extra values, flattened,
+    as floats (integers up to 2**53 exactly)."""
     static = [m for m in masks if not m.dynamic]
-    if not static:
-        return [None] * len(masks)
-    with torch.no_grad():
-        maxima = iter(torch.stack([m.spans().detach().max() for m in static]).tolist())
-    return [None if m.dynamic else next(maxima) for m in masks]
+    parts = [t.detach().reshape(-1).double() for t in extra]
+    if static:
+        with torch.no_grad():
+            parts.append(torch.stack([m.spans().detach().max() for m in static]).double())
+    values = torch.cat(parts).tolist() if parts else []
+    n_extra = sum(t.numel() for t in extra)
+    maxima = iter(values[n_extra:])
+    return [None if m.dynamic else next(maxima) for m in masks], values[:n_extra]
 
 
 def span_penalty(model: nn.Module) -> Optional[Tensor]:

@@ -21,7 +21,7 @@ torch only.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -62,9 +62,10 @@ class AdaptiveSpanStack(nn.Module):
         # not parameters, not saved: (train/eval, first stream id) -> StreamState
         self.streams: Dict[Tuple[str, int], StreamState] = {}
 
-    def window_plan(self) -> List[Optional[float]]:
-        """Per layer, max z as a Python float (None for dynamic spans), in one host read."""
-        return host_span_maxima([layer.span_mask() for layer in self.layers])
+    def window_plan(self, extra: Sequence[Tensor] = ()) -> Tuple[List[Optional[float]], List[float]]:
+        """Per layer, max z as a Python float (None for dynamic spans), and the values of the
+        ``extra`` tensors, in one host read (:func:`host_span_maxima`)."""
+        return host_span_maxima([layer.span_mask() for layer in self.layers], extra)
 
     # -- training, validation, plain forward -----------------------------------------------------
     def forward(self, x: Tensor, pad: Tensor, stream_pos: Optional[Tensor] = None,
@@ -72,19 +73,19 @@ class AdaptiveSpanStack(nn.Module):
         """``x [B, M, C]`` (embedded block), ``pad [B, M]`` (True = padding); with ``stream_pos
         [B]`` (block index) and ``stream_id [B]`` the block continues the stream cache. Returns
         the last layer's output and the inner states (the input, then every layer's output)."""
-        # what the forward needs on the host is read in two device -> host copies, not per layer:
+        # what the forward needs on the host is read in one device -> host copy, not per layer:
         # whether anything is padding, the stream group and positions, and the window plan
-        flags = [pad.any().view(1).long()]
+        flags = [pad.any()]
         if stream_pos is not None:
             flags += [stream_pos.new_zeros(1) if stream_id is None else stream_id.view(-1)[:1],
-                      stream_pos.view(-1)]
-        host = torch.cat(flags).tolist()
+                      stream_pos]
+        z_max, host = self.window_plan(flags)
+        host = [int(v) for v in host]
         key = mems = None
         if stream_pos is not None:  # one cache per (train/eval, group of streams)
             key = ("train" if self.training else "eval", host[1])
             mems = self._stream_memory(key, host[2:], x.device)
         padded = bool(host[0]) or (mems is not None and self.streams[key].padded)
-        z_max = self.window_plan()
         inner_states = [x]
         new_mems = []
         for i, layer in enumerate(self.layers):
@@ -122,7 +123,7 @@ class AdaptiveSpanStack(nn.Module):
         """The next positions ``x [B, M, C]`` (``pad [B, M]``) after those cached in ``state``
         (per layer i: keys ``k{i}``, values ``v{i}`` ``[B, H, T, d_h]``, padding ``pad{i}``;
         empty on the first call), which is updated in place to the new window."""
-        z_max = self.window_plan()
+        z_max, _ = self.window_plan()
         inner_states = [x]
         for i, layer in enumerate(self.layers):
             if f"k{i}" in state:
