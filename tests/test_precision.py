@@ -104,8 +104,22 @@ def _generate(task, model, sample, arch):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_reduced_precision(arch, precision, data_for):
+    check_reduced_precision(arch, precision, data_for(arch))
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_reduced_precision_adaptive_span_fused(precision, data_for):
+    """The sweep again with the fused band attention forced (on CUDA ``auto`` picks it, so this is
+    what GPU users run; on the CPU ``auto`` keeps the explicit path the sweep above checks)."""
+    check_reduced_precision("adaptive_span_lm_small", precision,
+                            data_for("adaptive_span_lm_small"), ["--adaptive-span-kernel", "sdpa"])
+
+
+def check_reduced_precision(arch, precision, data, extra=()):
+    """``arch`` in ``precision``: loss near fp32, finite gradients in eval and train mode,
+    incremental decoding == full forward, finite beam scores."""
     torch.manual_seed(0)
-    args, task, model, criterion = build(arch, data_for(arch), lm_extra(arch))
+    args, task, model, criterion = build(arch, data, lm_extra(arch) + list(extra))
     sample = _on_device(sweep_batch(task, args))
     model.to(DEVICE).eval()
     with torch.no_grad():
@@ -191,13 +205,14 @@ def test_adaptive_mask_equals_fp32_mask_at_long_spans(dtype, dynamic):
         assert torch.equal(low.spans(), ref.new_tensor(z))
 
 
-def test_span_penalty_and_attention_under_autocast():
+@pytest.mark.parametrize("kernel", ["explicit", "sdpa"])
+def test_span_penalty_and_attention_under_autocast(kernel):
     """Under autocast the span, mask and normaliser stay float32; output matches fp32 closely."""
     from fairseq_attnzoo.modules.adaptive_span import AdaptiveSpanAttention
 
     torch.manual_seed(0)
     att = AdaptiveSpanAttention(16, 2, 64, ramp=8, span_init=0.5, span_loss=1e-3, own_key_pe=True,
-                                trim_chunk=8)
+                                trim_chunk=8, kernel=kernel)
     x = torch.randn(2, 12, 16)
     ref, _ = att(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
