@@ -9,7 +9,8 @@
 #   bash scripts/bench/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
 #   bash scripts/bench/gpu_checks.sh nccl   OUT       sparse PKM values / Memory+ through NCCL (world 1)
 #   bash scripts/bench/gpu_checks.sh kernels OUT      the fused kernels' tests on CUDA, then the
-#                                                     sublayer targets (scripts/bench/bench_kernels.py)
+#                                                     sublayer targets (scripts/bench/bench_kernels.py;
+#                                                     env DTYPES STAGES TIMEOUT, TESTS=0 to skip tests)
 #   bash scripts/bench/gpu_checks.sh paper  OUT [GROUP...]  paper-size fairseq-train vs the stock
 #                                                     baselines, fp16 and bf16, with profiles
 #                                                     (scripts/bench/bench_paper_size.py; env
@@ -83,15 +84,19 @@ nccl)
     grep -E "train_inner|distributed init|num. expert|Error" "$OUT/nccl.log" | cut -c1-300 | tail -14
     ;;
 kernels)
-    ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q \
-        -p no:cacheprovider tests/test_pkm_triton.py tests/test_pkm.py > "$OUT/kernels_tests.log" 2>&1
-    echo "kernel tests rc $?"; tail -3 "$OUT/kernels_tests.log"
-    ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout 60 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_adaptive_span.py -k sdpa_band > "$OUT/span_tests.log" 2>&1
-    echo "adaptive-span sdpa tests rc $?"; tail -3 "$OUT/span_tests.log"
+    if [ "${TESTS:-1}" = 1 ]; then
+        ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest \
+            -q -p no:cacheprovider tests/test_pkm_triton.py tests/test_pkm.py \
+            > "$OUT/kernels_tests.log" 2>&1
+        echo "kernel tests rc $?"; tail -3 "$OUT/kernels_tests.log"
+        ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout 60 python3 -m pytest -q \
+            -p no:cacheprovider tests/test_adaptive_span.py -k sdpa_band > "$OUT/span_tests.log" 2>&1
+        echo "adaptive-span sdpa tests rc $?"; tail -3 "$OUT/span_tests.log"
+    fi
     for dtype in ${DTYPES:-bf16 fp16}; do
         timeout "${TIMEOUT:-240}" python3 -m scripts.bench.bench_kernels --device cuda \
-            --dtype "$dtype" --out "$OUT/kernels.md" > "$OUT/kernels_$dtype.log" 2>&1
+            --dtype "$dtype" ${STAGES:+--stages $STAGES} --out "$OUT/kernels.md" \
+            > "$OUT/kernels_$dtype.log" 2>&1
         echo "bench_kernels $dtype rc $?"
     done
     cat "$OUT/kernels.md" | cut -c1-300
