@@ -90,6 +90,9 @@ def commands(a):
     runs = {"fairseq examples/adaptive_span": baseline, "attnzoo adaptive_span_lm": ours}
     if a.also_no_renorm:
         runs["attnzoo, --adaptive-span-no-renorm"] = ours + ["--adaptive-span-no-renorm"]
+    if a.also_explicit:
+        runs["attnzoo, --adaptive-span-kernel explicit"] = ours + ["--adaptive-span-kernel",
+                                                                   "explicit"]
     if a.ours_code:
         from scripts.bench.benchlib import checkout_plugin, with_user_dir
 
@@ -221,6 +224,9 @@ def main():
     p.add_argument("--also-no-renorm", action="store_true",
                    help="also train ours without renormalising the masked weights (as fairseq's "
                    "example)")
+    p.add_argument("--also-explicit", action="store_true",
+                   help="also train ours with the op-by-op band attention (--adaptive-span-kernel "
+                   "explicit; on CUDA the default is the fused path): before/after in one run")
     p.add_argument("--step-timing", type=int, default=0, metavar="N",
                    help="time N training steps per run (Trainer.train_step, no data loading, "
                    "logging or evaluation) instead of training and evaluating")
