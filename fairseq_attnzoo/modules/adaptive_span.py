@@ -23,6 +23,9 @@ holds distance L - 1 - j; position logits q P and the span mask live in distance
 attention weights are skewed back to key layout for the weighted sum of values. When the window is
 short compared to the block, queries go in chunks of c against overlapping windows of c + L - 1
 keys (``chunk_size``), so the key-layout tensors shrink from M x (M + L - 1) to M x (c + L - 1).
+With ``kernel="sdpa"`` (the default on CUDA) the chunks go to torch's fused
+``scaled_dot_product_attention`` instead, the key-independent logits (positions, log-mask,
+padding) skewed into an additive bias; the op-by-op path (``attend``) is its reference.
 
 Differences from the reference code, on purpose: the window includes the current token (distance
 0; the reference attends to the S previous tokens only), so m_z(0) = 1 and a token always sees
