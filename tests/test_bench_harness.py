@@ -92,3 +92,18 @@ def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatc
     runs.clear()
     bps.main(common + ["--out", str(tmp_path / "pair.md")])
     assert runs.count("transformer_lm") == 2 and len(runs) == 4
+
+
+def test_train_logs_are_read_in_every_logging_format():
+    """fairseq's example started through ``python -c`` logs ``INFO:train_inner:{...}`` (the root
+    logger unconfigured), fairseq's CLI ``... | INFO | train_inner | {...}``: the adaptive-span
+    comparison reads both (it read only the second, and failed on the example's run)."""
+    from scripts.bench.bench_adaptive_span_vs_fairseq import inner_logs
+
+    text = "\n".join([
+        'INFO:train_inner:{"epoch": 1, "loss": "7.5", "wps": "100", "wpb": "64"}',
+        '2026-11-24 20:52:42 | INFO | train_inner | {"epoch": 1, "loss": "7.4", "wps": "90"}',
+        'INFO:train:{"epoch": 1, "train_loss": "7.0"}',
+        'INFO:train_inner:{"broken',
+    ])
+    assert [r["loss"] for r in inner_logs(text)] == ["7.5", "7.4"]

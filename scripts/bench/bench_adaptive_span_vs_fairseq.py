@@ -126,11 +126,11 @@ def run(cmd, env):
 
 
 def inner_logs(log: str):
-    out = []
-    for line in log.splitlines():
-        if "| train_inner |" in line and "{" in line:
-            out.append(json.loads(line[line.index("{"):]))
-    return out
+    """The ``train_inner`` records of a run (fairseq's example, started through ``python -c``,
+    logs them as ``INFO:train_inner:{...}``; ours through fairseq's CLI format)."""
+    from scripts.bench.benchlib import json_log_lines
+
+    return json_log_lines(log, "train_inner")
 
 
 def time_steps(train_args, steps: int, warmup: int = 10) -> float:

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 
+from scripts.bench.benchlib import json_log_lines
 from scripts.demo.config import REPO, USER_DIR
 
 MODULE = "scripts.bench.bench_paper_size"  # runs itself (--run-train) as a child: python -m MODULE
@@ -175,19 +176,6 @@ def train_command(group, arch, data, args, save_dir):
     return cmd + shlex.split(args.extra)
 
 
-def _json_lines(text, tag):
-    out = []
-    for line in text.splitlines():
-        key = f"| {tag} | "
-        i = line.find("{") if (key in line or f"[{tag}]" in line or f"INFO:{tag}:" in line) else -1
-        if i >= 0:
-            try:
-                out.append(json.loads(line[i:]))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def one_run(group, arch, data, args, env=None):
     with tempfile.TemporaryDirectory() as tmp:
         cmd = train_command(group, arch, data, args, tmp)
@@ -197,8 +185,8 @@ def one_run(group, arch, data, args, env=None):
         text = out.stdout + out.stderr
     if out.returncode != 0:
         return {"error": text.strip().splitlines()[-1][:300] if text.strip() else "failed"}
-    inner = _json_lines(text, "train_inner")
-    valid = _json_lines(text, "valid")
+    inner = json_log_lines(text, "train_inner")
+    valid = json_log_lines(text, "valid")
     wps = [float(r["wps"]) for r in inner[1:]] or [float(r["wps"]) for r in inner]
     peak = [int(l.split()[1]) for l in text.splitlines() if l.startswith(PEAK_TAG)]
     return {"tokens/s": statistics.median(wps) if wps else float("nan"),

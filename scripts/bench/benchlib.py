@@ -17,6 +17,7 @@ back-propagated. Extra columns (e.g. peak memory) can be given by ``extra=lambda
 """
 
 import gc
+import json
 import os
 import statistics
 import time
@@ -161,6 +162,23 @@ def with_user_dir(cmd: List[str], user_dir: str) -> List[str]:
     replaced."""
     i = cmd.index("--user-dir") + 1
     return cmd[:i] + [user_dir] + cmd[i + 1:]
+
+
+def json_log_lines(text: str, tag: str) -> List[Dict[str, Any]]:
+    """The JSON records of fairseq's ``--log-format json`` lines tagged ``tag`` (``train_inner``,
+    ``valid``, ...) in a run's output, whichever logging format printed them: fairseq's CLI
+    (``... | INFO | train_inner | {...}``), a root logger left unconfigured
+    (``INFO:train_inner:{...}``) or the progress bar's ``[train_inner]``."""
+    out = []
+    for line in text.splitlines():
+        if f"| {tag} | " in line or f"[{tag}]" in line or f"INFO:{tag}:" in line:
+            i = line.find("{")
+            if i >= 0:
+                try:
+                    out.append(json.loads(line[i:]))
+                except json.JSONDecodeError:
+                    pass
+    return out
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
