@@ -71,7 +71,8 @@ TINY_MT = ("--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 64 --decod
            "--decoder-attention-heads 4 --max-tokens 1024")
 TINY_LM = ("--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 "
            "--decoder-attention-heads 4 --tokens-per-sample 64 --max-tokens 1024")
-TINY_METHOD = "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16"
+# (AOP: at d 64 the FFN-matched memory has no slots left, so --aop-slots is set)
+TINY_METHOD = "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16 --aop-slots 16"
 PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
 #: the adaptive-span paper's small enwik8 model (Sukhbaatar et al. 2019, Table/appendix: 12
 #: layers, d 512, 8 heads, FFN 2048, span 8192, block 512, batch 64)
