@@ -37,8 +37,8 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model
 
-from ..modules.adaptive_span import KERNELS as SPAN_KERNELS
-from ..modules.adaptive_span import AdaptiveMask, clamp_spans, layer_spans, span_penalty
+from ..modules.adaptive_span import (KERNELS as SPAN_KERNELS, AdaptiveMask, clamp_spans,
+                                     layer_spans, span_penalty)
 from ..modules.span_stack import AdaptiveSpanStack
 from .registry import apply_base_arch, fill_unset, register_arch, register_base_arch
 
@@ -100,8 +100,9 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
                     "facebookresearch/adaptive-span code (default fairseq_example)"})
     adaptive_span_kernel: ChoiceEnum(list(SPAN_KERNELS)) = field(  # type: ignore
         default="auto", metadata={
-            "help": "how the band attention runs: sdpa = torch's fused scaled_dot_product_attention "
-                    "(on CUDA its memory-efficient kernel) with the position logits and span mask "
+            "help": "how the band attention runs: sdpa = torch's fused "
+                    "scaled_dot_product_attention (on CUDA its memory-efficient kernel) with the "
+                    "position logits and span mask "
                     "as a bias; explicit = op by op (the reference path); auto = sdpa on CUDA "
                     "unless --adaptive-span-no-renorm or --persistent-memory-size need explicit "
                     "(default auto)"})

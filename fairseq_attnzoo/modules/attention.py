@@ -150,6 +150,15 @@ class AttnContext:
         return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
             blocked, mask_value(dtype))
 
+    def masked(self, logits: Tensor) -> Tensor:
+        """``logits [.., Tq, Tk]`` with the blocked entries set to the finite mask value (set, not
+        added: an fp16 logit + mask would overflow to -inf; one pass, where an out-of-place
+        masked_fill is a clone, then a fill)."""
+        blocked = self.blocked(logits.size(-1), logits.device)
+        if blocked is None:
+            return logits
+        return torch.where(blocked, mask_value(logits.dtype), logits)
+
     # ---- positions ---------------------------------------------------------------------------
     def key_positions(self, k_len: int, device) -> Tensor:
         """Pad-aware absolute key positions, ``[B or 1, Tk]``."""
@@ -168,10 +177,8 @@ class AttnContext:
         q ``[B, H, Tq, dk]``, k ``[B, H, Tk, dk]``, v ``[B, H, Tk, dv]`` -> ``[B, H, Tq, dv]``."""
         if extra_logits is None:
             bias = self.bias(k.size(-2), q.dtype, q.device)
-        else:  # masked_fill, not a second addition: an fp16 logit + mask would overflow to -inf
-            blocked = self.blocked(k.size(-2), q.device)
-            bias = extra_logits if blocked is None else torch.where(
-                blocked, mask_value(extra_logits.dtype), extra_logits)
+        else:
+            bias = self.masked(extra_logits)
         p = self.module.dropout if self.module.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=scale)
 
@@ -179,10 +186,7 @@ class AttnContext:
         """softmax(logits + mask) v with dropout, for methods whose logits are not a dot product.
 
         logits ``[B, H, Tq, Tk]``, v ``[B, H, Tk, dv]``."""
-        blocked = self.blocked(logits.size(-1), logits.device)
-        if blocked is not None:  # one pass (an out-of-place masked_fill is a clone, then a fill)
-            logits = torch.where(blocked, mask_value(logits.dtype), logits)
-        probs = fp32_softmax(logits)
+        probs = fp32_softmax(self.masked(logits))
         probs = F.dropout(probs, p=self.module.dropout, training=self.module.training)
         return torch.matmul(probs, v)
 

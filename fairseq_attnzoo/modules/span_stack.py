@@ -62,7 +62,8 @@ class AdaptiveSpanStack(nn.Module):
         # not parameters, not saved: (train/eval, first stream id) -> StreamState
         self.streams: Dict[Tuple[str, int], StreamState] = {}
 
-    def window_plan(self, extra: Sequence[Tensor] = ()) -> Tuple[List[Optional[float]], List[float]]:
+    def window_plan(self, extra: Sequence[Tensor] = ()
+                    ) -> Tuple[List[Optional[float]], List[float]]:
         """Per layer, max z as a Python float (None for dynamic spans), and the values of the
         ``extra`` tensors, in one host read (:func:`host_span_maxima`)."""
         return host_span_maxima([layer.span_mask() for layer in self.layers], extra)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttnContext, ZooAttention
-from .precision import fp32_softmax, mask_value
+from .precision import fp32_softmax
 
 #: the logit synthesizers; several of them make a mixture
 COMPONENTS = ("dense", "random", "factorized_dense", "factorized_random", "vanilla")
@@ -285,10 +285,7 @@ class SynthesizerAttention(ZooAttention):
             out = self._attend_dots(dots, self.split_heads(v), ctx)
             return self.out_proj(self.merge_heads(out))
 
-        logits = self._sum_terms(dots, tables)
-        blocked = ctx.blocked(tk, x_q.device)
-        if blocked is not None:  # one pass (an out-of-place masked_fill is a clone, then a fill)
-            logits = torch.where(blocked, mask_value(logits.dtype), logits)
+        logits = ctx.masked(self._sum_terms(dots, tables))
         dropout = self.dropout if self.training else 0.0
         shared = logits.size(0) == 1 and dropout == 0.0
         if not shared:
