@@ -332,6 +332,9 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs of each group and precision, profile one short run "
                    "of the baseline and of each arch (torch.profiler: top ops by self device time)")
+    p.add_argument("--profile-only", action="store_true",
+                   help="only the profiles of --profile (no timed rows): for a second call after "
+                   "the timed rows were taken")
     p.add_argument("--profile-wait", type=int, default=5, help="updates before profiling")
     p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
     p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
@@ -358,9 +361,17 @@ def main(argv=None):
                 if group not in args.groups:
                     continue
                 chosen = [a for a in archs if args.archs is None or a in args.archs]
+                if args.profile_only:
+                    for arch in [BASELINE[group]] + chosen:
+                        profile_run(group, arch, data, args, emit)
+                    continue
                 base = None
                 if args.baseline == "bracket":
                     base = [one_run(group, BASELINE[group], data, args)]
+                    if "error" in base[0]:  # every row would fail the same way: say it once
+                        emit(f"| {group} | {precision} | {BASELINE[group]} (baseline) | failed: "
+                             f"{base[0]['error']} |")
+                        continue
                 for arch in chosen:
                     emit(format_row(bench_pair(group, arch, data, args, base)))
                 if base is not None:
@@ -370,7 +381,7 @@ def main(argv=None):
                         profile_run(group, arch, data, args, emit)
                     emit("\n| " + " | ".join(COLUMNS) + " |")  # the next rows' header
                     emit("|" + "---|" * len(COLUMNS))
-        if "span" in args.groups:
+        if "span" in args.groups and not args.profile_only:
             bench_span(args, emit)
 
 
