@@ -14,11 +14,34 @@ def test_profile_table_ranks_ops_by_self_time_per_step():
 
     ev = types.SimpleNamespace
     events = [ev(key="aten::topk", count=3, self_cpu_time_total=1000.0),
-              ev(key="aten::mm", count=6, self_cpu_time_total=3000.0)]
+              ev(key="aten::mm", count=6, self_cpu_time_total=3000.0),
+              ev(key="forward", count=3, self_cpu_time_total=9000.0, is_user_annotation=True),
+              ev(key="ProfilerStep#7", count=1, self_cpu_time_total=9000.0)]
     lines = profile_table(events, steps=3, cuda=False).splitlines()
-    assert lines[0] == "total self CPU time per step: 1.33 ms"
+    assert lines[0] == "total self CPU time of the ops per step: 1.33 ms"
     assert lines[4:] == ["| `aten::mm` | 2 | 1.000 | 75.0 % |",
                          "| `aten::topk` | 1 | 0.333 | 25.0 % |"]
+
+
+def test_cuda_profile_table_counts_each_kernel_once_and_no_ranges():
+    """On the GPU fairseq's record_function ranges ("forward", "train_step-N") carry the device
+    time of every kernel inside them, and each kernel also appears as its own event: the table
+    ranks the operators only (the first GPU profile listed the ranges on top, at 3x the step)."""
+    from scripts.bench.bench_paper_size import profile_table
+
+    ev = types.SimpleNamespace
+    events = [ev(key="aten::mm", count=4, self_device_time_total=2000.0, device_type="DeviceType.CPU"),
+              ev(key="sm90_xmma_gemm_bf16", count=4, self_device_time_total=2000.0,
+                 device_type="DeviceType.CUDA"),
+              ev(key="aten::topk", count=2, self_device_time_total=500.0, device_type="DeviceType.CPU"),
+              ev(key="train_step-6", count=1, self_device_time_total=2500.0, is_user_annotation=True,
+                 device_type="DeviceType.CUDA"),
+              ev(key="ProfilerStep*", count=1, self_device_time_total=7000.0, device_type="DeviceType.CPU")]
+    lines = profile_table(events, steps=2, cuda=True, wall_ms=40.0).splitlines()
+    assert lines[0] == ("total self CUDA time of the ops per step: 1.25 ms; wall time per step: "
+                        "40.00 ms")
+    assert lines[4:] == ["| `aten::mm` | 2 | 1.000 | 80.0 % |",
+                         "| `aten::topk` | 1 | 0.250 | 20.0 % |"]
 
 
 @pytest.mark.slow

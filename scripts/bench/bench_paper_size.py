@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 from scripts.bench.benchlib import json_log_lines
 from scripts.demo.config import REPO, USER_DIR
@@ -84,6 +85,8 @@ SPAN_TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128", "--
 PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
 #: set by --profile for a child run: "PATH:WAIT:ACTIVE" (write the profile table to PATH)
 PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
+#: set by --no-cudnn-sdpa for every child run: torch's cuDNN attention backend switched off
+NO_CUDNN_SDPA_ENV = "ATTNZOO_BENCH_NO_CUDNN_SDPA"
 
 
 def _self_time(event, cuda: bool) -> float:
@@ -93,13 +96,28 @@ def _self_time(event, cuda: bool) -> float:
     return next((float(getattr(event, n)) for n in names if hasattr(event, n)), 0.0)
 
 
-def profile_table(events, steps: int, cuda: bool, rows: int = 15) -> str:
+def _is_op(event, cuda: bool) -> bool:
+    """An operator row of the table. Left out: ``record_function`` ranges (fairseq's "forward",
+    "train_step-N", the optimizer's "Adam.step", ``ProfilerStep*``), whose device time spans every
+    kernel inside them, and (CUDA) the kernel events themselves, whose time is already the self
+    device time of the op that launched them."""
+    if getattr(event, "is_user_annotation", False) or event.key.startswith("ProfilerStep"):
+        return False
+    return not cuda or str(getattr(event, "device_type", "CPU")).endswith("CPU")
+
+
+def profile_table(events, steps: int, cuda: bool, rows: int = 15,
+                  wall_ms: Optional[float] = None) -> str:
     """Top ops by self time (``torch.profiler`` key averages) as a markdown table: calls and ms
-    per training step, and the share of the step's total self time."""
-    timed = [(e.key, e.count, _self_time(e, cuda)) for e in events]
+    per training step, and the share of the ops' total self time. ``wall_ms``: the measured
+    (synchronised) wall time of a step, printed beside the ops' total: on a GPU the difference
+    is time the device waited for the host."""
+    timed = [(e.key, e.count, _self_time(e, cuda)) for e in events if _is_op(e, cuda)]
     total = sum(t for _, _, t in timed) or 1.0
-    out = [f"total self {'CUDA' if cuda else 'CPU'} time per step: {total / steps / 1e3:.2f} ms",
-           "", "| op | calls/step | ms/step | share |", "|---|---|---|---|"]
+    head = f"total self {'CUDA' if cuda else 'CPU'} time of the ops per step: {total / steps / 1e3:.2f} ms"
+    if wall_ms is not None:
+        head += f"; wall time per step: {wall_ms:.2f} ms"
+    out = [head, "", "| op | calls/step | ms/step | share |", "|---|---|---|---|"]
     for key, count, t in sorted(timed, key=lambda r: -r[2])[:rows]:
         out.append(f"| `{key[:80]}` | {count / steps:g} | {t / steps / 1e3:.3f} | "
                    f"{100 * t / total:.1f} % |")
@@ -119,9 +137,12 @@ def _profile_train_steps(spec: str):
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
+    walls = []  # wall seconds of every step; the recorded ones are the last ``active``
+
     def write(prof):
+        wall_ms = 1e3 * statistics.median(walls[-active:]) if len(walls) >= active else None
         with open(path, "w") as f:
-            f.write(profile_table(prof.key_averages(), active, cuda) + "\n")
+            f.write(profile_table(prof.key_averages(), active, cuda, wall_ms=wall_ms) + "\n")
 
     prof = torch.profiler.profile(
         activities=activities, on_trace_ready=write,
@@ -129,9 +150,13 @@ def _profile_train_steps(spec: str):
     step = Trainer.train_step
 
     def profiled_step(self, samples, raise_oom=False):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         out = step(self, samples, raise_oom)
         if cuda:
             torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
         prof.step()
         return out
 
@@ -146,6 +171,8 @@ def run_train_here(argv):
     import torch
     from fairseq_cli import train
 
+    if os.environ.get(NO_CUDNN_SDPA_ENV) == "1":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     spec = os.environ.get(PROFILE_ENV)
     prof = _profile_train_steps(spec) if spec else None
     sys.argv = ["fairseq-train"] + argv
@@ -178,11 +205,12 @@ def train_command(group, arch, data, args, save_dir):
 
 
 def one_run(group, arch, data, args, env=None):
+    env = {**(env or {}), **({NO_CUDNN_SDPA_ENV: "1"} if args.no_cudnn_sdpa else {})}
     with tempfile.TemporaryDirectory() as tmp:
         cmd = train_command(group, arch, data, args, tmp)
         t0 = time.time()
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout,
-                             cwd=REPO, env=None if env is None else {**os.environ, **env})
+                             cwd=REPO, env={**os.environ, **env})
         text = out.stdout + out.stderr
     if out.returncode != 0:
         return {"error": text.strip().splitlines()[-1][:300] if text.strip() else "failed"}
@@ -328,6 +356,10 @@ def main(argv=None):
     p.add_argument("--valid-steps", type=int, default=50, help="--max-valid-steps of each run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-timeout", type=int, default=1800, help="seconds per training run")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="switch torch's cuDNN attention backend off in every run, baseline and "
+                   "archs alike (torch.backends.cuda.enable_cudnn_sdp(False)): on Hopper torch "
+                   "may pick it for SDPA, and it builds a graph for every new shape")
     p.add_argument("--extra", default="", help="more fairseq-train flags for every run")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs of each group and precision, profile one short run "
