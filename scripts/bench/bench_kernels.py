@@ -53,6 +53,7 @@ from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_sl
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 #: (|K| = n_keys², heads, knn, k_dim, tokens, value dims, copy MiB) per size
 SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dims=(512, 1024),
                        copy_mib=1024, ffn=2048, token_groups=(1, 4, 16),
@@ -144,6 +145,19 @@ def peer_memory(args, d, use_layernorm, sparse):
     return m
 
 
+def peer_mode_ms(args, d, use_layernorm, sparse, device, dtype, x_dtype, autocast):
+    """Median fwd+bwd milliseconds of the peer in one mode, or why it did not run."""
+    try:
+        torch.manual_seed(0)
+        peer = peer_memory(args, d, use_layernorm, sparse).to(device, dtype)
+        x = _tokens(args, d, device, x_dtype, batch_first=True)
+        return median_runs(module_timer(peer, (x,), False, device, autocast), args.repeats)
+    except ImportError:
+        return "not installed"
+    except Exception as exc:  # a peer mode that does not run in this dtype/device
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+
+
 PEERS = (("peer LayerNorm", True, False), ("peer BatchNorm", False, False),
          ("peer LayerNorm sparse", True, True))
 
@@ -152,19 +166,16 @@ def pkm_layer_rows(args, device, dtype):
     c = args.cfg
     rows = []
     for d in c["dims"]:
-        peers = {}
+        peers, peer_modes = {}, {}
         for name, ln, sparse in PEERS:
-            try:
-                torch.manual_seed(0)
-                peer = peer_memory(args, d, ln, sparse).to(device, dtype)
-                x = _tokens(args, d, device, dtype, batch_first=True)
-                peers[name] = median_runs(module_timer(peer, (x,), False, device), args.repeats)
-            except ImportError:
-                peers[name] = "not installed"
-            except Exception as exc:  # a peer mode that does not run in this dtype/device
-                peers[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-            finally:
-                peer = None
+            peers[name] = peer_mode_ms(args, d, ln, sparse, device, dtype, dtype, None)
+            peer_modes[name] = DTYPE_NAMES[dtype]
+            if isinstance(peers[name], str) and dtype != torch.float32 and "not" not in peers[name]:
+                # e.g. bf16 on CUDA: the peer's nn.EmbeddingBag has no bf16 weight gradient;
+                # its half-precision mode is then float32 weights under autocast
+                peers[name] = peer_mode_ms(args, d, ln, sparse, device, torch.float32,
+                                           torch.float32, dtype)
+                peer_modes[name] = f"fp32 weights, {DTYPE_NAMES[dtype]} autocast"
         for sparse in (False, True):
             for kernel in kernels(device):
                 torch.manual_seed(0)
@@ -176,6 +187,7 @@ def pkm_layer_rows(args, device, dtype):
                 row = {"d": d, "values": "sparse" if sparse else "dense", "kernel": kernel,
                        "ours ms": ms}
                 for name, peer_ms in peers.items():
+                    row[f"{name} mode"] = peer_modes[name]
                     row[f"{name} ms"] = peer_ms
                     row[f"{name} / ours"] = peer_ms / ms if isinstance(peer_ms, float) else ""
                 rows.append(row)

@@ -70,9 +70,16 @@ def timer(fn: Callable[[], Any], device) -> Callable[[], float]:
     return run
 
 
-def module_timer(module, inputs, forward_only, device) -> Callable[[], float]:
-    """:func:`timer` of one forward (no grad), or forward + backward of ``module(*inputs)``."""
+def module_timer(module, inputs, forward_only, device, autocast=None) -> Callable[[], float]:
+    """:func:`timer` of one forward (no grad), or forward + backward of ``module(*inputs)``
+    (``autocast``: a dtype, the forward under ``torch.autocast`` to it)."""
     def call():
+        if autocast is not None:
+            with torch.autocast(device.type, dtype=autocast):
+                return plain()
+        return plain()
+
+    def plain():
         if forward_only:
             with torch.no_grad():
                 _step(module, inputs, True)
