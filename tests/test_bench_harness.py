@@ -75,7 +75,7 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     bench_kernels.main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--repeats", "1",
                         "--out", str(out)])
     text = out.read_text()
-    for title in ("copy bandwidth", "pkm_read", "pkm_layer", "aop", "span"):
+    for title in ("copy bandwidth", "pkm_read", "pkm_layer", "aop", "span", "synth_gather"):
         assert f"\n{title}\n" in text
     kernels = ["torch"] + (["triton"] if pkm_triton.HAS_TRITON else [])
     for values in ("dense", "sparse"):
@@ -89,6 +89,8 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
             or line.startswith("| 128 | ")]
     assert span == [[f"| {w}", name, str(w)] for w in (64, 128)  # every path at the same window
                     for name in ("ours sdpa", "ours explicit", "fairseq example")]
+    gathers = [line.split(" | ")[0] for line in text.splitlines() if "left pad <=" in line]
+    assert gathers == ["| index_select (ours)", "| advanced indexing (before)"]
 
 
 def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatch):

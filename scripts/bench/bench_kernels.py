@@ -58,10 +58,12 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dims=(512, 1024),
                        copy_mib=1024, ffn=2048, token_groups=(1, 4, 16),
                        span=dict(batch=64, block=512, d=512, heads=8, max_span=8192,
-                                 windows=(64, 1024, 4096))),
+                                 windows=(64, 1024, 4096)),
+                       synth=dict(heads=8, max_len=512, batch=256, length=32, max_pad=12)),
          "tiny": dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32, dims=(32,), copy_mib=8,
                       ffn=256, token_groups=(1, 2),
-                      span=dict(batch=2, block=16, d=32, heads=2, max_span=128, windows=(64, 128)))}
+                      span=dict(batch=2, block=16, d=32, heads=2, max_span=128, windows=(64, 128)),
+                      synth=dict(heads=2, max_len=16, batch=4, length=8, max_pad=3))}
 
 
 def median_ms(fn, device, repeats):
@@ -233,6 +235,40 @@ class _SpanBlock(nn.Module):
         return self.att(x, h, h, self.key_pe)
 
 
+def synth_gather_rows(args, device, dtype):
+    """Synthesizer Random's pad-aware logits R[h, qpos, kpos] for a left-padded batch, forward +
+    backward: ours (``index_select`` of the flattened table; backward ``index_add_``) against
+    advanced indexing (backward: a sorted ``index_put_``), the gather before this change. The
+    default shape is a transformer-base batch of --max-tokens 8192 (256 sentences of 32)."""
+    from fairseq_attnzoo.modules.synthesizer import _select_positions
+
+    c = args.cfg["synth"]
+    h, n, b, t = c["heads"], c["max_len"], c["batch"], c["length"]
+    g = torch.Generator(device="cpu").manual_seed(3)
+    table = torch.randn(h, n, n, generator=g).to(device, dtype).requires_grad_(True)
+    pad = torch.randint(0, c["max_pad"] + 1, (b,), generator=g)
+    pos = (torch.arange(t)[None] - pad[:, None]).clamp(min=0).to(device)
+    weights = torch.randn(b, h, t, t, generator=g).to(device, dtype)
+    heads = torch.arange(h, device=device)
+    ways = {"index_select (ours)": lambda: _select_positions(
+                table.flatten(1, 2), pos[:, :, None] * n + pos[:, None, :]),
+            "advanced indexing (before)": lambda: table[
+                heads[None, :, None, None], pos[:, None, :, None], pos[:, None, None, :]]}
+    outs = {name: way() for name, way in ways.items()}
+    assert torch.equal(*outs.values())
+
+    def step(way):
+        table.grad = None
+        (way() * weights).sum().backward()
+
+    ours, before = time_pair(timer(lambda: step(ways["index_select (ours)"]), device),
+                             timer(lambda: step(ways["advanced indexing (before)"]), device),
+                             repeats=args.repeats)
+    shape = f"h {h}, N {n}, {b} x {t} tokens, left pad <= {c['max_pad']}"
+    return [{"gather": name, "shape": shape, "fwd+bwd ms": ms, "vs before": ms / before}
+            for name, ms in (("index_select (ours)", ours), ("advanced indexing (before)", before))]
+
+
 def span_rows(args, device, dtype):
     c = args.cfg["span"]
     ramp, s = 32, c["max_span"]
@@ -277,7 +313,7 @@ def span_rows(args, device, dtype):
     return rows
 
 
-STAGES = ("copy", "pkm_read", "pkm_layer", "aop", "span")
+STAGES = ("copy", "pkm_read", "pkm_layer", "aop", "span", "synth_gather")
 
 
 def main(argv=None):
@@ -313,6 +349,8 @@ def main(argv=None):
             rows = pkm_layer_rows(args, device, dtype)
         elif stage == "span":
             rows = span_rows(args, device, dtype)
+        elif stage == "synth_gather":
+            rows = synth_gather_rows(args, device, dtype)
         else:
             rows = aop_rows(args, device, dtype)
         emit(args, stage, rows)
