@@ -4,8 +4,8 @@
 #
 #   bash scripts/bench/gpu_checks.sh wheels           HERE, where pip works: fill .whl/ (carry it)
 #   bash scripts/bench/gpu_checks.sh setup  [OUT]     install fairseq & co into /tmp/site (from a
-#                                                     carried .site/site.tgz if there; SAVE_SITE=1:
-#                                                     write OUT/site.tgz to carry to a fresh machine)
+#                                                     carried .site/site.tgz.* if there; SAVE_SITE=1:
+#                                                     write OUT/site.tgz.* to carry to a fresh one)
 #   bash scripts/bench/gpu_checks.sh sweep  OUT       tests/test_precision.py on the GPU's kernels
 #   bash scripts/bench/gpu_checks.sh runs   OUT ARCH...   scripts/bench/precision_runs.py (--fp16, --amp)
 #   bash scripts/bench/gpu_checks.sh bench  OUT       sublayer benchmarks + adaptive span vs fairseq
@@ -42,15 +42,16 @@ wheels)  # Python 3.12 wheels for the lent machine + the fairseq-fixed sdist + t
 setup)  # once per machine: a later call on the same (still warm) machine skips it
     if python3 -c "import fairseq, hydra" 2>/dev/null; then
         echo "setup: fairseq already in /tmp/site"
-    elif [ -f .site/site.tgz ]; then  # a site built by an earlier call (SAVE_SITE=1), carried
-        tar xzf .site/site.tgz -C /tmp && echo "setup: /tmp/site unpacked from .site/site.tgz"
+    elif ls .site/site.tgz.* >/dev/null 2>&1; then  # built by an earlier call (SAVE_SITE=1)
+        cat .site/site.tgz.* | tar xzf - -C /tmp && echo "setup: /tmp/site unpacked from .site/"
     else
         bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
             tail -30 "$OUT/install.log"; exit 1; }
     fi
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-    if [ -n "${SAVE_SITE:-}" ]; then  # bring the built site back: carry it as .site/ next time
-        tar czf "$OUT/site.tgz" -C /tmp site && ls -l "$OUT/site.tgz"
+    if [ -n "${SAVE_SITE:-}" ]; then  # bring the built site back (~27 MB, in parts under the
+        # 16 MiB a returned file may have): copy OUT/site.tgz.* to .site/ and carry it next time
+        tar czf - -C /tmp site | split -b 15m - "$OUT/site.tgz." && ls -l "$OUT"/site.tgz.*
     fi
     ;;
 sweep)
