@@ -133,6 +133,12 @@ def hint_for(exc: BaseException, cuda=None):
                           "(docs/precision.md)")
         return fix + ("re-enable it and pass --cpu, or drop --bf16 and pass --cpu (fp32) "
                       "(docs/precision.md)")
+    if "doesn't match the size of optimizer's group" in text:  # torch's Optimizer.load_state_dict
+        return ("the checkpoint's optimizer state holds another layout of the fp32 master weights "
+                "(one flat buffer, or one per parameter: --fp16-no-flatten-grads, and --bf16 "
+                "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
+                "with the flags it was trained with (for such a bf16 checkpoint add "
+                "--fp16-no-flatten-grads), or pass --reset-optimizer")
     if "Could not infer language pair" in text:
         return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
                 "fairseq-preprocess first, or pass --source-lang/--target-lang")

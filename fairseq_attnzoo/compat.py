@@ -229,6 +229,33 @@ def _fp16_master_projection():
         _FP16OptimizerMixin._sync_fp32_params_to_fp16)
 
 
+def _fp16_build_optimizer():
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    return FP16Optimizer.build_optimizer
+
+
+@patch("fairseq_bf16_flat_masters", "fairseq.optim.fp16_optimizer:FP16Optimizer.build_optimizer",
+       "under --bf16 fairseq keeps one fp32 master per parameter (for TPUs), so every update loops "
+       "over the parameters in Python; off TPUs flatten them as --fp16 does (unless "
+       "--fp16-no-flatten-grads or the optimizer takes no flat parameters)",
+       known_source(_fp16_build_optimizer, "c7ff6d890b7d4239"))
+def _bf16_flat_masters():
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    from .optim.mixed_precision import build_bf16_flat
+
+    original = FP16Optimizer.build_optimizer.__func__
+
+    def build_optimizer(cls, cfg, params, **kwargs):
+        params = list(params)
+        built = build_bf16_flat(cls, cfg, params, **kwargs)
+        return built if built is not None else original(cls, cfg, params, **kwargs)
+
+    build_optimizer.__doc__ = original.__doc__
+    FP16Optimizer.build_optimizer = classmethod(build_optimizer)
+
+
 # ---- fairseq --bf16 on GPUs and CPUs -------------------------------------------------------------
 
 def _call_main():

@@ -65,6 +65,29 @@ def test_tiny_dry_run_writes_rows_and_profiles(lm_data, tmp_path):
     assert "aten::topk" in text.split("transformer_lm_pkm (2 updates")[1]  # the memory's search
 
 
+@pytest.mark.slow
+def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
+    """``--count-ops``: a row per model with the aten ops one update dispatches (forward, backward,
+    optimizer), its views and host reads; the memory layer dispatches more than the plain LM."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "counts.md"
+    cmd = [sys.executable, "-m", "scripts.bench.bench_paper_size", "--size", "tiny", "--device",
+           "cpu", "--groups", "lm", "--archs", "transformer_lm_pkm", "--precisions", "fp32",
+           "--count-ops", "--profile-wait", "1", "--profile-steps", "1", "--data-lm", lm_data,
+           "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split(" | ")[2]: line.split(" | ")[3:6] for line in out.read_text().splitlines()
+            if line.startswith("| lm | fp32 | ")}
+    assert set(rows) == {"transformer_lm", "transformer_lm_pkm"}, rows
+    ops = {arch: [float(v.replace(",", "")) for v in row] for arch, row in rows.items()}
+    for total, views, reads in ops.values():
+        assert total > 300 and 0 < views < total and reads >= 1
+    assert ops["transformer_lm_pkm"][0] > ops["transformer_lm"][0]
+
+
 def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     """scripts/bench/bench_kernels.py at toy shapes on the CPU: every stage's table is written,
     with a Triton row beside each PyTorch row where Triton is installed (interpreted here)."""

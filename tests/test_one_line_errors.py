@@ -57,6 +57,20 @@ def test_traceback_on_request(mt_data):
     assert lines[-1].startswith("fairseq-attnzoo: ") and "--pkm-knn" in lines[-1]
 
 
+def test_resume_with_another_master_weight_layout(mt_data, tmp_path):
+    """A --bf16 checkpoint with one fp32 master per parameter (--fp16-no-flatten-grads, as every
+    bf16 run kept them before fairseq_bf16_flat_masters) resumed with flat masters: torch's
+    ValueError becomes one line naming both fixes."""
+    flags = ["--user-dir", USER_DIR, "--cpu", "--max-tokens", "500", "--optimizer", "adam", "--lr",
+             "1e-3", *TINY_MT, "--arch", "transformer", "--bf16", "--save-dir", str(tmp_path),
+             "--disable-validation", "--no-epoch-checkpoints"]
+    code, lines = cli("fairseq-train", mt_data, *flags, "--max-update", "1",
+                      "--fp16-no-flatten-grads")
+    assert code == 0, lines[-5:]
+    code, lines = cli("fairseq-train", mt_data, *flags, "--max-update", "2")
+    assert_one_line(code, lines, "--fp16-no-flatten-grads", "--reset-optimizer")
+
+
 def test_misspelled_arch_did_you_mean(mt_data):
     code, lines = train(mt_data, "--arch", "transfomer_synth_dense")
     last = assert_one_line(code, lines, "--arch", "did you mean", "transformer_synth_dense")

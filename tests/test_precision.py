@@ -27,6 +27,8 @@ from zoo_testlib import (USER_DIR, build, decode_steps, decoder_inputs, incremen
                          json_logs, lm_extra, model_class, run_cli, sweep_batch, tiny_flags,
                          tolerance, train_flags, zoo_archs)
 
+from fairseq_attnzoo import compat
+
 ARCHS = zoo_archs()
 #: the sweep runs on CPU in `make test`; ATTNZOO_TEST_DEVICE=cuda runs it on a GPU's kernels
 DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
@@ -251,7 +253,7 @@ def _spans(model):
 
 
 @pytest.mark.parametrize("dtype,flatten", [(torch.float16, True), (torch.float16, False),
-                                           (torch.bfloat16, False)])  # fairseq never flattens bf16
+                                           (torch.bfloat16, True), (torch.bfloat16, False)])
 def test_fp16_optimizer_masters_stay_clamped(lm_data, monkeypatch, dtype, flatten):
     """fairseq's FP16Optimizer (--fp16 / --bf16) with the plain language_modeling task: the span
     penalty (lambda 50) pushes z below 0 every step; the fp32 masters -- what the optimizer updates
@@ -265,6 +267,7 @@ def test_fp16_optimizer_masters_stay_clamped(lm_data, monkeypatch, dtype, flatte
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     cfg = convert_namespace_to_omegaconf(args)
+    compat.bf16_without_tpu(cfg, flags)  # as fairseq-train does (--bf16 implied --tpu)
     model = model.to(dtype)
     # fairseq flattens onto torch.cuda.current_device(); on CPU tensors have device.index None
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
@@ -292,6 +295,52 @@ def test_fp16_optimizer_masters_stay_clamped(lm_data, monkeypatch, dtype, flatte
                     assert float(p32.min()) >= 0.0, f"update {update}: master span {p32}"
     # the penalty drove every span to the bound: exactly 0, not a drifting negative master
     assert all(float(s.abs().max()) == 0.0 for s in _spans(model))
+
+
+def test_bf16_flat_masters_train_like_per_parameter_masters(lm_data):
+    """--bf16: fairseq keeps one fp32 master per parameter (for TPUs) and Adam loops over them;
+    compat's fairseq_bf16_flat_masters gives bf16 the flat buffer of --fp16. Three updates with
+    flat masters reach the per-parameter run's weights (the same elementwise Adam; only the
+    gradient norm sums in another order), and Adam updates one buffer, not every parameter."""
+    from collections import Counter
+
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    runs = {}
+    for flags in ([], ["--fp16-no-flatten-grads"]):
+        torch.manual_seed(0)
+        args, task, model, criterion, sample = _span_lm(lm_data, ["--bf16"] + flags)
+        model = model.to(torch.bfloat16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        cfg = convert_namespace_to_omegaconf(args)
+        assert compat.bf16_without_tpu(cfg, ["--bf16"] + flags)  # --bf16 implied --tpu
+        optimizer = FP16Optimizer.build_optimizer(cfg, params)
+        assert optimizer.has_flat_params == (not flags)
+        for update in range(3):
+            counter = CountOps()
+            with counter:
+                task.train_step(sample, model, criterion, optimizer, update)
+                optimizer.multiply_grads(1.0 / float(sample["ntokens"]))
+                optimizer.clip_grad_norm(0.1)
+                task.optimizer_step(optimizer, model, update)
+            optimizer.zero_grad()
+        runs[bool(flags)] = ([p.detach().float().clone() for p in params], counter.n)
+    (flat, flat_ops), (per_param, per_param_ops) = runs[False], runs[True]
+    assert max((a - b).abs().max().item() for a, b in zip(flat, per_param)) <= 1e-2
+    # Adam's update: one addcdiv_ on the flat buffer instead of one per parameter
+    assert (flat_ops["addcdiv_"], per_param_ops["addcdiv_"]) == (1, len(flat))
+    assert sum(flat_ops.values()) < sum(per_param_ops.values()) - 5 * len(flat)
 
 
 def test_spans_clamped_by_any_torch_optimizer(lm_data):

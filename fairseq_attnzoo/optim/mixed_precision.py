@@ -1,4 +1,4 @@
-"""Two fixes to fairseq's mixed-precision optimizer wrappers (applied by :mod:`fairseq_attnzoo.compat`).
+"""Three fixes to fairseq's mixed-precision optimizer wrappers (applied by :mod:`fairseq_attnzoo.compat`).
 
 1. **Parameter constraints under FP16Optimizer** (see below).
 2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
@@ -12,6 +12,13 @@
    per-tensor clipping notice it at every scale -- ``adagrad_clip`` (adaptive span) stopped
    learning at unigram statistics under ``--amp`` on an H100 (docs/gpu.md). The fix steps the same
    torch optimizer the scaler unscaled.
+3. **bf16 keeps one fp32 master per parameter.** ``FP16Optimizer.build_optimizer`` never flattens
+   the masters under ``--bf16`` ("mixed precision is faster on TPUs without flat grads"). Off a TPU
+   that turns every update into Python loops over the parameters (gradient copy, Adam, clipping,
+   the copy back): 5,394 of the 8,380 ops a transformer-base update dispatches, on a GPU that
+   waits for the host (docs/gpu.md). :func:`build_bf16_flat` gives bf16 the layout ``--fp16``
+   has: one flat fp32 buffer, unless ``--fp16-no-flatten-grads``, ``--tpu`` or an optimizer that
+   does not take flat parameters (``pkm_adam``, ``adagrad_clip``), where fairseq's choice stands.
 
 Constraints: a :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (e.g. an adaptive span) is projected into
 its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
@@ -29,6 +36,8 @@ projection on the tensors the optimizer really updates. Offsets follow fairseq's
 """
 
 from collections import defaultdict
+
+import torch
 
 from ..modules.constrained import BoundedParameter
 
@@ -75,3 +84,37 @@ def projecting_sync(sync):
 
     _sync_fp32_params_to_fp16.__doc__ = sync.__doc__
     return _sync_fp32_params_to_fp16
+
+
+def build_bf16_flat(cls, cfg, params, **kwargs):
+    """``FP16Optimizer.build_optimizer`` for ``--bf16`` with flat fp32 masters (the ``--fp16``
+    layout), or None where fairseq's own per-parameter masters stand: not bf16, ``--tpu``,
+    ``--fp16-no-flatten-grads``, parameters on several devices, or an optimizer that does not take
+    flat parameters. Installed by :mod:`fairseq_attnzoo.compat`."""
+    from fairseq import optim
+
+    common = cfg.common
+    if (not getattr(common, "bf16", False) or getattr(common, "tpu", False)
+            or getattr(common, "fp16_no_flatten_grads", False)):
+        return None
+    params = list(params)
+    if len({p.device for p in params}) != 1:
+        return None
+    probe = torch.nn.Parameter(torch.zeros(1))
+    if not optim.build_optimizer(cfg.optimizer, [probe]).supports_flat_params:
+        return None
+    fp32_params = flat_masters(cls, cfg.optimizer, params)
+    return cls(cfg, params, optim.build_optimizer(cfg.optimizer, [fp32_params]), fp32_params,
+               **kwargs)
+
+
+def flat_masters(cls, args, params):
+    """fairseq's flat fp32 masters ``{device index: flat Parameter with .grad}``. On CUDA fairseq
+    builds them; elsewhere its builder asks ``torch.cuda.current_device()``, so the same layout is
+    built here, keyed by the parameters' ``device.index`` as fairseq's syncs look it up."""
+    if params[0].is_cuda:
+        return cls.build_fp32_params(args, params, flatten=True)
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    flat = torch.nn.Parameter(flat)
+    flat.grad = torch.zeros_like(flat.data)
+    return {params[0].device.index: flat}

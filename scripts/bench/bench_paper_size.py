@@ -85,6 +85,11 @@ SPAN_TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128", "--
 PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
 #: set by --profile for a child run: "PATH:WAIT:ACTIVE" (write the profile table to PATH)
 PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
+#: set by --count-ops for a child run: "PATH:WAIT:ACTIVE" (write the op counts to PATH as JSON)
+COUNT_ENV = "ATTNZOO_BENCH_COUNT_OPS"
+#: ops that read a device value on the host (``.item()``, ``bool(t)``, ``float(t)``, ``.tolist()``):
+#: on a GPU each one waits for the queue to drain
+HOST_READ_OPS = {"_local_scalar_dense", "is_nonzero", "equal"}
 #: set by --no-cudnn-sdpa for every child run: torch's cuDNN attention backend switched off
 NO_CUDNN_SDPA_ENV = "ATTNZOO_BENCH_NO_CUDNN_SDPA"
 
@@ -165,6 +170,61 @@ def _profile_train_steps(spec: str):
     return prof
 
 
+def _count_train_steps(spec: str):
+    """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
+    autograd) over ACTIVE updates after WAIT, split into the forward (model and criterion), the
+    backward and the rest (optimizer, gradient clipping, the trainer); write them to PATH."""
+    from collections import Counter
+
+    from fairseq.trainer import Trainer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    path, wait, active = spec.rsplit(":", 2)
+    wait, active = int(wait), int(active)
+    counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]
+
+    class CountOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func.overloadpacket.__name__] += 1
+            phases[phase[0]] += 1
+            views[0] += func.is_view
+            return func(*args, **(kwargs or {}))
+
+    def in_phase(fn, name, after):
+        def run(*args, **kwargs):
+            phase[0] = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase[0] = after
+        return run
+
+    step = Trainer.train_step
+
+    def counted_step(self, samples, raise_oom=False):
+        calls[0] += 1
+        if not wait < calls[0] <= wait + active:
+            return step(self, samples, raise_oom)
+        task, optimizer = self.task, self.optimizer
+        task.train_step = in_phase(type(task).train_step.__get__(task), "forward", "rest")
+        optimizer.backward = in_phase(type(optimizer).backward.__get__(optimizer), "backward",
+                                      "forward")
+        try:
+            with CountOps():
+                out = step(self, samples, raise_oom)
+        finally:
+            del task.train_step, optimizer.backward
+        if calls[0] == wait + active:
+            with open(path, "w") as f:
+                json.dump({"ops": sum(counts.values()) / active, "views": views[0] / active,
+                           **{k: phases[k] / active for k in ("forward", "backward", "rest")},
+                           "host reads": sum(counts[n] for n in HOST_READ_OPS) / active,
+                           "top": [(n, c / active) for n, c in counts.most_common(8)]}, f)
+        return out
+
+    Trainer.train_step = counted_step
+
+
 def run_train_here(argv):
     """``fairseq-train argv`` in this process, then print the peak CUDA memory it allocated
     (under ``ATTNZOO_BENCH_PROFILE``: with its steps profiled)."""
@@ -173,6 +233,8 @@ def run_train_here(argv):
 
     if os.environ.get(NO_CUDNN_SDPA_ENV) == "1":
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if os.environ.get(COUNT_ENV):
+        _count_train_steps(os.environ[COUNT_ENV])
     spec = os.environ.get(PROFILE_ENV)
     prof = _profile_train_steps(spec) if spec else None
     sys.argv = ["fairseq-train"] + argv
@@ -282,22 +344,46 @@ def format_row(row):
     return "| " + " | ".join(cells) + " |"
 
 
+def _short_run(group, arch, data, args, env_name, wait, active):
+    """A short run of ``arch`` (``wait`` + 1 + ``active`` updates, no validation) whose child
+    writes a file under ``env_name``: that file's text, or why there is none."""
+    short = argparse.Namespace(**{**vars(args), "updates": wait + 1 + active,
+                                  "extra": args.extra + " --disable-validation"})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out")
+        result = one_run(group, arch, data, short, env={env_name: f"{path}:{wait}:{active}"})
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    return f"nothing written ({result.get('error', 'too few updates?')})"
+
+
 def profile_run(group, arch, data, args, emit):
     """One more, short run of ``arch`` under ``torch.profiler`` (after ``--profile-wait`` updates,
     ``--profile-steps`` recorded, no validation); its top-ops table goes into the report."""
     wait, active = args.profile_wait, args.profile_steps
-    short = argparse.Namespace(**{**vars(args), "updates": wait + 1 + active,
-                                  "extra": args.extra + " --disable-validation"})
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "profile.md")
-        result = one_run(group, arch, data, short, env={PROFILE_ENV: f"{path}:{wait}:{active}"})
-        if os.path.exists(path):
-            with open(path) as f:
-                table = f.read()
-        else:
-            table = f"no profile written ({result.get('error', 'too few updates?')})"
+    table = _short_run(group, arch, data, args, PROFILE_ENV, wait, active)
     emit(f"\n#### Profile: {group}, {args._precision}, {arch} ({active} updates after {wait})\n")
     emit(table)
+
+
+COUNT_COLUMNS = ["group", "precision", "arch", "ops/update", "of which views", "host reads/update",
+                 "forward", "backward", "optimizer + trainer", "most dispatched ops (per update)"]
+
+
+def count_row(group, arch, data, args):
+    """The ops ``arch`` dispatches per update (``--count-ops``): a host-cost measure that does not
+    depend on the machine. On a GPU that waits for the host, each non-view op is at least one
+    kernel launch and each host read drains the queue."""
+    text = _short_run(group, arch, data, args, COUNT_ENV, args.profile_wait, args.profile_steps)
+    try:
+        c = json.loads(text)
+    except ValueError:
+        return f"| {group} | {args._precision} | {arch} | failed: {text[:300]} |"
+    top = ", ".join(f"{n} {v:g}" for n, v in c["top"][:5])
+    return (f"| {group} | {args._precision} | {arch} | {c['ops']:,.0f} | {c['views']:,.0f} | "
+            f"{c['host reads']:g} | {c['forward']:,.0f} | {c['backward']:,.0f} | "
+            f"{c['rest']:,.0f} | {top} |")
 
 
 def bench_span(args, emit):
@@ -367,6 +453,10 @@ def main(argv=None):
     p.add_argument("--profile-only", action="store_true",
                    help="only the profiles of --profile (no timed rows): for a second call after "
                    "the timed rows were taken")
+    p.add_argument("--count-ops", action="store_true",
+                   help="instead of timed rows: the aten ops (and host reads) each arch and the "
+                   "baseline dispatch per update, counted over --profile-steps updates after "
+                   "--profile-wait (runs on any device; the host's share of a GPU step)")
     p.add_argument("--profile-wait", type=int, default=5, help="updates before profiling")
     p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
     p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
@@ -397,6 +487,12 @@ def main(argv=None):
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)
                     continue
+                if args.count_ops:
+                    emit("\n| " + " | ".join(COUNT_COLUMNS) + " |")
+                    emit("|" + "---|" * len(COUNT_COLUMNS))
+                    for arch in [BASELINE[group]] + chosen:
+                        emit(count_row(group, arch, data, args))
+                    continue
                 base = None
                 if args.baseline == "bracket":
                     base = [one_run(group, BASELINE[group], data, args)]
@@ -413,7 +509,7 @@ def main(argv=None):
                         profile_run(group, arch, data, args, emit)
                     emit("\n| " + " | ".join(COLUMNS) + " |")  # the next rows' header
                     emit("|" + "---|" * len(COLUMNS))
-        if "span" in args.groups and not args.profile_only:
+        if "span" in args.groups and not (args.profile_only or args.count_ops):
             bench_span(args, emit)
 
 
