@@ -215,11 +215,40 @@ def _fp16_sync():
     return _FP16OptimizerMixin._sync_fp32_params_to_fp16
 
 
+def _fp16_grad_sync():
+    from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+
+    return _FP16OptimizerMixin._sync_fp16_grads_to_fp32
+
+
+def _both_syncs_known() -> Optional[str]:
+    return (known_source(_fp16_grad_sync, "9a06568699ab4d06")()
+            or known_source(_fp16_sync, "a53fdba609963e2d")())
+
+
+# (before fairseq_fp16_master_projection, which wraps the copy installed here)
+@patch("fairseq_fp16_flat_sync",
+       "fairseq.optim.fp16_optimizer:_FP16OptimizerMixin._sync_fp16_grads_to_fp32 and "
+       "_sync_fp32_params_to_fp16",
+       "with flat fp32 masters fairseq copies every gradient into the buffer and every master "
+       "back in Python loops (five ops per parameter and direction); one multi-tensor copy per "
+       "device does the same copies",
+       _both_syncs_known)
+def _fp16_flat_sync():
+    from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin as mixin
+
+    from .optim.mixed_precision import flat_grads_sync, flat_params_sync
+
+    mixin._sync_fp16_grads_to_fp32 = flat_grads_sync(mixin._sync_fp16_grads_to_fp32)
+    mixin._sync_fp32_params_to_fp16 = flat_params_sync(mixin._sync_fp32_params_to_fp16)
+
+
 @patch("fairseq_fp16_master_projection",
        "fairseq.optim.fp16_optimizer:_FP16OptimizerMixin._sync_fp32_params_to_fp16",
        "under --fp16/--bf16 the optimizer steps fp32 master copies: bounded parameters are "
        "projected on the masters before fairseq copies them into the half model",
-       known_source(_fp16_sync, "a53fdba609963e2d"))
+       known_source(_fp16_sync, "a53fdba609963e2d",  # fairseq's, or fairseq_fp16_flat_sync's
+                    "a319261284577fb6"))
 def _fp16_master_projection():
     from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 

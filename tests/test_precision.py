@@ -343,6 +343,56 @@ def test_bf16_flat_masters_train_like_per_parameter_masters(lm_data):
     assert sum(flat_ops.values()) < sum(per_param_ops.values()) - 5 * len(flat)
 
 
+def test_flat_master_copies_are_one_multi_tensor_copy_each_way(lm_data):
+    """compat's fairseq_fp16_flat_sync: with flat masters, the gradient -> master copy and the
+    master -> model copy are one ``_foreach_copy_`` each (fairseq: a slice, a view and a copy_ per
+    parameter), with exactly fairseq's values: each gradient in its slice (zeros for a parameter
+    without one) and each master slice rounded into its parameter."""
+    from collections import Counter
+
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    args, task, model, criterion, sample = _span_lm(lm_data, ["--bf16"])
+    cfg = convert_namespace_to_omegaconf(args)
+    compat.bf16_without_tpu(cfg, ["--bf16"])
+    model = model.to(torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = FP16Optimizer.build_optimizer(cfg, params)
+    assert optimizer.has_flat_params and len(params) > 10
+    g = torch.Generator().manual_seed(0)
+    for i, p in enumerate(params):
+        p.grad = None if i == 3 else torch.randn(p.shape, generator=g).to(p.dtype)
+    optimizer._needs_sync = True
+    with CountOps() as grads_ops:
+        optimizer._sync_fp16_grads_to_fp32()
+    flat = next(iter(optimizer.fp32_params.values()))
+    expected = torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.float().reshape(-1)
+                          for p in params])
+    assert torch.equal(flat.grad, expected)
+    with torch.no_grad():
+        flat.copy_(torch.randn(flat.shape, generator=g))
+    with CountOps() as params_ops:
+        optimizer._sync_fp32_params_to_fp16()
+    offset = 0
+    for p in params:
+        assert torch.equal(p.detach(), flat.detach()[offset: offset + p.numel()].view_as(p).to(p.dtype))
+        offset += p.numel()
+    assert grads_ops.n["copy_"] == 0 and grads_ops.n["_foreach_copy_"] == 1, grads_ops.n
+    assert grads_ops.n["_foreach_zero_"] == 1
+    assert params_ops.n["copy_"] == 0 and params_ops.n["_foreach_copy_"] == 1, params_ops.n
+
+
 def test_spans_clamped_by_any_torch_optimizer(lm_data):
     """fp32 / --amp / --memory-efficient-fp16: the optimizer steps the model's own parameters,
     and the global step hook projects them (no task or criterion hook involved)."""

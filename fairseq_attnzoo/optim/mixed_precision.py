@@ -1,4 +1,4 @@
-"""Three fixes to fairseq's mixed-precision optimizer wrappers (applied by :mod:`fairseq_attnzoo.compat`).
+"""Four fixes to fairseq's mixed-precision optimizer wrappers (applied by :mod:`fairseq_attnzoo.compat`).
 
 1. **Parameter constraints under FP16Optimizer** (see below).
 2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
@@ -19,6 +19,12 @@
    waits for the host (docs/gpu.md). :func:`build_bf16_flat` gives bf16 the layout ``--fp16``
    has: one flat fp32 buffer, unless ``--fp16-no-flatten-grads``, ``--tpu`` or an optimizer that
    does not take flat parameters (``pkm_adam``, ``adagrad_clip``), where fairseq's choice stands.
+4. **The flat buffer is filled and read one parameter at a time.** With flat masters (``--fp16``,
+   and ``--bf16`` after fix 3) fairseq copies every gradient into its slice and every master back
+   into the model in Python loops (five dispatched ops per parameter and direction: ``.data``
+   twice, a slice, a view, the copy). :func:`flat_grads_sync` and :func:`flat_params_sync` do each
+   direction as one ``torch._foreach_copy_`` over views of the buffer made once per buffer. The
+   values are the same copies.
 
 Constraints: a :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (e.g. an adaptive span) is projected into
 its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
@@ -118,3 +124,56 @@ def flat_masters(cls, args, params):
     flat = torch.nn.Parameter(flat)
     flat.grad = torch.zeros_like(flat.data)
     return {params[0].device.index: flat}
+
+
+def _flat_views(self, device, params, grads: bool):
+    """The slices of the flat fp32 buffer of ``device`` (or of its ``.grad``) shaped like
+    ``params``, in fairseq's layout; made once and kept while fairseq keeps the same buffer."""
+    flat = self.fp32_params[device]
+    cache = self.__dict__.setdefault("_attnzoo_flat_views", {})
+    hit = cache.get((device, grads))
+    if hit is None or hit[0] is not flat or hit[1] is not flat.grad or len(hit[2]) != len(params):
+        base = flat.grad if grads else flat.detach()
+        views = [v.view_as(p) for v, p in zip(base.split([p.numel() for p in params]), params)]
+        hit = cache[(device, grads)] = (flat, flat.grad, views)
+    return hit[2]
+
+
+def flat_grads_sync(sync):
+    """``_FP16OptimizerMixin._sync_fp16_grads_to_fp32`` for flat masters: one multi-tensor copy
+    per device (a parameter without a gradient gets zeros, as in fairseq). Installed by
+    :mod:`fairseq_attnzoo.compat`."""
+
+    def _sync_fp16_grads_to_fp32(self):
+        if not (self._needs_sync and isinstance(self.fp32_params, dict) and self.has_flat_params):
+            return sync(self)
+        with torch.no_grad():
+            for device in self.fp32_params:
+                params = [p for p in self.fp16_params
+                          if p.requires_grad and p.device.index == device]
+                views = _flat_views(self, device, params, grads=True)
+                pairs = [(v, p.grad) for v, p in zip(views, params) if p.grad is not None]
+                if pairs:
+                    torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+                if len(pairs) < len(params):
+                    torch._foreach_zero_([v for v, p in zip(views, params) if p.grad is None])
+        self._needs_sync = False
+
+    _sync_fp16_grads_to_fp32.__doc__ = sync.__doc__
+    return _sync_fp16_grads_to_fp32
+
+
+def flat_params_sync(sync):
+    """``_FP16OptimizerMixin._sync_fp32_params_to_fp16`` for flat masters: one multi-tensor copy
+    per device. Installed by :mod:`fairseq_attnzoo.compat`."""
+
+    def _sync_fp32_params_to_fp16(self):
+        if not (isinstance(self.fp32_params, dict) and self.has_flat_params):
+            return sync(self)
+        with torch.no_grad():
+            for device in self.fp32_params:
+                params = [p for p in self.fp16_params if p.device.index == device]
+                torch._foreach_copy_(params, _flat_views(self, device, params, grads=False))
+
+    _sync_fp32_params_to_fp16.__doc__ = sync.__doc__
+    return _sync_fp32_params_to_fp16
