@@ -19,9 +19,11 @@ import argparse
 import copy
 import math
 import os
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zoo_testlib import (USER_DIR, build, decode_steps, decoder_inputs, incremental_vs_full, is_lm,
                          json_logs, lm_extra, model_class, run_cli, sweep_batch, tiny_flags,
@@ -297,25 +299,25 @@ def test_fp16_optimizer_masters_stay_clamped(lm_data, monkeypatch, dtype, flatte
     assert all(float(s.abs().max()) == 0.0 for s in _spans(model))
 
 
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched inside ``with CountOps() as c:`` by name (``c.n``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_bf16_flat_masters_train_like_per_parameter_masters(lm_data):
     """--bf16: fairseq keeps one fp32 master per parameter (for TPUs) and Adam loops over them;
     compat's fairseq_bf16_flat_masters gives bf16 the flat buffer of --fp16. Three updates with
     flat masters reach the per-parameter run's weights (the same elementwise Adam; only the
     gradient norm sums in another order), and Adam updates one buffer, not every parameter."""
-    from collections import Counter
-
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.optim.fp16_optimizer import FP16Optimizer
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     runs = {}
     for flags in ([], ["--fp16-no-flatten-grads"]):
@@ -348,20 +350,8 @@ def test_flat_master_copies_are_one_multi_tensor_copy_each_way(lm_data):
     master -> model copy are one ``_foreach_copy_`` each (fairseq: a slice, a view and a copy_ per
     parameter), with exactly fairseq's values: each gradient in its slice (zeros for a parameter
     without one) and each master slice rounded into its parameter."""
-    from collections import Counter
-
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.optim.fp16_optimizer import FP16Optimizer
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     args, task, model, criterion, sample = _span_lm(lm_data, ["--bf16"])
     cfg = convert_namespace_to_omegaconf(args)
