@@ -222,6 +222,10 @@ def _fp16_grad_sync():
 
 
 def _both_syncs_known() -> Optional[str]:
+    import torch
+
+    if not hasattr(torch, "_foreach_copy_"):
+        return "torch has no _foreach_copy_ (torch < 2.1)"
     return (known_source(_fp16_grad_sync, "9a06568699ab4d06")()
             or known_source(_fp16_sync, "a53fdba609963e2d")())
 
