@@ -101,7 +101,7 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
     adaptive_span_kernel: ChoiceEnum(list(SPAN_KERNELS)) = field(  # type: ignore
         default="auto", metadata={
             "help": "how the band attention runs: sdpa = torch's fused "
-                    "scaled_dot_product_attention (on CUDA its memory-efficient kernel) with the "
+                    "scaled_dot_product_attention (on CUDA a fused kernel of torch's choice) with the "
                     "position logits and span mask "
                     "as a bias; explicit = op by op (the reference path); auto = sdpa on CUDA "
                     "unless --adaptive-span-no-renorm or --persistent-memory-size need explicit "

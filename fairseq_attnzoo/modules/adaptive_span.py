@@ -402,11 +402,12 @@ class AdaptiveSpanAttention(nn.Module):
 
     def attend_sdpa(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, span: int, key_pe: Tensor,
                     pad: Optional[Tensor]) -> Tensor:
-        """:meth:`attend` through ``F.scaled_dot_product_attention`` (on CUDA its memory-efficient
-        kernel: no attention matrix kept for the backward, dropout inside): each query chunk is
-        one batch entry against its window of keys, and the position logits + log-mask go in as
-        an additive bias in key layout, ``-inf`` off the band (built in float32, then rounded
-        once to the model's dtype; the kernel accumulates in float32)."""
+        """:meth:`attend` through ``F.scaled_dot_product_attention`` (on CUDA a fused kernel of
+        torch's choice, memory-efficient or cuDNN: no attention matrix kept for the backward,
+        dropout inside): each query chunk is one batch entry against its window of keys, and the
+        position logits + log-mask go in as an additive bias in key layout, ``-inf`` off the band
+        (built in float32, then rounded once to the model's dtype; the kernel accumulates in
+        float32)."""
         b, h, m, d = q.shape
         k, v, pad = self._band_front(q, k, v, span, pad)
         c = self.chunk_size(m, span)

@@ -92,7 +92,7 @@ def projecting_sync(sync):
     return _sync_fp32_params_to_fp16
 
 
-def build_bf16_flat(cls, cfg, params, **kwargs):
+def build_bf16_flat(cls, cfg, params: list, **kwargs):
     """``FP16Optimizer.build_optimizer`` for ``--bf16`` with flat fp32 masters (the ``--fp16``
     layout), or None where fairseq's own per-parameter masters stand: not bf16, ``--tpu``,
     ``--fp16-no-flatten-grads``, parameters on several devices, or an optimizer that does not take
@@ -103,7 +103,6 @@ def build_bf16_flat(cls, cfg, params, **kwargs):
     if (not getattr(common, "bf16", False) or getattr(common, "tpu", False)
             or getattr(common, "fp16_no_flatten_grads", False)):
         return None
-    params = list(params)
     if len({p.device for p in params}) != 1:
         return None
     probe = torch.nn.Parameter(torch.zeros(1))

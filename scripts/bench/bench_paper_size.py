@@ -473,9 +473,13 @@ def main(argv=None):
             f.write(line + "\n")
             f.flush()
 
-        emit(f"\n`{' '.join(shlex.quote(a) for a in ['python', '-m', MODULE] + argv)}`\n")
-        emit("| " + " | ".join(COLUMNS) + " |")
-        emit("|" + "---|" * len(COLUMNS))
+        def emit_head(columns):
+            emit("\n| " + " | ".join(columns) + " |")
+            emit("|" + "---|" * len(columns))
+
+        emit(f"\n`{' '.join(shlex.quote(a) for a in ['python', '-m', MODULE] + argv)}`")
+        if not (args.profile_only or args.count_ops):  # the timed rows' table
+            emit_head(COLUMNS)
         for precision in args.precisions:
             args._precision = precision
             for group, archs, data in (("mt", MT_ARCHS, args.data_mt),
@@ -488,8 +492,7 @@ def main(argv=None):
                         profile_run(group, arch, data, args, emit)
                     continue
                 if args.count_ops:
-                    emit("\n| " + " | ".join(COUNT_COLUMNS) + " |")
-                    emit("|" + "---|" * len(COUNT_COLUMNS))
+                    emit_head(COUNT_COLUMNS)
                     for arch in [BASELINE[group]] + chosen:
                         emit(count_row(group, arch, data, args))
                     continue
@@ -507,8 +510,7 @@ def main(argv=None):
                 if args.profile:
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)
-                    emit("\n| " + " | ".join(COLUMNS) + " |")  # the next rows' header
-                    emit("|" + "---|" * len(COLUMNS))
+                    emit_head(COLUMNS)  # the next rows' header
         if "span" in args.groups and not (args.profile_only or args.count_ops):
             bench_span(args, emit)
 
