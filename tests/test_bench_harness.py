@@ -98,8 +98,15 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     bench_kernels.main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--repeats", "1",
                         "--out", str(out)])
     text = out.read_text()
-    for title in ("copy bandwidth", "pkm_read", "pkm_layer", "aop", "span", "synth_gather"):
+    for title in ("copy bandwidth", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span",
+                  "synth_gather"):
         assert f"\n{title}\n" in text
+    if pkm_triton.HAS_TRITON:  # each launch once, the module's default among them, marked
+        tune = [line.split(" | ")[:6] for line in text.splitlines() if line.startswith("| 32 | read")
+                or line.startswith("| 32 | backward")]
+        assert len(tune) == len({tuple(row) for row in tune}) == 9 + 10  # read default among them
+        assert [row[:5] for row in tune if row[5] == "yes"] == [
+            ["| 32", "read", "32", "8", "4"], ["| 32", "backward", "32", "256", "4"]]
     kernels = ["torch"] + (["triton"] if pkm_triton.HAS_TRITON else [])
     for values in ("dense", "sparse"):
         for kernel in kernels:

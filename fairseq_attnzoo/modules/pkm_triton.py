@@ -5,8 +5,8 @@ embedding-bag kernels); these kernels compute the same three quantities, each ac
 float32 whatever the table's dtype, and are used on CUDA when Triton is importable
 (``ProductKeyMemory(kernel="auto")``, fairseq ``--pkm-kernel``):
 
-* **read** ``out[n] = Σ_j w[n, j] · V[idx[n, j]]``: one program per token, its k·heads rows read
-  once each, one rounding at the end;
+* **read** ``out[n] = Σ_j w[n, j] · V[idx[n, j]]``: one program per token and chunk of at most
+  :data:`READ_COLS` columns, its k·heads rows read once each, one rounding at the end;
 * **backward**, one fused kernel over the reads sorted by table row (one ``torch.sort``): one
   program per table row r (dense gradient: every row, unread rows write their zeros, so the
   |K| × d gradient is written once with no zero-fill) or per distinct row read (sparse: a U × d
@@ -29,15 +29,30 @@ machines without a GPU (tests/conftest.py sets it).
 
 import importlib.util
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 #: table rows of at most this many elements are handled by one program (larger: reference path)
 MAX_DIM = 8192
-#: elements of the [reads, d] tile a program holds at once
+#: elements of the [reads, columns] tile a program holds at once
 _TILE = 8192
+#: widest column chunk of one read program: a wider row is read by several programs, each like a
+#: d-512 program (measured on an H100 in bf16: a whole d-512 row per program moved its bytes at
+#: 92 % of the copy bandwidth, a whole d-1024 row per program at 55 %; docs/gpu.md §7)
+READ_COLS = 512
+
+
+class Launch(NamedTuple):
+    """How a kernel is launched: ``cols`` columns per program (a row wider than that is split over
+    programs along the grid's second axis), ``rows`` reads per loop step, ``warps`` per program.
+    The defaults are :func:`read_launch` / :func:`backward_launch`; ``bench_kernels --stages
+    pkm_tune`` times the alternatives on a GPU."""
+
+    cols: int
+    rows: int
+    warps: int
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -85,7 +100,7 @@ def _define():
     def _read_kernel(table, idx, w, out, m, d, stride_t,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # this program's column chunk
         col_ok = cols < d
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for s in range(0, m, BLOCK_M):
@@ -100,18 +115,19 @@ def _define():
 
 
     def _backward_kernel(grad, table, w, order, starts, counts, rows, grad_table, grad_w, m, d,
-                         stride_g, stride_t, stride_gt,
+                         stride_g, stride_t, stride_gt, stride_gw,
                          HAS_ROWS: tl.constexpr, NEED_GT: tl.constexpr,
                          NEED_GW: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_D: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)  # column chunk; its weight-gradient dots are partial
         start = tl.load(starts + p)
         count = tl.load(counts + p)
         if HAS_ROWS:  # sparse: the program's table row
-            row = tl.load(rows + p)
+            row = tl.load(rows + p).to(tl.int64)
         else:  # dense: program p is table row p
             row = p
-        cols = tl.arange(0, BLOCK_D)
+        cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < d
         if NEED_GW:  # (an unread row's program loads nothing)
             width = tl.where(count > 0, d, 0)
@@ -129,7 +145,8 @@ def _define():
                 acc += tl.sum(g * wi[:, None], axis=0)
             if NEED_GW:
                 dots = tl.sum(g * v[None, :], axis=1)
-                tl.store(grad_w + flat, dots.to(grad_w.dtype.element_ty), mask=r_ok)
+                tl.store(grad_w + c * stride_gw + flat, dots.to(grad_w.dtype.element_ty),
+                         mask=r_ok)
         if NEED_GT:
             tl.store(grad_table + p * stride_gt + cols, acc.to(grad_table.dtype.element_ty),
                      mask=col_ok)
@@ -145,9 +162,27 @@ def _warps(block_d: int) -> int:
     return 4 if block_d <= 512 else 8
 
 
-def read(table: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+def read_launch(d: int, m: int) -> Launch:
+    """The read's launch: column chunks of at most :data:`READ_COLS`, rows filling the tile."""
+    cols = min(_pow2(d), READ_COLS)
+    return Launch(cols, max(1, min(_pow2(m), _TILE // cols)), _warps(cols))
+
+
+def backward_launch(d: int) -> Launch:
+    """The backward's launch: the whole row in one program (the H100 measurement in docs/gpu.md
+    §7: 28 % of the copy bandwidth at d 512, 30 % at d 1024), rows filling the tile."""
+    cols = _pow2(d)
+    return Launch(cols, max(1, _TILE // cols), _warps(cols))
+
+
+def _chunks(d: int, cols: int) -> int:
+    return -(-d // cols)
+
+
+def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launch] = None
+         ) -> Tensor:
     """``out[n] = Σ_j weights[n, j] · table[indices[n, j]]``: [N, m] × [|K|, d] -> [N, d]
-    (table's dtype, float32 accumulation)."""
+    (table's dtype, float32 accumulation). ``launch``: :func:`read_launch` unless given."""
     read_kernel, _ = _kernels()
     n, m = indices.shape
     d = table.size(1)
@@ -155,27 +190,29 @@ def read(table: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
     out = torch.empty(n, d, dtype=table.dtype, device=table.device)
     if n == 0:
         return out
-    block_d = _pow2(d)
-    block_m = max(1, min(_pow2(m), _TILE // block_d))
-    read_kernel[(n,)](table, indices.contiguous(), weights.contiguous(), out, m, d,
-                      table.stride(0), BLOCK_M=block_m, BLOCK_D=block_d,
-                      num_warps=_warps(block_d))
+    launch = launch or read_launch(d, m)
+    read_kernel[(n, _chunks(d, launch.cols))](
+        table, indices.contiguous(), weights.contiguous(), out, m, d, table.stride(0),
+        BLOCK_M=launch.rows, BLOCK_D=launch.cols, num_warps=launch.warps)
     return out
 
 
 def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
-             need_table: bool, need_weights: bool):
+             need_table: bool, need_weights: bool, launch: Optional[Launch] = None):
     """The gradients of :func:`read`: ``(grad_table, grad_weights)``, each None when not needed.
 
     ``grad_table`` is dense [|K|, d], or with ``sparse`` a coalesced sparse tensor holding the
-    rows read; ``grad_weights`` is [N, m] in ``weights``' dtype."""
+    rows read; ``grad_weights`` is [N, m] in ``weights``' dtype. ``launch``:
+    :func:`backward_launch` unless given; with a row split over several column chunks each chunk
+    writes its partial weight-gradient dots in float32 and they are summed in chunk order."""
     _, backward_kernel = _kernels()
     n, m = indices.shape
     size, d = table.shape
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
     table = table if table.stride(1) == 1 else table.contiguous()
-    # reads sorted by table row, ties in read order (stable): the sum order of a row is fixed
-    rows_read, order = torch.sort(indices.reshape(-1), stable=True)
+    # reads sorted by table row, ties in read order (stable): the sum order of a row is fixed.
+    # Row ids fit 32 bits, and a radix sort of 32-bit keys makes half the passes of 64-bit ones
+    rows_read, order = torch.sort(indices.reshape(-1).to(torch.int32), stable=True)
     if need_table and sparse:  # one program per distinct row read
         rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
         grad_rows = grad.new_empty(rows.numel(), d)
@@ -185,21 +222,29 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
         counts = torch.bincount(rows_read, minlength=size)
         out_table = grad.new_empty(size, d) if need_table else grad
     starts = counts.cumsum(0) - counts
-    grad_w = (torch.empty(n * m, dtype=weights.dtype, device=weights.device) if need_weights
-              else weights)
-    block_d = _pow2(d)
+    launch = launch or backward_launch(d)
+    chunks = _chunks(d, launch.cols)
+    grad_w = weights  # (not written when not needed)
+    if need_weights:  # one chunk: the dots themselves; several: float32 partial dots per chunk
+        grad_w = (torch.empty(n * m, dtype=weights.dtype, device=weights.device) if chunks == 1
+                  else torch.empty(chunks, n * m, dtype=torch.float32, device=weights.device))
     if counts.numel():
-        backward_kernel[(counts.numel(),)](
+        backward_kernel[(counts.numel(), chunks)](
             grad, table, weights.contiguous(), order, starts, counts,
             rows if rows is not None else starts, out_table, grad_w, m, d,
-            grad.stride(0), table.stride(0), out_table.stride(0),
+            grad.stride(0), table.stride(0), out_table.stride(0), n * m,
             HAS_ROWS=rows is not None, NEED_GT=need_table, NEED_GW=need_weights,
-            BLOCK_R=max(1, _TILE // block_d), BLOCK_D=block_d, num_warps=_warps(block_d))
+            BLOCK_R=launch.rows, BLOCK_D=launch.cols, num_warps=launch.warps)
     grad_table = None
     if need_table:
         grad_table = out_table if rows is None else torch.sparse_coo_tensor(
-            rows.unsqueeze(0), grad_rows, table.shape, is_coalesced=True, check_invariants=False)
-    return grad_table, grad_w.view(n, m) if need_weights else None
+            rows.long().unsqueeze(0), grad_rows, table.shape, is_coalesced=True,
+            check_invariants=False)
+    if not need_weights:
+        return grad_table, None
+    if chunks > 1:
+        grad_w = grad_w.sum(0).to(weights.dtype)
+    return grad_table, grad_w.view(n, m)
 
 
 def use_kernel(kernel: str, table: Tensor) -> bool:

@@ -16,6 +16,11 @@ off by a time limit keeps the tables of the stages it finished):
     backward = one output-gradient row per read + one table row per distinct row read (the
     weight gradient) + the value gradient written (dense: |K| rows; sparse: the rows read) + the
     indices, weights and weight gradient. "% copy" = (bytes / time) / copy bandwidth.
+``pkm_tune``
+    the Triton read and its dense backward at the ``pkm_read`` shapes under every launch
+    configuration (columns per program: 128 to the whole row; reads per loop step; warps), the
+    module's default marked: the numbers that pick ``pkm_triton.read_launch`` /
+    ``backward_launch`` for a device.
 ``pkm_layer``
     a whole PKM layer (query net + batch norm, product-key search, read), forward + backward, ours
     (dense/sparse values × triton/torch) against lucidrains' ``product-key-memory`` (peer, when
@@ -92,23 +97,30 @@ def kernels(device):
     return ["triton", "torch"] if pkm_triton.available(probe) else ["torch"]
 
 
-def pkm_read_rows(args, device, dtype, bandwidth):
+def _read_problem(args, d, device, dtype, g):
+    """The value read at the config's size: table, indices, weights, output gradient, and the bytes
+    the read and (dense, sparse) backward move (module docstring)."""
     c = args.cfg
     size, m, n = c["n_keys"] ** 2, c["heads"] * c["knn"], c["tokens"]
     e = torch.empty(0, dtype=dtype).element_size()
+    table = (torch.randn(size, d, generator=g) * d ** -0.5).to(device, dtype)
+    idx = torch.randint(0, size, (n, m), generator=g).to(device)
+    w = torch.softmax(torch.randn(n, m, generator=g), -1).to(device, dtype)
+    up = torch.randn(n, d, generator=g).to(device, dtype)
+    distinct = int(torch.unique(idx).numel())
+    small = n * m * (8 + 2 * e)  # indices, weights, weight gradient
+    read_bytes = n * m * d * e + n * m * (8 + e) + n * d * e
+    back_bytes = {sparse: n * m * d * e + distinct * d * e + (distinct if sparse else size) * d * e
+                  + small for sparse in (False, True)}
+    return (table, idx, w, up), read_bytes, back_bytes
+
+
+def pkm_read_rows(args, device, dtype, bandwidth):
     g = torch.Generator(device="cpu").manual_seed(0)
     rows = []
-    for d in c["dims"]:
-        table = (torch.randn(size, d, generator=g) * d ** -0.5).to(device, dtype)
-        idx = torch.randint(0, size, (n, m), generator=g).to(device)
-        w = torch.softmax(torch.randn(n, m, generator=g), -1).to(device, dtype)
-        up = torch.randn(n, d, generator=g).to(device, dtype)
-        distinct = int(torch.unique(idx).numel())
-        small = n * m * (8 + 2 * e)  # indices, weights, weight gradient
-        read_bytes = n * m * d * e + n * m * (8 + e) + n * d * e
+    for d in args.cfg["dims"]:
+        (table, idx, w, up), read_bytes, back_bytes = _read_problem(args, d, device, dtype, g)
         for sparse in (False, True):
-            back_bytes = n * m * d * e + distinct * d * e + (distinct if sparse else size) * d * e \
-                + small
             for kernel in kernels(device):
                 fused = kernel == "triton"
                 t = table.detach().requires_grad_(True)
@@ -122,9 +134,43 @@ def pkm_read_rows(args, device, dtype, bandwidth):
                     "d": d, "values": "sparse" if sparse else "dense", "kernel": kernel,
                     "read ms": fwd, "read GB/s": read_bytes / fwd / 1e6,
                     "read % copy": 100 * read_bytes / fwd / 1e6 / bandwidth,
-                    "backward ms": bwd, "backward GB/s": back_bytes / bwd / 1e6,
-                    "backward % copy": 100 * back_bytes / bwd / 1e6 / bandwidth})
+                    "backward ms": bwd, "backward GB/s": back_bytes[sparse] / bwd / 1e6,
+                    "backward % copy": 100 * back_bytes[sparse] / bwd / 1e6 / bandwidth})
                 del out
+    return rows
+
+
+def launches(d, rows_per_step, warps):
+    """The launch configurations pkm_tune tries for a row of d values: column chunks from 128 to
+    the whole row, tiles of at most 16,384 elements."""
+    widest = pkm_triton._pow2(d)
+    cols = [c for c in (128, 256, 512, 1024, 2048) if c <= widest] or [widest]
+    return [pkm_triton.Launch(c, r, wp) for c in cols for r in rows_per_step for wp in warps
+            if c * r <= 16384]
+
+
+def pkm_tune_rows(args, device, dtype, bandwidth):
+    """The Triton read and its dense backward under each launch configuration (column chunk,
+    reads per step, warps), with the module's default marked: which configuration the kernels
+    should launch on this device."""
+    if "triton" not in kernels(device):
+        return []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    m = args.cfg["heads"] * args.cfg["knn"]
+    rows = []
+    for d in args.cfg["dims"]:
+        (table, idx, w, up), read_bytes, back_bytes = _read_problem(args, d, device, dtype, g)
+        for kind, default, tries, nbytes, run in (
+                ("read", pkm_triton.read_launch(d, m), launches(d, (8, 16, 32), (2, 4, 8)),
+                 read_bytes, lambda cfg: pkm_triton.read(table, idx, w, cfg)),
+                ("backward", pkm_triton.backward_launch(d), launches(d, (4, 8, 16), (2, 4, 8)),
+                 back_bytes[False],
+                 lambda cfg: pkm_triton.backward(up, table, idx, w, False, True, True, cfg))):
+            for cfg in sorted(set(tries) | {default}):
+                ms = median_ms(lambda: run(cfg), device, args.repeats)
+                rows.append({"d": d, "kernel": kind, "cols": cfg.cols, "reads/step": cfg.rows,
+                             "warps": cfg.warps, "default": "yes" if cfg == default else "",
+                             "ms": ms, "% copy": 100 * nbytes / ms / 1e6 / bandwidth})
     return rows
 
 
@@ -313,7 +359,7 @@ def span_rows(args, device, dtype):
     return rows
 
 
-STAGES = ("copy", "pkm_read", "pkm_layer", "aop", "span", "synth_gather")
+STAGES = ("copy", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span", "synth_gather")
 
 
 def main(argv=None):
@@ -336,7 +382,7 @@ def main(argv=None):
             f.write(f"\n{head}\n")
     bandwidth = None
     for stage in args.stages:
-        if stage == "copy" or (stage == "pkm_read" and bandwidth is None):
+        if stage == "copy" or (stage in ("pkm_read", "pkm_tune") and bandwidth is None):
             bandwidth = copy_bandwidth(args, device)
             rows = [{"stage": "copy", "bytes": args.cfg["copy_mib"] << 20,
                      "GB/s (read + write)": bandwidth}]
@@ -345,6 +391,8 @@ def main(argv=None):
                 continue
         if stage == "pkm_read":
             rows = pkm_read_rows(args, device, dtype, bandwidth)
+        elif stage == "pkm_tune":
+            rows = pkm_tune_rows(args, device, dtype, bandwidth)
         elif stage == "pkm_layer":
             rows = pkm_layer_rows(args, device, dtype)
         elif stage == "span":
