@@ -104,9 +104,11 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     if pkm_triton.HAS_TRITON:  # each launch once, the module's default among them, marked
         tune = [line.split(" | ")[:6] for line in text.splitlines() if line.startswith("| 32 | read")
                 or line.startswith("| 32 | backward")]
-        assert len(tune) == len({tuple(row) for row in tune}) == 9 + 10  # read default among them
+        # 9 launches each; the read's and the reads backward's defaults are among them
+        assert len(tune) == len({tuple(row) for row in tune}) == 9 + 10 + 9
         assert [row[:5] for row in tune if row[5] == "yes"] == [
-            ["| 32", "read", "32", "8", "4"], ["| 32", "backward", "32", "256", "4"]]
+            ["| 32", "read", "32", "8", "4"], ["| 32", "backward rows", "32", "256", "4"]]
+        assert ["| 32", "backward reads", "32", "8", "4", ""] in tune
     kernels = ["torch"] + (["triton"] if pkm_triton.HAS_TRITON else [])
     for values in ("dense", "sparse"):
         for kernel in kernels:

@@ -108,6 +108,35 @@ def test_rows_split_over_column_chunks_give_the_same_result(dtype, sparse):
         assert torch.equal(only_w, g_w) and torch.equal(only_table, g_table)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_over_blocks_of_reads_equals_the_reference(dtype, sparse):
+    """``method="reads"`` (one program per block of sorted reads, rows summed by a segmented
+    scan): a row read 23 times runs over several blocks (its first program reads on until it
+    ends), rows end on block boundaries and inside blocks, a block can lie wholly inside one row;
+    with blocks of 1 to 32 reads, split columns, and each gradient alone."""
+    table, idx, w, up = _problem(dtype, n=12, m=5, d=24)
+    idx[2:7] = 11  # row 11: 25 reads in all, sorted next to each other
+    idx[2, 0], idx[9, 4] = 12, 11
+    ref = _grads(table.float(), idx, w.float(), up.float(), sparse, False)
+    ref_table = ref[1].to_dense() if sparse else ref[1]
+    for rows, cols in ((1, 32), (2, 8), (4, 32), (8, 16), (32, 32)):
+        launch = pkm_triton.Launch(cols, rows, 2)
+        g_table, g_w = pkm_triton.backward(up, table, idx, w, sparse, True, True, launch, "reads")
+        only_w = pkm_triton.backward(up, table, idx, w, sparse, False, True, launch, "reads")[1]
+        only_table = pkm_triton.backward(up, table, idx, w, sparse, True, False, launch,
+                                         "reads")[0]
+        if sparse:
+            assert torch.equal(g_table._indices()[0], torch.unique(idx))
+            g_table, only_table = g_table.to_dense(), only_table.to_dense()
+        else:
+            assert g_table[-8:].abs().max() == 0
+        assert g_table.dtype == g_w.dtype == dtype
+        torch.testing.assert_close(g_table.float(), ref_table, **_tol(dtype), msg=str(launch))
+        torch.testing.assert_close(g_w.float(), ref[2], **_tol(dtype), msg=str(launch))
+        assert torch.equal(only_w, g_w) and torch.equal(only_table, g_table)
+
+
 def test_default_launches():
     """A row of up to READ_COLS columns is one read program; a wider one is split into chunks of
     READ_COLS. The backward keeps a whole row per program."""
@@ -116,6 +145,7 @@ def test_default_launches():
     assert pkm_triton.read_launch(37, 1) == pkm_triton.Launch(64, 1, 4)
     assert pkm_triton.backward_launch(512) == pkm_triton.Launch(512, 16, 4)
     assert pkm_triton.backward_launch(1024) == pkm_triton.Launch(1024, 8, 8)
+    assert pkm_triton.backward_launch(1024, "reads") == pkm_triton.Launch(512, 8, 4)
 
 
 def test_a_zeroed_loss_gives_an_empty_sparse_gradient():
@@ -166,16 +196,17 @@ def test_kernel_choice(monkeypatch):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the kernels run compiled on this device")
 def test_kernels_compile_for_an_h100():
-    """Every specialisation the module launches at the paper's value dims compiles for sm_90 (in
-    a process where Triton is not in interpreter mode; no GPU needed), and none spills registers
-    to local memory (read from the cubin with the cuobjdump that Triton ships, where it does)."""
+    """Every specialisation the module launches at the paper's value dims (both backward
+    methods) compiles for sm_90 (in a process where Triton is not in interpreter mode; no GPU
+    needed), and none spills registers to local memory (read from the cubin with the cuobjdump
+    that Triton ships, where it does)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import test_pkm_triton as t; t.compile_for_sm90()"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(__file__), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 30, run.stdout
+    assert len(lines) == 54, run.stdout
     for line in lines:
         name, _, local = line.rpartition(" local ")
         assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
@@ -205,7 +236,7 @@ def compile_for_sm90():
     from triton.compiler import ASTSource
 
     assert not pkm_triton.interpreted()
-    read_kernel, backward_kernel = pkm_triton._kernels()
+    read_kernel, backward_kernel, reads_kernel = pkm_triton._kernels()
     target = GPUTarget("cuda", 90, 32)
     for dt in ("fp32", "fp16", "bf16"):
         for d in (512, 1024):
@@ -229,6 +260,21 @@ def compile_for_sm90():
                     HAS_ROWS=rows, NEED_GT=gt, NEED_GW=gw, BLOCK_R=launch.rows,
                     BLOCK_D=launch.cols)), target=target, options=dict(num_warps=launch.warps))
                 print(f"backward {dt} d {d} rows {rows} table {gt} weights {gw} "
+                      f"local {_local_bytes(k)}")
+            launch = pkm_triton.backward_launch(d, "reads")
+            sig = dict(grad=f"*{dt}", table=f"*{dt}", w=f"*{dt}", rows_sorted="*i32",
+                       order="*i64", out_index=None, grad_table=f"*{dt}", grad_w=f"*{dt}",
+                       total="i32", m="i32", d="i32", stride_g="i32", stride_t="i32",
+                       stride_gt="i32", stride_gw="i32", SPARSE="constexpr",
+                       NEED_GT="constexpr", NEED_GW="constexpr", BLOCK_R="constexpr",
+                       BLOCK_D="constexpr")
+            for sparse, gt, gw in ((True, True, True), (False, True, True), (False, True, False),
+                                   (False, False, True)):
+                sig["out_index"] = "*i64" if sparse else "*i32"  # sparse: inverse; dense: unused
+                k = compile(ASTSource(reads_kernel, sig, constexprs=dict(
+                    SPARSE=sparse, NEED_GT=gt, NEED_GW=gw, BLOCK_R=launch.rows,
+                    BLOCK_D=launch.cols)), target=target, options=dict(num_warps=launch.warps))
+                print(f"backward over reads {dt} d {d} sparse {sparse} table {gt} weights {gw} "
                       f"local {_local_bytes(k)}")
 
 

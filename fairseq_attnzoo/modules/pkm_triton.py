@@ -81,7 +81,7 @@ def why_unavailable(table: Tensor) -> str:
 
 
 _KERNELS = []
-triton = tl = None  # imported by _kernels()
+triton = tl = _segment_sum = None  # set by _define()
 
 
 def _kernels():
@@ -93,7 +93,7 @@ def _kernels():
 
 
 def _define():
-    global triton, tl
+    global triton, tl, _segment_sum  # (a jitted kernel finds the functions it calls here)
     import triton
     import triton.language as tl
 
@@ -114,11 +114,11 @@ def _define():
         tl.store(out + n * d + cols, acc.to(out.dtype.element_ty), mask=col_ok)
 
 
-    def _backward_kernel(grad, table, w, order, starts, counts, rows, grad_table, grad_w, m, d,
-                         stride_g, stride_t, stride_gt, stride_gw,
-                         HAS_ROWS: tl.constexpr, NEED_GT: tl.constexpr,
-                         NEED_GW: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+    def _rows_backward_kernel(grad, table, w, order, starts, counts, rows, grad_table, grad_w,
+                              m, d, stride_g, stride_t, stride_gt, stride_gw,
+                              HAS_ROWS: tl.constexpr, NEED_GT: tl.constexpr,
+                              NEED_GW: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)  # column chunk; its weight-gradient dots are partial
         start = tl.load(starts + p)
@@ -151,7 +151,73 @@ def _define():
             tl.store(grad_table + p * stride_gt + cols, acc.to(grad_table.dtype.element_ty),
                      mask=col_ok)
 
-    return triton.jit(_read_kernel), triton.jit(_backward_kernel)
+    @triton.jit
+    def _segment_sum(row_a, sum_a, row_b, sum_b):  # a segmented scan's combine: sums within a row
+        return row_b, tl.where(row_a == row_b, sum_a + sum_b, sum_b)
+
+    def _reads_backward_kernel(grad, table, w, rows_sorted, order, out_index, grad_table, grad_w,
+                               total, m, d, stride_g, stride_t, stride_gt, stride_gw,
+                               SPARSE: tl.constexpr, NEED_GT: tl.constexpr,
+                               NEED_GW: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+        # program p: the sorted reads [p·BLOCK_R, (p+1)·BLOCK_R), one full tile whatever the rows
+        p = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)  # column chunk
+        cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < d
+        first = p * BLOCK_R
+        i = first + tl.arange(0, BLOCK_R)
+        ok = i < total
+        r = tl.load(rows_sorted + i, mask=ok, other=-1)
+        flat = tl.load(order + i, mask=ok, other=0)  # read = token·m + j
+        g = tl.load(grad + (flat // m)[:, None] * stride_g + cols[None, :],
+                    mask=ok[:, None] & col_ok[None, :], other=0).to(tl.float32)
+        if NEED_GW:  # ⟨grad[token_i], V[r_i]⟩ (a row read again in the tile is a cache hit)
+            v = tl.load(table + r.to(tl.int64)[:, None] * stride_t + cols[None, :],
+                        mask=ok[:, None] & col_ok[None, :], other=0).to(tl.float32)
+            tl.store(grad_w + c * stride_gw + flat,
+                     tl.sum(g * v, axis=1).to(grad_w.dtype.element_ty), mask=ok)
+        if NEED_GT:  # each row's Σ w_i grad[token_i], written by the program of its first read
+            wi = tl.load(w + flat, mask=ok, other=0).to(tl.float32)
+            keys = r[:, None] + tl.zeros([BLOCK_R, BLOCK_D], dtype=r.dtype)
+            _, sums = tl.associative_scan((keys, g * wi[:, None]), 0, _segment_sum)
+            prev = tl.load(rows_sorted + first - 1, mask=first > 0, other=-1)
+            after = tl.load(rows_sorted + i + 1, mask=i + 1 < total, other=-1)
+            # a row that began before this tile is its first program's; one that runs past it
+            # ends below (the tile's last read)
+            ends = ok & (r != prev) & (r != after)
+            if SPARSE:  # the row's place among the distinct rows read
+                dest = tl.load(out_index + i, mask=ends, other=0)
+            else:
+                dest = r.to(tl.int64)
+            tl.store(grad_table + dest[:, None] * stride_gt + cols[None, :],
+                     sums.to(grad_table.dtype.element_ty), mask=ends[:, None] & col_ok[None, :])
+            last = tl.minimum(first + BLOCK_R, total) - 1
+            row = tl.load(rows_sorted + last)
+            if (row != prev) & (row == tl.load(rows_sorted + last + 1, mask=last + 1 < total,
+                                               other=-1)):
+                acc = tl.sum(tl.where((i == last)[:, None], sums, 0.0), axis=0)
+                pos = last + 1
+                more = pos < total
+                while more:  # the row's reads after the tile, a block at a time
+                    j = pos + tl.arange(0, BLOCK_R)
+                    same = tl.load(rows_sorted + j, mask=j < total, other=-1) == row
+                    fj = tl.load(order + j, mask=same, other=0)
+                    gj = tl.load(grad + (fj // m)[:, None] * stride_g + cols[None, :],
+                                 mask=same[:, None] & col_ok[None, :], other=0).to(tl.float32)
+                    wj = tl.load(w + fj, mask=same, other=0).to(tl.float32)
+                    acc += tl.sum(gj * wj[:, None], axis=0)
+                    pos += BLOCK_R
+                    more = (tl.sum(same.to(tl.int32), axis=0) == BLOCK_R) & (pos < total)
+                if SPARSE:
+                    dest_row = tl.load(out_index + last)
+                else:
+                    dest_row = row.to(tl.int64)
+                tl.store(grad_table + dest_row * stride_gt + cols,
+                         acc.to(grad_table.dtype.element_ty), mask=col_ok)
+
+    return (triton.jit(_read_kernel), triton.jit(_rows_backward_kernel),
+            triton.jit(_reads_backward_kernel))
 
 
 def _pow2(x: int) -> int:
@@ -168,11 +234,16 @@ def read_launch(d: int, m: int) -> Launch:
     return Launch(cols, max(1, min(_pow2(m), _TILE // cols)), _warps(cols))
 
 
-def backward_launch(d: int) -> Launch:
-    """The backward's launch: the whole row in one program (the H100 measurement in docs/gpu.md
-    §7: 28 % of the copy bandwidth at d 512, 30 % at d 1024), rows filling the tile."""
-    cols = _pow2(d)
-    return Launch(cols, max(1, _TILE // cols), _warps(cols))
+def backward_launch(d: int, method: str = "rows") -> Launch:
+    """The backward's launch. ``rows``: the whole row in one program (the H100 measurement in
+    docs/gpu.md §7: 28 % of the copy bandwidth at d 512, 30 % at d 1024), rows filling the tile;
+    ``reads``: column chunks of at most :data:`READ_COLS` and blocks of 8 reads (its segmented
+    scan needs about twice the registers of a plain tile: 16 reads of 512 columns take 230 a
+    thread on sm_90, 8 take 128)."""
+    if method == "rows":
+        cols = _pow2(d)
+        return Launch(cols, max(1, _TILE // cols), _warps(cols))
+    return Launch(min(_pow2(d), READ_COLS), 8, 4)
 
 
 def _chunks(d: int, cols: int) -> int:
@@ -183,7 +254,7 @@ def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launc
          ) -> Tensor:
     """``out[n] = Σ_j weights[n, j] · table[indices[n, j]]``: [N, m] × [|K|, d] -> [N, d]
     (table's dtype, float32 accumulation). ``launch``: :func:`read_launch` unless given."""
-    read_kernel, _ = _kernels()
+    read_kernel = _kernels()[0]
     n, m = indices.shape
     d = table.size(1)
     table = table if table.stride(1) == 1 else table.contiguous()
@@ -197,48 +268,77 @@ def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launc
     return out
 
 
+#: the backward kernels. ``rows``: one program per table row (dense) or per distinct row read
+#: (sparse), walking that row's reads; ``reads``: one program per block of sorted reads, a full
+#: tile whatever the rows, whose rows are summed by a segmented scan, each row written by the
+#: program that holds its first read (which reads on past its block while the row goes on)
+BACKWARDS = ("rows", "reads")
+#: the one :func:`backward` uses unless told (the other is bench_kernels' alternative)
+BACKWARD = "rows"
+
+
 def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
-             need_table: bool, need_weights: bool, launch: Optional[Launch] = None):
+             need_table: bool, need_weights: bool, launch: Optional[Launch] = None,
+             method: Optional[str] = None):
     """The gradients of :func:`read`: ``(grad_table, grad_weights)``, each None when not needed.
 
     ``grad_table`` is dense [|K|, d], or with ``sparse`` a coalesced sparse tensor holding the
-    rows read; ``grad_weights`` is [N, m] in ``weights``' dtype. ``launch``:
-    :func:`backward_launch` unless given; with a row split over several column chunks each chunk
-    writes its partial weight-gradient dots in float32 and they are summed in chunk order."""
-    _, backward_kernel = _kernels()
+    rows read; ``grad_weights`` is [N, m] in ``weights``' dtype. ``method``: one of
+    :data:`BACKWARDS` (default :data:`BACKWARD`); ``launch``: :func:`backward_launch` unless
+    given. With a row split over several column chunks each chunk writes its partial
+    weight-gradient dots in float32, and they are summed in chunk order. Every sum runs in an
+    order fixed by the launch, so the gradients are deterministic (no atomics)."""
+    rows_kernel, reads_kernel = _kernels()[1:]
+    method = method or BACKWARD
     n, m = indices.shape
     size, d = table.shape
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
     table = table if table.stride(1) == 1 else table.contiguous()
+    weights = weights.contiguous()
     # reads sorted by table row, ties in read order (stable): the sum order of a row is fixed.
     # Row ids fit 32 bits, and a radix sort of 32-bit keys makes half the passes of 64-bit ones
     rows_read, order = torch.sort(indices.reshape(-1).to(torch.int32), stable=True)
-    if need_table and sparse:  # one program per distinct row read
-        rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
-        grad_rows = grad.new_empty(rows.numel(), d)
-        out_table = grad_rows
-    else:  # one program per table row; empty reads write the zero rows
-        rows = None
-        counts = torch.bincount(rows_read, minlength=size)
-        out_table = grad.new_empty(size, d) if need_table else grad
-    starts = counts.cumsum(0) - counts
-    launch = launch or backward_launch(d)
+    launch = launch or backward_launch(d, method)
     chunks = _chunks(d, launch.cols)
     grad_w = weights  # (not written when not needed)
     if need_weights:  # one chunk: the dots themselves; several: float32 partial dots per chunk
         grad_w = (torch.empty(n * m, dtype=weights.dtype, device=weights.device) if chunks == 1
                   else torch.empty(chunks, n * m, dtype=torch.float32, device=weights.device))
-    if counts.numel():
-        backward_kernel[(counts.numel(), chunks)](
-            grad, table, weights.contiguous(), order, starts, counts,
-            rows if rows is not None else starts, out_table, grad_w, m, d,
-            grad.stride(0), table.stride(0), out_table.stride(0), n * m,
-            HAS_ROWS=rows is not None, NEED_GT=need_table, NEED_GW=need_weights,
-            BLOCK_R=launch.rows, BLOCK_D=launch.cols, num_warps=launch.warps)
+    rows = None  # sparse: the distinct rows read, whose gradients ``out_table`` holds
+    common = dict(NEED_GT=need_table, NEED_GW=need_weights, BLOCK_R=launch.rows,
+                  BLOCK_D=launch.cols, num_warps=launch.warps)
+    if method == "reads":
+        out_index = rows_read  # sparse: each read's place among the distinct rows
+        if need_table and sparse:
+            rows, out_index = torch.unique_consecutive(rows_read, return_inverse=True)
+            out_table = grad.new_empty(rows.numel(), d)
+        else:  # dense: the rows nobody reads stay zero
+            out_table = grad.new_zeros(size, d) if need_table else grad
+        if rows_read.numel():
+            reads_kernel[(_chunks(rows_read.numel(), launch.rows), chunks)](
+                grad, table, weights, rows_read, order, out_index, out_table, grad_w,
+                rows_read.numel(), m, d, grad.stride(0), table.stride(0), out_table.stride(0),
+                n * m, SPARSE=rows is not None, **common)
+    elif method == "rows":
+        if need_table and sparse:  # one program per distinct row read
+            rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
+            out_table = grad.new_empty(rows.numel(), d)
+        else:  # one program per table row; empty reads write the zero rows
+            counts = torch.bincount(rows_read, minlength=size)
+            out_table = grad.new_empty(size, d) if need_table else grad
+        starts = counts.cumsum(0) - counts
+        if counts.numel():
+            rows_kernel[(counts.numel(), chunks)](
+                grad, table, weights, order, starts, counts,
+                rows if rows is not None else starts, out_table, grad_w, m, d,
+                grad.stride(0), table.stride(0), out_table.stride(0), n * m,
+                HAS_ROWS=rows is not None, **common)
+    else:
+        raise ValueError(f"PKM backward must be one of {', '.join(BACKWARDS)}, got {method!r}")
     grad_table = None
     if need_table:
         grad_table = out_table if rows is None else torch.sparse_coo_tensor(
-            rows.long().unsqueeze(0), grad_rows, table.shape, is_coalesced=True,
+            rows.long().unsqueeze(0), out_table, table.shape, is_coalesced=True,
             check_invariants=False)
     if not need_weights:
         return grad_table, None

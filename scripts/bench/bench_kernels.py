@@ -17,10 +17,11 @@ off by a time limit keeps the tables of the stages it finished):
     weight gradient) + the value gradient written (dense: |K| rows; sparse: the rows read) + the
     indices, weights and weight gradient. "% copy" = (bytes / time) / copy bandwidth.
 ``pkm_tune``
-    the Triton read and its dense backward at the ``pkm_read`` shapes under every launch
-    configuration (columns per program: 128 to the whole row; reads per loop step; warps), the
-    module's default marked: the numbers that pick ``pkm_triton.read_launch`` /
-    ``backward_launch`` for a device.
+    the Triton read and its dense backward, both methods (``pkm_triton.BACKWARDS``: a program
+    per table row, or per block of sorted reads), at the ``pkm_read`` shapes under every launch
+    configuration (columns per program: 128 to the whole row; reads per step; warps), the
+    module's default marked: the numbers that pick ``pkm_triton.read_launch``,
+    ``backward_launch`` and ``BACKWARD`` for a device.
 ``pkm_layer``
     a whole PKM layer (query net + batch norm, product-key search, read), forward + backward, ours
     (dense/sparse values × triton/torch) against lucidrains' ``product-key-memory`` (peer, when
@@ -160,16 +161,22 @@ def pkm_tune_rows(args, device, dtype, bandwidth):
     rows = []
     for d in args.cfg["dims"]:
         (table, idx, w, up), read_bytes, back_bytes = _read_problem(args, d, device, dtype, g)
-        for kind, default, tries, nbytes, run in (
-                ("read", pkm_triton.read_launch(d, m), launches(d, (8, 16, 32), (2, 4, 8)),
-                 read_bytes, lambda cfg: pkm_triton.read(table, idx, w, cfg)),
-                ("backward", pkm_triton.backward_launch(d), launches(d, (4, 8, 16), (2, 4, 8)),
-                 back_bytes[False],
-                 lambda cfg: pkm_triton.backward(up, table, idx, w, False, True, True, cfg))):
+        stages = [("read", pkm_triton.read_launch(d, m), launches(d, (8, 16, 32), (2, 4, 8)),
+                   read_bytes, lambda cfg, _: pkm_triton.read(table, idx, w, cfg))]
+        for method in pkm_triton.BACKWARDS:
+            stages.append((
+                f"backward {method}", pkm_triton.backward_launch(d, method),
+                launches(d, (4, 8, 16), (2, 4, 8)), back_bytes[False],
+                lambda cfg, method: pkm_triton.backward(up, table, idx, w, False, True, True, cfg,
+                                                        method)))
+        for kind, default, tries, nbytes, run in stages:
+            method = kind.split()[-1]
+            is_default = kind == "read" or method == pkm_triton.BACKWARD
             for cfg in sorted(set(tries) | {default}):
-                ms = median_ms(lambda: run(cfg), device, args.repeats)
+                ms = median_ms(lambda: run(cfg, method), device, args.repeats)
                 rows.append({"d": d, "kernel": kind, "cols": cfg.cols, "reads/step": cfg.rows,
-                             "warps": cfg.warps, "default": "yes" if cfg == default else "",
+                             "warps": cfg.warps,
+                             "default": "yes" if is_default and cfg == default else "",
                              "ms": ms, "% copy": 100 * nbytes / ms / 1e6 / bandwidth})
     return rows
 
