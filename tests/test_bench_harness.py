@@ -98,7 +98,7 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     bench_kernels.main(["--device", "cpu", "--size", "tiny", "--dtype", "fp32", "--repeats", "1",
                         "--out", str(out)])
     text = out.read_text()
-    for title in ("copy bandwidth", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span",
+    for title in ("copy bandwidth", "pkm_read", "pkm_tune d 32", "pkm_layer", "aop", "span",
                   "synth_gather"):
         assert f"\n{title}\n" in text
     if pkm_triton.HAS_TRITON:  # each launch once, the module's default among them, marked

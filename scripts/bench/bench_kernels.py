@@ -142,42 +142,41 @@ def pkm_read_rows(args, device, dtype, bandwidth):
 
 
 def launches(d, rows_per_step, warps):
-    """The launch configurations pkm_tune tries for a row of d values: column chunks from 128 to
+    """The launch configurations pkm_tune tries for a row of d values: column chunks from 256 to
     the whole row, tiles of at most 16,384 elements."""
     widest = pkm_triton._pow2(d)
-    cols = [c for c in (128, 256, 512, 1024, 2048) if c <= widest] or [widest]
+    cols = [c for c in (256, 512, 1024, 2048) if c <= widest] or [widest]
     return [pkm_triton.Launch(c, r, wp) for c in cols for r in rows_per_step for wp in warps
             if c * r <= 16384]
 
 
-def pkm_tune_rows(args, device, dtype, bandwidth):
-    """The Triton read and its dense backward under each launch configuration (column chunk,
-    reads per step, warps), with the module's default marked: which configuration the kernels
-    should launch on this device."""
+def pkm_tune_rows(args, device, dtype, bandwidth, d):
+    """The Triton read and its dense backward for value dim ``d`` under each launch configuration
+    (column chunk, reads per step, warps), with the module's default marked: which configuration
+    the kernels should launch on this device."""
     if "triton" not in kernels(device):
         return []
     g = torch.Generator(device="cpu").manual_seed(0)
     m = args.cfg["heads"] * args.cfg["knn"]
+    (table, idx, w, up), read_bytes, back_bytes = _read_problem(args, d, device, dtype, g)
+    stages = [("read", pkm_triton.read_launch(d, m), launches(d, (8, 16, 32), (2, 4, 8)),
+               read_bytes, lambda cfg, _: pkm_triton.read(table, idx, w, cfg))]
+    for method in pkm_triton.BACKWARDS:
+        stages.append((
+            f"backward {method}", pkm_triton.backward_launch(d, method),
+            launches(d, (4, 8, 16), (2, 4, 8)), back_bytes[False],
+            lambda cfg, method: pkm_triton.backward(up, table, idx, w, False, True, True, cfg,
+                                                    method)))
     rows = []
-    for d in args.cfg["dims"]:
-        (table, idx, w, up), read_bytes, back_bytes = _read_problem(args, d, device, dtype, g)
-        stages = [("read", pkm_triton.read_launch(d, m), launches(d, (8, 16, 32), (2, 4, 8)),
-                   read_bytes, lambda cfg, _: pkm_triton.read(table, idx, w, cfg))]
-        for method in pkm_triton.BACKWARDS:
-            stages.append((
-                f"backward {method}", pkm_triton.backward_launch(d, method),
-                launches(d, (4, 8, 16), (2, 4, 8)), back_bytes[False],
-                lambda cfg, method: pkm_triton.backward(up, table, idx, w, False, True, True, cfg,
-                                                        method)))
-        for kind, default, tries, nbytes, run in stages:
-            method = kind.split()[-1]
-            is_default = kind == "read" or method == pkm_triton.BACKWARD
-            for cfg in sorted(set(tries) | {default}):
-                ms = median_ms(lambda: run(cfg, method), device, args.repeats)
-                rows.append({"d": d, "kernel": kind, "cols": cfg.cols, "reads/step": cfg.rows,
-                             "warps": cfg.warps,
-                             "default": "yes" if is_default and cfg == default else "",
-                             "ms": ms, "% copy": 100 * nbytes / ms / 1e6 / bandwidth})
+    for kind, default, tries, nbytes, run in stages:
+        method = kind.split()[-1]
+        is_default = kind == "read" or method == pkm_triton.BACKWARD
+        for cfg in sorted(set(tries) | {default}):
+            ms = median_ms(lambda: run(cfg, method), device, args.repeats)
+            rows.append({"d": d, "kernel": kind, "cols": cfg.cols, "reads/step": cfg.rows,
+                         "warps": cfg.warps,
+                         "default": "yes" if is_default and cfg == default else "",
+                         "ms": ms, "% copy": 100 * nbytes / ms / 1e6 / bandwidth})
     return rows
 
 
@@ -398,8 +397,10 @@ def main(argv=None):
                 continue
         if stage == "pkm_read":
             rows = pkm_read_rows(args, device, dtype, bandwidth)
-        elif stage == "pkm_tune":
-            rows = pkm_tune_rows(args, device, dtype, bandwidth)
+        elif stage == "pkm_tune":  # a table per value dim (the sweep is the longest stage)
+            for d in args.cfg["dims"]:
+                emit(args, f"pkm_tune d {d}", pkm_tune_rows(args, device, dtype, bandwidth, d))
+            continue
         elif stage == "pkm_layer":
             rows = pkm_layer_rows(args, device, dtype)
         elif stage == "span":
