@@ -19,7 +19,12 @@ float32 whatever the table's dtype, and are used on CUDA when Triton is importab
   once instead of once per read; the sum over a row's reads runs in a fixed order, so the value
   gradient is deterministic (no atomics). This replaces ATen's two embedding-bag calls and the
   float32 gather fallback that bfloat16 needs on CUDA (ATen has no bf16 CUDA kernel for the
-  weight gradient).
+  weight gradient). This is ``method="rows"``, the default (:data:`BACKWARD`);
+* **backward over reads** (``method="reads"``): the same two gradients from one program per block
+  of sorted reads -- full tiles whatever the rows, no per-row loop -- whose value-gradient rows
+  are summed by a segmented scan and written by the program that holds a row's first read (it
+  reads on past its block while the row goes on); V is loaded per read (repeats hit the cache).
+  Also deterministic. ``bench_kernels --stages pkm_tune`` times both methods.
 
 Triton is optional and imported on first use: without it (or on a CPU) the reference path runs.
 With ``TRITON_INTERPRET=1`` in the environment before Triton is imported, the kernels run on CPU
