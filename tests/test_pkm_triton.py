@@ -90,7 +90,8 @@ def test_rows_split_over_column_chunks_give_the_same_result(dtype, sparse):
     weight gradient (partial dots summed over the chunks) equal the one-chunk launch's, for
     chunks that divide d and a last chunk that is cut short, and any rows and warps per step."""
     table, idx, w, up = _problem(dtype, d=40)
-    table_ref = _grads(table, idx, w, up, sparse, fused=True)
+    ref_out, ref_table, ref_w = _grads(table, idx, w, up, sparse, fused=True)
+    ref_table = ref_table.to_dense() if sparse else ref_table
     for cols, rows, warps in ((16, 4, 2), (8, 16, 1), (32, 2, 4)):  # 3, 5 and 2 chunks of 40
         launch = pkm_triton.Launch(cols, rows, warps)
         out = pkm_triton.read(table, idx, w, launch)
@@ -99,8 +100,6 @@ def test_rows_split_over_column_chunks_give_the_same_result(dtype, sparse):
         only_table = pkm_triton.backward(up, table, idx, w, sparse, True, False, launch)[0]
         if sparse:
             g_table, only_table = g_table.to_dense(), only_table.to_dense()
-        ref_out, ref_table, ref_w = table_ref
-        ref_table = ref_table.to_dense() if sparse else ref_table
         assert g_w.dtype == dtype
         torch.testing.assert_close(out, ref_out, **_tol(dtype))
         torch.testing.assert_close(g_table, ref_table, **_tol(dtype))
@@ -237,16 +236,19 @@ def compile_for_sm90():
 
     assert not pkm_triton.interpreted()
     read_kernel, backward_kernel, reads_kernel = pkm_triton._kernels()
-    target = GPUTarget("cuda", 90, 32)
+
+    def build(kernel, sig, launch, **constexprs):
+        """Compile one specialisation for sm_90 at ``launch``; its local-memory bytes a thread."""
+        return _local_bytes(compile(ASTSource(kernel, sig, constexprs=dict(
+            constexprs, BLOCK_D=launch.cols)), target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=launch.warps)))
+
     for dt in ("fp32", "fp16", "bf16"):
         for d in (512, 1024):
             launch = pkm_triton.read_launch(d, 128)
             sig = dict(table=f"*{dt}", idx="*i64", w=f"*{dt}", out=f"*{dt}", m="i32", d="i32",
                        stride_t="i32", BLOCK_M="constexpr", BLOCK_D="constexpr")
-            k = compile(ASTSource(read_kernel, sig, constexprs=dict(
-                BLOCK_M=launch.rows, BLOCK_D=launch.cols)), target=target,
-                options=dict(num_warps=launch.warps))
-            print(f"read {dt} d {d} local {_local_bytes(k)}")
+            print(f"read {dt} d {d} local {build(read_kernel, sig, launch, BLOCK_M=launch.rows)}")
             launch = pkm_triton.backward_launch(d)
             sig = dict(grad=f"*{dt}", table=f"*{dt}", w=f"*{dt}", order="*i64", starts="*i64",
                        counts="*i64", rows=None, grad_table=f"*{dt}", grad_w=f"*{dt}",
@@ -256,11 +258,9 @@ def compile_for_sm90():
             for rows, gt, gw in ((True, True, True), (False, True, True), (False, True, False),
                                  (False, False, True)):
                 sig["rows"] = "*i32" if rows else "*i64"  # sparse: the rows read; dense: unused
-                k = compile(ASTSource(backward_kernel, sig, constexprs=dict(
-                    HAS_ROWS=rows, NEED_GT=gt, NEED_GW=gw, BLOCK_R=launch.rows,
-                    BLOCK_D=launch.cols)), target=target, options=dict(num_warps=launch.warps))
-                print(f"backward {dt} d {d} rows {rows} table {gt} weights {gw} "
-                      f"local {_local_bytes(k)}")
+                local = build(backward_kernel, sig, launch, HAS_ROWS=rows, NEED_GT=gt, NEED_GW=gw,
+                              BLOCK_R=launch.rows)
+                print(f"backward {dt} d {d} rows {rows} table {gt} weights {gw} local {local}")
             launch = pkm_triton.backward_launch(d, "reads")
             sig = dict(grad=f"*{dt}", table=f"*{dt}", w=f"*{dt}", rows_sorted="*i32",
                        order="*i64", out_index=None, grad_table=f"*{dt}", grad_w=f"*{dt}",
@@ -271,11 +271,10 @@ def compile_for_sm90():
             for sparse, gt, gw in ((True, True, True), (False, True, True), (False, True, False),
                                    (False, False, True)):
                 sig["out_index"] = "*i64" if sparse else "*i32"  # sparse: inverse; dense: unused
-                k = compile(ASTSource(reads_kernel, sig, constexprs=dict(
-                    SPARSE=sparse, NEED_GT=gt, NEED_GW=gw, BLOCK_R=launch.rows,
-                    BLOCK_D=launch.cols)), target=target, options=dict(num_warps=launch.warps))
+                local = build(reads_kernel, sig, launch, SPARSE=sparse, NEED_GT=gt, NEED_GW=gw,
+                              BLOCK_R=launch.rows)
                 print(f"backward over reads {dt} d {d} sparse {sparse} table {gt} weights {gw} "
-                      f"local {_local_bytes(k)}")
+                      f"local {local}")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="fairseq-train --cpu")

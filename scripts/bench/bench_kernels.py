@@ -19,7 +19,7 @@ off by a time limit keeps the tables of the stages it finished):
 ``pkm_tune``
     the Triton read and its dense backward, both methods (``pkm_triton.BACKWARDS``: a program
     per table row, or per block of sorted reads), at the ``pkm_read`` shapes under every launch
-    configuration (columns per program: 128 to the whole row; reads per step; warps), the
+    configuration (columns per program: 256 to the whole row; reads per step; warps), the
     module's default marked: the numbers that pick ``pkm_triton.read_launch``,
     ``backward_launch`` and ``BACKWARD`` for a device.
 ``pkm_layer``
@@ -159,23 +159,22 @@ def pkm_tune_rows(args, device, dtype, bandwidth, d):
     g = torch.Generator(device="cpu").manual_seed(0)
     m = args.cfg["heads"] * args.cfg["knn"]
     (table, idx, w, up), read_bytes, back_bytes = _read_problem(args, d, device, dtype, g)
+    # (kind, the launch to mark as the module's default or None, launches to try, bytes, run)
     stages = [("read", pkm_triton.read_launch(d, m), launches(d, (8, 16, 32), (2, 4, 8)),
-               read_bytes, lambda cfg, _: pkm_triton.read(table, idx, w, cfg))]
+               read_bytes, lambda cfg: pkm_triton.read(table, idx, w, cfg))]
     for method in pkm_triton.BACKWARDS:
+        default = pkm_triton.backward_launch(d, method)
         stages.append((
-            f"backward {method}", pkm_triton.backward_launch(d, method),
-            launches(d, (4, 8, 16), (2, 4, 8)), back_bytes[False],
-            lambda cfg, method: pkm_triton.backward(up, table, idx, w, False, True, True, cfg,
-                                                    method)))
+            f"backward {method}", default if method == pkm_triton.BACKWARD else None,
+            launches(d, (4, 8, 16), (2, 4, 8)) + [default], back_bytes[False],
+            lambda cfg, method=method: pkm_triton.backward(up, table, idx, w, False, True, True,
+                                                           cfg, method)))
     rows = []
-    for kind, default, tries, nbytes, run in stages:
-        method = kind.split()[-1]
-        is_default = kind == "read" or method == pkm_triton.BACKWARD
-        for cfg in sorted(set(tries) | {default}):
-            ms = median_ms(lambda: run(cfg, method), device, args.repeats)
+    for kind, marked, tries, nbytes, run in stages:
+        for cfg in sorted(set(tries) | ({marked} if marked else set())):
+            ms = median_ms(lambda: run(cfg), device, args.repeats)
             rows.append({"d": d, "kernel": kind, "cols": cfg.cols, "reads/step": cfg.rows,
-                         "warps": cfg.warps,
-                         "default": "yes" if is_default and cfg == default else "",
+                         "warps": cfg.warps, "default": "yes" if cfg == marked else "",
                          "ms": ms, "% copy": 100 * nbytes / ms / 1e6 / bandwidth})
     return rows
 
