@@ -65,6 +65,43 @@ def test_tiny_dry_run_writes_rows_and_profiles(lm_data, tmp_path):
     assert "aten::topk" in text.split("transformer_lm_pkm (2 updates")[1]  # the memory's search
 
 
+def test_host_syncs_are_counted_as_they_would_be_on_cuda():
+    """``--count-ops`` runs on the CPU but counts what would make the host wait for a GPU: a
+    device value read back, an output sized by the data, boolean-mask indexing. Reading a tensor
+    that would stay on the host there (a shape, ``torch.tensor(...)``) is no sync."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scripts.bench.bench_paper_size import HostTensors, host_sync
+
+    host, syncs = HostTensors(), []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            on_host = host.inputs_on_host(args, kwargs)
+            if host_sync(func, args, kwargs) and not on_host:
+                syncs.append(func.overloadpacket.__name__)
+            out = func(*args, **kwargs)
+            host.record(func, args, kwargs, on_host, out)
+            return out
+
+    x = torch.randn(5, 3)
+    with Count():
+        assert not syncs
+        bool(x.sum() > 0)  # device -> host: a sync
+        x[x > 0]  # boolean-mask indexing: a nonzero inside
+        (x > 0).nonzero()
+        torch.bincount(torch.tensor([1, 2]).to(x.device) * (x[0, 0] > 0).long())
+        x.repeat_interleave(2, dim=0)  # the size is known: no sync
+        x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1], device=x.device), dim=0,
+                            output_size=6)
+        shape = torch._shape_as_tensor(x)  # fairseq's positional embedding
+        int(shape[0]) + int(torch.tensor(3)) + int(torch.tensor(3) * 2)
+        x.view(int(shape[0]), -1).argmax().item()  # a device value again
+    assert syncs == ["_local_scalar_dense", "index", "nonzero", "bincount", "_local_scalar_dense"]
+
+
 @pytest.mark.slow
 def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
     """``--count-ops``: a row per model with the aten ops one update dispatches (forward, backward,

@@ -231,6 +231,35 @@ def test_padding_changes_neither_batchnorm_statistics_nor_real_outputs():
     torch.testing.assert_close(m.query_bn.running_mean, stats[0][0])
 
 
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_training_step_syncs_with_the_device_once(padded):
+    """On CUDA every op that reads a device value back (``bool(t)``, ``.item()``) or sizes its
+    output by the data (``nonzero``, ``bincount``) drains the GPU's queue. A memory layer's forward
+    and backward need one: the ``nonzero`` that finds the tokens kept (the row ranges of the
+    value gradient are found by a binary search, ``pkm_triton.row_ranges``). Counted on the CPU
+    with the benchmark's CUDA classification (``bench_paper_size.host_sync``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scripts.bench.bench_paper_size import host_sync
+
+    syncs = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if host_sync(func, args, kwargs or {}):
+                syncs.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    m = _memory(kernel="torch").train()
+    x = torch.randn(6, 4, 16, requires_grad=True)
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[1, :2] = padded
+    with Count():
+        m(x, pad).square().sum().backward()
+    assert syncs == ["nonzero"]
+    assert m.values.weight.grad is not None and x.grad is not None
+
+
 def test_eval_mode_is_position_wise():
     m = _memory(bn=True).train()
     m(torch.randn(5, 3, 16))  # move the running statistics away from their init

@@ -136,6 +136,21 @@ def test_backward_over_blocks_of_reads_equals_the_reference(dtype, sparse):
         assert torch.equal(only_w, g_w) and torch.equal(only_table, g_table)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_row_ranges(dtype):
+    """``row_ranges`` gives every row's start and count among sorted reads: unread rows, the
+    first and the last row, no reads at all."""
+    g = torch.Generator().manual_seed(0)
+    size = 50
+    rows = torch.cat([torch.tensor([0, 0, size - 1]), torch.randint(3, 40, (200,), generator=g)])
+    rows = rows.sort().values.to(dtype)
+    starts, counts = pkm_triton.row_ranges(rows, size)
+    assert torch.equal(counts.long(), torch.bincount(rows.long(), minlength=size))
+    assert torch.equal(starts.long(), torch.tensor([int((rows < r).sum()) for r in range(size)]))
+    starts, counts = pkm_triton.row_ranges(rows[:0], 4)
+    assert starts.tolist() == counts.tolist() == [0, 0, 0, 0]
+
+
 def test_default_launches():
     """A row of up to READ_COLS columns is one read program; a wider one is split into chunks of
     READ_COLS. The backward keeps a whole row per program."""

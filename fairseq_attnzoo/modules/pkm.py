@@ -236,8 +236,7 @@ class _WeightedRowSum(torch.autograd.Function):
                 grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), rows_grad, table.shape,
                                                      is_coalesced=True, check_invariants=False)
             else:  # bag r = the reads of row r (empty for unread rows -> zero row)
-                counts = torch.bincount(rows_read, minlength=table.size(0))
-                starts = counts.cumsum(0) - counts  # = searchsorted(rows_read, r), 13x faster
+                starts = pkm_triton.row_ranges(rows_read, table.size(0))[0]
                 grad_table = F.embedding_bag(token, grad, starts, mode="sum",
                                              per_sample_weights=w)
         return grad_table, None, grad_weights, None, None
@@ -490,9 +489,12 @@ class ProductKeyMemory(ZooFeedForward):
         keep = None
         if padding_mask is not None and padding_mask.shape == (b, t):
             pad = padding_mask.transpose(0, 1).reshape(-1).bool()
-            if bool(pad.any()):
-                keep = (~pad).nonzero().squeeze(1)  # time-major token order, like ``flat``
+            # the tokens kept, time-major like ``flat``: on CUDA the one host sync of the layer
+            keep = (~pad).nonzero().squeeze(1)
+            if keep.numel() < t * b:
                 flat = flat.index_select(0, keep)
+            else:
+                keep = None
         if flat.size(0) == 0:
             return x.new_zeros(t, b, self.output_dim)
         out = self.transform(flat)

@@ -34,7 +34,7 @@ machines without a GPU (tests/conftest.py sets it).
 
 import importlib.util
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -255,6 +255,15 @@ def _chunks(d: int, cols: int) -> int:
     return -(-d // cols)
 
 
+def row_ranges(rows: Tensor, size: int) -> Tuple[Tensor, Tensor]:
+    """``(starts, counts)`` ``[size]`` of each table row's run in the ascending row ids ``rows``
+    (a row nobody reads: count 0, start where it would be), by one binary search per row.
+    ``torch.bincount`` would be 3-5x faster on the CPU, but on CUDA it reads its input's maximum
+    back to the host: a sync of the whole queue inside the backward."""
+    bounds = torch.searchsorted(rows, torch.arange(size + 1, dtype=rows.dtype, device=rows.device))
+    return bounds[:-1], bounds[1:] - bounds[:-1]
+
+
 def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launch] = None
          ) -> Tensor:
     """``out[n] = Σ_j weights[n, j] · table[indices[n, j]]``: [N, m] × [|K|, d] -> [N, d]
@@ -328,10 +337,10 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
         if need_table and sparse:  # one program per distinct row read
             rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
             out_table = grad.new_empty(rows.numel(), d)
+            starts = counts.cumsum(0) - counts
         else:  # one program per table row; empty reads write the zero rows
-            counts = torch.bincount(rows_read, minlength=size)
+            starts, counts = row_ranges(rows_read, size)
             out_table = grad.new_empty(size, d) if need_table else grad
-        starts = counts.cumsum(0) - counts
         if counts.numel():
             rows_kernel[(counts.numel(), chunks)](
                 grad, table, weights, order, starts, counts,

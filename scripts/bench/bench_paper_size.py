@@ -87,9 +87,31 @@ PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
 PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
 #: set by --count-ops for a child run: "PATH:WAIT:ACTIVE" (write the op counts to PATH as JSON)
 COUNT_ENV = "ATTNZOO_BENCH_COUNT_OPS"
-#: ops that read a device value on the host (``.item()``, ``bool(t)``, ``float(t)``, ``.tolist()``):
-#: on a GPU each one waits for the queue to drain
-HOST_READ_OPS = {"_local_scalar_dense", "is_nonzero", "equal"}
+#: ops that make the host wait for the device on CUDA, whatever device the count runs on: a
+#: value read back (``.item()``, ``bool(t)``, ``float(t)``, ``torch.equal``), or an output whose
+#: size the host must learn from the data (``nonzero``, ``unique*``, ``masked_select``;
+#: ``bincount``, which reads its input's maximum). Each one drains the GPU's queue. Not seen by a
+#: count on the CPU: ``.tolist()``, ``.numpy()`` and ``.cpu()``, which dispatch nothing there
+HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select",
+                 "unique_consecutive", "_unique", "_unique2", "unique_dim",
+                 "unique_dim_consecutive", "bincount", "histc"}
+
+
+def host_sync(func, args, kwargs) -> bool:
+    """Whether the aten op ``func(*args, **kwargs)`` synchronises with the device on CUDA:
+    :data:`HOST_SYNC_OPS`, indexing with a boolean mask (a ``nonzero`` inside ATen), and
+    ``repeat_interleave`` without ``output_size``."""
+    import torch
+
+    name = func.overloadpacket.__name__
+    if name in HOST_SYNC_OPS:
+        return True
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        index = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in index)
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None and not (len(args) > 3 and args[3] is not None)
+    return False
 #: set by --no-cudnn-sdpa for every child run: torch's cuDNN attention backend switched off
 NO_CUDNN_SDPA_ENV = "ATTNZOO_BENCH_NO_CUDNN_SDPA"
 
@@ -170,6 +192,59 @@ def _profile_train_steps(spec: str):
     return prof
 
 
+class HostTensors:
+    """Which tensors of a run on the CPU would stay on the host in the same run on a GPU, so that
+    reading them back is no device sync: shapes turned into tensors (fairseq's positional
+    embedding), ``torch.tensor(...)`` without a device, factories given no device, and whatever
+    is computed from such tensors only. Everything else (parameters, batches, their products)
+    would live on the GPU."""
+
+    #: ops whose output is a fresh host tensor: ``torch.tensor`` (lift_fresh), ``_shape_as_tensor``
+    FRESH = {"lift_fresh", "lift_fresh_copy", "_shape_as_tensor"}
+
+    def __init__(self):
+        self.tensors = {}  # id -> weak reference (a WeakSet would compare tensors with ==)
+
+    def __contains__(self, t) -> bool:
+        ref = self.tensors.get(id(t))
+        return ref is not None and ref() is t
+
+    def add(self, t):
+        import weakref
+
+        self.tensors[id(t)] = weakref.ref(t, lambda _, key=id(t): self.tensors.pop(key, None))
+
+    @staticmethod
+    def _leaves(args, kwargs):
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+    def inputs_on_host(self, args, kwargs) -> bool:
+        leaves = self._leaves(args, kwargs)
+        return bool(leaves) and all(t in self for t in leaves)
+
+    def record(self, func, args, kwargs, inputs_on_host: bool, out):
+        name = func.overloadpacket.__name__
+        factory = not self._leaves(args, kwargs) and kwargs.get("device") is None
+        if inputs_on_host or name in self.FRESH or factory:
+            for t in self._leaves(out, {}):
+                self.add(t)
+
+
+def _caller() -> str:
+    """``package/file.py:line`` of the innermost frame in fairseq or this plugin that led here."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace(os.sep, "/")
+        for package in ("fairseq_attnzoo/", "fairseq/", "fairseq_cli/"):
+            if f"/{package}" in path:
+                return f"{package}{path.rsplit('/' + package, 1)[1]}:{frame.lineno}"
+    return "?"
+
+
 def _count_train_steps(spec: str):
     """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
     autograd) over ACTIVE updates after WAIT, split into the forward (model and criterion), the
@@ -182,13 +257,22 @@ def _count_train_steps(spec: str):
     path, wait, active = spec.rsplit(":", 2)
     wait, active = int(wait), int(active)
     counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]
+    syncs = Counter()  # (phase, op) -> host syncs it would be on CUDA
+
+    host = HostTensors()
 
     class CountOps(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             counts[func.overloadpacket.__name__] += 1
             phases[phase[0]] += 1
             views[0] += func.is_view
-            return func(*args, **(kwargs or {}))
+            on_host = host.inputs_on_host(args, kwargs)
+            if host_sync(func, args, kwargs) and not on_host:
+                syncs[phase[0], f"{func.overloadpacket.__name__} ({_caller()})"] += 1
+            out = func(*args, **kwargs)
+            host.record(func, args, kwargs, on_host, out)
+            return out
 
     def in_phase(fn, name, after):
         def run(*args, **kwargs):
@@ -218,7 +302,8 @@ def _count_train_steps(spec: str):
             with open(path, "w") as f:
                 json.dump({"ops": sum(counts.values()) / active, "views": views[0] / active,
                            **{k: phases[k] / active for k in ("forward", "backward", "rest")},
-                           "host reads": sum(counts[n] for n in HOST_READ_OPS) / active,
+                           "host syncs": sum(syncs.values()) / active,
+                           "syncs": {f"{p}:{n}": c / active for (p, n), c in sorted(syncs.items())},
                            "top": [(n, c / active) for n, c in counts.most_common(8)]}, f)
         return out
 
@@ -367,23 +452,25 @@ def profile_run(group, arch, data, args, emit):
     emit(table)
 
 
-COUNT_COLUMNS = ["group", "precision", "arch", "ops/update", "of which views", "host reads/update",
-                 "forward", "backward", "optimizer + trainer", "most dispatched ops (per update)"]
+COUNT_COLUMNS = ["group", "precision", "arch", "ops/update", "of which views",
+                 "host syncs/update (on CUDA)", "forward", "backward", "optimizer + trainer",
+                 "most dispatched ops (per update)", "host syncs by phase and op"]
 
 
 def count_row(group, arch, data, args):
     """The ops ``arch`` dispatches per update (``--count-ops``): a host-cost measure that does not
     depend on the machine. On a GPU that waits for the host, each non-view op is at least one
-    kernel launch and each host read drains the queue."""
+    kernel launch and each host sync (:func:`host_sync`) drains the queue."""
     text = _short_run(group, arch, data, args, COUNT_ENV, args.profile_wait, args.profile_steps)
     try:
         c = json.loads(text)
     except ValueError:
         return f"| {group} | {args._precision} | {arch} | failed: {text[:300]} |"
     top = ", ".join(f"{n} {v:g}" for n, v in c["top"][:5])
+    syncs = ", ".join(f"{k} {v:g}" for k, v in c["syncs"].items())
     return (f"| {group} | {args._precision} | {arch} | {c['ops']:,.0f} | {c['views']:,.0f} | "
-            f"{c['host reads']:g} | {c['forward']:,.0f} | {c['backward']:,.0f} | "
-            f"{c['rest']:,.0f} | {top} |")
+            f"{c['host syncs']:g} | {c['forward']:,.0f} | {c['backward']:,.0f} | "
+            f"{c['rest']:,.0f} | {top} | {syncs} |")
 
 
 def bench_span(args, emit):
@@ -454,7 +541,7 @@ def main(argv=None):
                    help="only the profiles of --profile (no timed rows): for a second call after "
                    "the timed rows were taken")
     p.add_argument("--count-ops", action="store_true",
-                   help="instead of timed rows: the aten ops (and host reads) each arch and the "
+                   help="instead of timed rows: the aten ops (and the host syncs they would be on CUDA) each arch and the "
                    "baseline dispatch per update, counted over --profile-steps updates after "
                    "--profile-wait (runs on any device; the host's share of a GPU step)")
     p.add_argument("--profile-wait", type=int, default=5, help="updates before profiling")
