@@ -72,6 +72,30 @@ def test_full_rank_conversion_is_exact_with_padding_and_causal_masks():
     assert (ref - out).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("cross", [False, True])
+def test_projections_read_one_copy_of_each_input(cross):
+    """fairseq hands attention time-first inputs; the four projections of self-attention (three
+    of the keys' side in cross-attention) read one batch-first copy of each, not one copy each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    d, t, b = 32, 5, 3
+    m = CollaborativeAttention(d, 4, 16, kdim=24 if cross else None, vdim=24 if cross else None)
+    x = torch.randn(t, b, d)
+    kv = torch.randn(t + 2, b, 24) if cross else x
+    copies = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("clone", "copy_", "_to_copy") and args[0].dim() == 3:
+                copies.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        m(x, kv, kv, need_weights=False)
+    expected = [(b, t, d), (b, t + 2, 24)] if cross else [(b, t, d)]
+    assert sorted(c for c in copies if c in expected) == sorted(expected), copies
+
+
 def test_content_bias_carries_the_query_bias_and_key_bias_cancels():
     mha = _trained_like_mha(self_attention=True, seed=3)
     col = CollaborativeAttention.from_mha(mha).eval()

@@ -244,6 +244,16 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
             return linear(x.transpose(0, 1)).transpose(0, 1)
         return linear(x)
 
+    @staticmethod
+    def contiguous_inputs(x_q: Tensor, x_kv: Optional[Tensor]):
+        """``(x_q, x_kv)`` as contiguous batch-first tensors (self-attention: one tensor), for a
+        module that projects an input several times: :meth:`forward` hands over transposed views
+        of the time-first inputs, which every ``nn.Linear`` would copy again to flatten."""
+        if x_kv is x_q:
+            x_q = x_q.contiguous()
+            return x_q, x_q
+        return x_q.contiguous(), None if x_kv is None else x_kv.contiguous()
+
     def split_heads(self, x: Tensor, head_dim: Optional[int] = None) -> Tensor:
         """[B, T, H*d] -> [B, H, T, d]"""
         b, t, _ = x.shape
