@@ -86,7 +86,8 @@ def test_projections_read_one_copy_of_each_input(cross):
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("clone", "copy_", "_to_copy") and args[0].dim() == 3:
+            name = func.overloadpacket.__name__
+            if name in ("clone", "copy_", "_to_copy") and args[0].dim() == 3:
                 copies.append(tuple(args[0].shape))
             return func(*args, **(kwargs or {}))
 

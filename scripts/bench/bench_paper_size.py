@@ -87,6 +87,8 @@ PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
 PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
 #: set by --count-ops for a child run: "PATH:WAIT:ACTIVE" (write the op counts to PATH as JSON)
 COUNT_ENV = "ATTNZOO_BENCH_COUNT_OPS"
+#: set by --no-cudnn-sdpa for every child run: torch's cuDNN attention backend switched off
+NO_CUDNN_SDPA_ENV = "ATTNZOO_BENCH_NO_CUDNN_SDPA"
 #: ops that make the host wait for the device on CUDA, whatever device the count runs on: a
 #: value read back (``.item()``, ``bool(t)``, ``float(t)``, ``torch.equal``), or an output whose
 #: size the host must learn from the data (``nonzero``, ``unique*``, ``masked_select``;
@@ -110,10 +112,8 @@ def host_sync(func, args, kwargs) -> bool:
         index = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in index)
     if name == "repeat_interleave":
-        return kwargs.get("output_size") is None and not (len(args) > 3 and args[3] is not None)
+        return kwargs.get("output_size") is None
     return False
-#: set by --no-cudnn-sdpa for every child run: torch's cuDNN attention backend switched off
-NO_CUDNN_SDPA_ENV = "ATTNZOO_BENCH_NO_CUDNN_SDPA"
 
 
 def _self_time(event, cuda: bool) -> float:
@@ -546,8 +546,8 @@ def main(argv=None):
                    help="only the profiles of --profile (no timed rows): for a second call after "
                    "the timed rows were taken")
     p.add_argument("--count-ops", action="store_true",
-                   help="instead of timed rows: the aten ops (and the host syncs they would be on CUDA) each arch and the "
-                   "baseline dispatch per update, counted over --profile-steps updates after "
+                   help="instead of timed rows: the aten ops (and the host syncs they would be on "
+                   "CUDA) each arch and the baseline dispatch per update, counted over --profile-steps updates after "
                    "--profile-wait (runs on any device; the host's share of a GPU step)")
     p.add_argument("--profile-wait", type=int, default=5, help="updates before profiling")
     p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
