@@ -169,23 +169,27 @@ def test_factorized_dense_tiles_every_pair():
         torch.testing.assert_close(logits[..., j], A[..., j % 4] * B[..., j // 4])
 
 
-def test_projection_of_the_time_first_input_is_the_batch_first_linear():
-    # forward hands over x_q as a transposed view of the time-first input: project() applies the
-    # Linear to the time-first tensor (no flattening copy), same values and gradients
-    lin = torch.nn.Linear(16, 8)
-    xt = torch.randn(5, 3, 16, requires_grad=True)  # [T, B, C]
-    out = SynthesizerAttention.project(lin, xt.transpose(0, 1))
-    assert out.shape == (3, 5, 8) and out.transpose(0, 1).is_contiguous()
-    ref_x = xt.detach().clone().requires_grad_()
-    ref = lin(ref_x.transpose(0, 1).contiguous())
-    torch.testing.assert_close(out, ref)
-    g = torch.randn(3, 5, 8)
-    gx, gw = torch.autograd.grad(out, (xt, lin.weight), g)
-    rx, rw = torch.autograd.grad(ref, (ref_x, lin.weight), g)
-    torch.testing.assert_close(gx, rx)
-    torch.testing.assert_close(gw, rw)
-    x = torch.randn(3, 5, 16)  # an ordinary batch-first tensor: plain Linear
-    torch.testing.assert_close(SynthesizerAttention.project(lin, x), lin(x))
+def test_projections_read_one_copy_of_the_time_first_input():
+    """fairseq hands attention time-first inputs; the base turns each into one contiguous
+    batch-first tensor, read by all the module's projections (Dense: its hidden layer and the
+    values), not copied again by each ``nn.Linear``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    m = SynthesizerAttention(D, H, components=("dense",), max_len=16)
+    t, b = 5, 3
+    x = torch.randn(t, b, D)
+    copies = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("clone", "copy_", "_to_copy") and tuple(args[0].shape) == (b, t, D):
+                copies.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        m(x, x, x, need_weights=False)
+    assert copies == ["clone"], copies
 
 
 @pytest.mark.parametrize("share", [False, True])

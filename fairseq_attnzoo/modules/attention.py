@@ -195,9 +195,9 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
     """Base class of attention replacements, with fairseq ``MultiheadAttention``'s interface.
 
     Subclasses set ``embed_dim``, ``num_heads``, ``head_dim`` and ``dropout`` and implement
-    ``compute(x_q, x_kv, ctx)``:  ``x_q [B, Tq, C]``, ``x_kv [B, Tk, C]`` (the same tensor for
-    self-attention; the encoder output for cross-attention) and an :class:`AttnContext`, returning
-    ``[B, Tq, C]``.
+    ``compute(x_q, x_kv, ctx)``:  ``x_q [B, Tq, C]``, ``x_kv [B, Tk, C]`` (contiguous; the same
+    tensor for self-attention, the encoder output for cross-attention) and an
+    :class:`AttnContext`, returning ``[B, Tq, C]``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
@@ -220,13 +220,15 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
         if before_softmax:
             raise NotImplementedError(f"{type(self).__name__} does not support before_softmax")
         tq, bsz, _ = query.shape
-        x_q = query.transpose(0, 1)
+        # one batch-first copy of each input, read by all of a module's projections (an nn.Linear
+        # on the transposed view would copy it again to flatten, once per projection)
+        x_q = query.transpose(0, 1).contiguous()
         if key is None or key is query:
             x_kv = x_q
         elif static_kv and incremental_state is not None and self._get_buffer(incremental_state):
             x_kv = None  # encoder keys/values are already cached
         else:
-            x_kv = key.transpose(0, 1)
+            x_kv = key.transpose(0, 1).contiguous()
         ctx = AttnContext(self, incremental_state, key_padding_mask, attn_mask, bsz, tq, static_kv)
         out = self.compute(x_q, x_kv, ctx)
         return out.transpose(0, 1), None
@@ -235,25 +237,6 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
         raise NotImplementedError
 
     # helpers -----------------------------------------------------------------------------------
-    @staticmethod
-    def project(linear: nn.Module, x: Tensor) -> Tensor:
-        """``linear(x)`` for batch-first ``x [B, T, C]``. :meth:`forward` hands over a transposed
-        view of the time-first input, which ``nn.Linear`` would copy to flatten (and copy the
-        gradient back): applied to the time-first tensor instead, the result is the same view."""
-        if x.dim() == 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
-            return linear(x.transpose(0, 1)).transpose(0, 1)
-        return linear(x)
-
-    @staticmethod
-    def contiguous_inputs(x_q: Tensor, x_kv: Optional[Tensor]):
-        """``(x_q, x_kv)`` as contiguous batch-first tensors (self-attention: one tensor), for a
-        module that projects an input several times: :meth:`forward` hands over transposed views
-        of the time-first inputs, which every ``nn.Linear`` would copy again to flatten."""
-        if x_kv is x_q:
-            x_q = x_q.contiguous()
-            return x_q, x_q
-        return x_q.contiguous(), None if x_kv is None else x_kv.contiguous()
-
     def split_heads(self, x: Tensor, head_dim: Optional[int] = None) -> Tensor:
         """[B, T, H*d] -> [B, H, T, d]"""
         b, t, _ = x.shape

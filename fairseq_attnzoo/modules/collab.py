@@ -130,7 +130,6 @@ class CollaborativeAttention(ZooAttention):
         return kv["k"], kv["c"], kv["v"]
 
     def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
-        x_q, x_kv = self.contiguous_inputs(x_q, x_kv)  # read by 4 (self) or 3 (keys) projections
         # q_i = X W̃Q diag(m_i): [B, 1, Tq, D̃k] * [1, H, 1, D̃k] -> [B, H, Tq, D̃k]
         q = self.q_proj(x_q).unsqueeze(1) * self.mixing[None, :, None, :]
         k, c, v = self.keys(x_kv, ctx)

@@ -52,7 +52,6 @@ class ZooMultiheadAttention(ZooAttention):
         return self.split_heads(kv["k"]), self.split_heads(kv["v"])
 
     def compute(self, x_q, x_kv, ctx):
-        x_q, x_kv = self.contiguous_inputs(x_q, x_kv)  # read by 3 (self) or 2 (keys) projections
         q = self.split_heads(self.q_proj(x_q))
         k, v = self.keys_values(x_kv, ctx)
         return self.out_proj(self.merge_heads(ctx.attend(q, k, v)))

@@ -191,7 +191,7 @@ class SynthesizerAttention(ZooAttention):
 
     def _hidden(self, x: Tensor, W1: nn.Linear) -> Tensor:
         """ReLU(X W1 + b1), split per head: [B, T, C] -> [B, H, T, d_h]."""
-        return self.split_heads(F.relu(self.project(W1, x)))
+        return self.split_heads(F.relu(W1(x)))
 
     def _by_position(self, table: Tensor, pos: Optional[Tensor], start: int, length: int) -> Tensor:
         """Rows of a position table [h, N, ...] for positions ``pos`` [B, T] (gathered) or, with
@@ -231,7 +231,7 @@ class SynthesizerAttention(ZooAttention):
                 dots.append(([q if w is None else q * w, one], kk))
             elif name == "vanilla":  # Q K^T / sqrt(d_k), alpha folded into the one scaling
                 scale = self.head_dim ** -0.5
-                q = self.split_heads(self.project(self.q_proj, x_q))
+                q = self.split_heads(self.q_proj(x_q))
                 dots.append(([q * (scale if w is None else w * scale)], [k]))
             else:
                 if name == "random":  # R[qpos, kpos]
@@ -279,9 +279,9 @@ class SynthesizerAttention(ZooAttention):
         if ctx.static_kv or (x_kv is not None and x_kv is not x_q):
             raise ValueError("Synthesizer attention is self-attention only: keep --cross-attn mha")
         bsz, tq, d = x_q.shape
-        new = {"v": self.project(self.v_proj, x_q)}  # G(X)
+        new = {"v": self.v_proj(x_q)}  # G(X)
         if "vanilla" in self.components:
-            new["k"] = self.project(self.k_proj, x_q)
+            new["k"] = self.k_proj(x_q)
         full = ctx.cache(**new)  # incremental: all values so far; extends the padding mask
         v = full["v"]
         tk = v.size(1)
