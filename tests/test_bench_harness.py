@@ -70,24 +70,17 @@ def test_host_syncs_are_counted_as_they_would_be_on_cuda():
     device value read back, an output sized by the data, boolean-mask indexing. Reading a tensor
     that would stay on the host there (a shape, ``torch.tensor(...)``) is no sync."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from scripts.bench.bench_paper_size import HostTensors, host_sync
+    from scripts.bench.bench_paper_size import HostTensors
 
-    host, syncs = HostTensors(), []
+    syncs = []
 
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            on_host = host.inputs_on_host(args, kwargs)
-            if host_sync(func, args, kwargs) and not on_host:
-                syncs.append(func.overloadpacket.__name__)
-            out = func(*args, **kwargs)
-            host.record(func, args, kwargs, on_host, out)
-            return out
+    def count(func, sync):
+        if sync:
+            syncs.append(func.overloadpacket.__name__)
 
     x = torch.randn(5, 3)
-    with Count():
+    with HostTensors().counting(count):
         assert not syncs
         bool(x.sum() > 0)  # device -> host: a sync
         x[x > 0]  # boolean-mask indexing: a nonzero inside

@@ -237,24 +237,24 @@ def test_a_training_step_syncs_with_the_device_once(padded):
     output by the data (``nonzero``, ``bincount``) drains the GPU's queue. A memory layer's forward
     and backward need one: the ``nonzero`` that finds the tokens kept (the row ranges of the
     value gradient are found by a binary search, ``pkm_triton.row_ranges``). Counted on the CPU
-    with the benchmark's CUDA classification (``bench_paper_size.host_sync``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from scripts.bench.bench_paper_size import host_sync
+    with the benchmark's CUDA classification (``bench_paper_size.HostTensors``: the search's
+    candidate pairs, built once on the host, are no sync)."""
+    from fairseq_attnzoo.modules import pkm
+    from scripts.bench.bench_paper_size import HostTensors
 
     syncs = []
 
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if host_sync(func, args, kwargs or {}):
-                syncs.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    def count(func, sync):
+        if sync:
+            syncs.append(func.overloadpacket.__name__)
+
+    pkm._PAIRS.clear()  # built again inside the count, as by a layer's first step
 
     m = _memory(kernel="torch").train()
     x = torch.randn(6, 4, 16, requires_grad=True)
     pad = torch.zeros(4, 6, dtype=torch.bool)
     pad[1, :2] = padded
-    with Count():
+    with HostTensors().counting(count):
         m(x, pad).square().sum().backward()
     assert syncs == ["nonzero"]
     assert m.values.weight.grad is not None and x.grad is not None

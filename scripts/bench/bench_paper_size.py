@@ -194,13 +194,15 @@ def _profile_train_steps(spec: str):
 
 class HostTensors:
     """Which tensors of a run on the CPU would stay on the host in the same run on a GPU, so that
-    reading them back is no device sync: shapes turned into tensors (fairseq's positional
-    embedding), ``torch.tensor(...)`` without a device, factories given no device, and whatever
-    is computed from such tensors only. Everything else (parameters, batches, their products)
-    would live on the GPU."""
+    reading them back is no device sync: the outputs of tensor factories called without a device
+    (``torch.tensor``, ``torch.arange``, ...: torch fills in the CPU before dispatch, so they are
+    seen where they are called), shapes turned into tensors (fairseq's positional embedding), and
+    whatever is computed from such tensors only. Everything else (parameters, batches, their
+    products) would live on the GPU."""
 
-    #: ops whose output is a fresh host tensor: ``torch.tensor`` (lift_fresh), ``_shape_as_tensor``
-    FRESH = {"lift_fresh", "lift_fresh_copy", "_shape_as_tensor"}
+    #: torch functions that make a tensor from nothing: on the host unless given a device
+    FACTORIES = {"tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand",
+                 "randn", "randint", "linspace", "eye", "_shape_as_tensor"}
 
     def __init__(self):
         self.tensors = {}  # id -> weak reference (a WeakSet would compare tensors with ==)
@@ -209,28 +211,53 @@ class HostTensors:
         ref = self.tensors.get(id(t))
         return ref is not None and ref() is t
 
-    def add(self, t):
+    def add(self, tree):
         import weakref
 
-        self.tensors[id(t)] = weakref.ref(t, lambda _, key=id(t): self.tensors.pop(key, None))
+        for t in self._leaves(tree):
+            self.tensors[id(t)] = weakref.ref(t, lambda _, key=id(t): self.tensors.pop(key, None))
 
     @staticmethod
-    def _leaves(args, kwargs):
+    def _leaves(tree):
         import torch
         from torch.utils._pytree import tree_leaves
 
-        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
-    def inputs_on_host(self, args, kwargs) -> bool:
-        leaves = self._leaves(args, kwargs)
-        return bool(leaves) and all(t in self for t in leaves)
+    def counting(self, on_op):
+        """A context in which every aten op runs as usual and is reported as ``on_op(func,
+        sync)``, ``sync``: whether it would make the host wait for the device on CUDA
+        (:func:`host_sync`, unless every input stays on the host)."""
+        import contextlib
 
-    def record(self, func, args, kwargs, inputs_on_host: bool, out):
-        name = func.overloadpacket.__name__
-        factory = not self._leaves(args, kwargs) and kwargs.get("device") is None
-        if inputs_on_host or name in self.FRESH or factory:
-            for t in self._leaves(out, {}):
-                self.add(t)
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        host = self
+
+        class Factories(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if getattr(func, "__name__", None) in host.FACTORIES and kwargs.get("device") is None:
+                    host.add(out)
+                return out
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                inputs = host._leaves((args, kwargs))
+                on_host = bool(inputs) and all(t in host for t in inputs)
+                out = func(*args, **kwargs)
+                if on_host:
+                    host.add(out)
+                on_op(func, not on_host and host_sync(func, args, kwargs))
+                return out
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(Factories())
+        stack.enter_context(Ops())
+        return stack
 
 
 def _caller() -> str:
@@ -247,12 +274,11 @@ def _caller() -> str:
 
 def _count_train_steps(spec: str):
     """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
-    autograd) over ACTIVE updates after WAIT, split into the forward (model and criterion), the
+    autograd: :meth:`HostTensors.counting`) over ACTIVE updates after WAIT, split into the forward (model and criterion), the
     backward and the rest (optimizer, gradient clipping, the trainer); write them to PATH."""
     from collections import Counter
 
     from fairseq.trainer import Trainer
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fairseq_attnzoo.modules import pkm
 
@@ -263,21 +289,14 @@ def _count_train_steps(spec: str):
     wait, active = int(wait), int(active)
     counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]
     syncs = Counter()  # (phase, op) -> host syncs it would be on CUDA
-
     host = HostTensors()
 
-    class CountOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            counts[func.overloadpacket.__name__] += 1
-            phases[phase[0]] += 1
-            views[0] += func.is_view
-            on_host = host.inputs_on_host(args, kwargs)
-            if host_sync(func, args, kwargs) and not on_host:
-                syncs[phase[0], f"{func.overloadpacket.__name__} ({_caller()})"] += 1
-            out = func(*args, **kwargs)
-            host.record(func, args, kwargs, on_host, out)
-            return out
+    def count(func, sync):
+        counts[func.overloadpacket.__name__] += 1
+        phases[phase[0]] += 1
+        views[0] += func.is_view
+        if sync:
+            syncs[phase[0], f"{func.overloadpacket.__name__} ({_caller()})"] += 1
 
     def in_phase(fn, name, after):
         def run(*args, **kwargs):
@@ -299,7 +318,7 @@ def _count_train_steps(spec: str):
         optimizer.backward = in_phase(type(optimizer).backward.__get__(optimizer), "backward",
                                       "forward")
         try:
-            with CountOps():
+            with host.counting(count):
                 out = step(self, samples, raise_oom)
         finally:
             del task.train_step, optimizer.backward
