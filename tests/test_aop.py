@@ -266,3 +266,35 @@ def test_indivisible_default_width_is_a_one_line_error():
     with pytest.raises(ValueError, match="set --aop-slots") as e:
         build_sublayer("aop", _spec(args, d=32, ffn=64, heads=4))
     assert "\n" not in str(e.value)
+
+
+def test_the_memory_costs_one_multiply_each_way():
+    """At transformer-base size a GPU step waits on the host's kernel launches. The key constant
+    √h_p is the fused kernel's logit scale (no scaled copy of K, forward or backward), the value
+    constant and row dropout's 1/(1-p) one multiply of V, and one SDPA batch entry is a view of
+    the memory, not an expand (whose backward is a reduction): the forward is the FFN's two
+    matrix products, one multiply and the attention."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name != "_unsafe_view":
+                ops.append("attention" if name.startswith("_scaled_dot_product") else name)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(6, 2, 16, requires_grad=True)
+    for dropout, forward in ((0.0, ["mm", "mul", "attention", "mm"]),
+                             (0.3, ["mm", "empty", "bernoulli_", "mul_", "mul", "attention", "mm"])):
+        m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=9, dropout=dropout)
+        ops.clear()
+        with Ops():
+            y = m(x)
+        assert ops == forward, ops
+        loss = y.sum()
+        ops.clear()
+        with Ops():
+            loss.backward()
+        assert ops.count("mul") == 1 and "sum" not in ops, ops  # V's gradient; no expand's

@@ -116,6 +116,77 @@ def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
     for total, views, reads in ops.values():
         assert total > 300 and 0 < views < total and reads >= 1
     assert ops["transformer_lm_pkm"][0] > ops["transformer_lm"][0]
+    # where they differ, by sublayer: the memory in place of one layer's fc1-ReLU-fc2
+    sublayers = {line.split(" | ")[1]: line.split(" | ")[2:] for line in
+                 out.read_text().splitlines() if line.startswith("| transformer_lm_pkm | ")}
+    fwd, bwd, base_fwd, base_bwd, diff = sublayers["decoder.ffn"][:5]
+    assert float(fwd) > 10 and float(bwd) > 10 and float(base_fwd) == float(base_bwd) == 0
+    assert float(sublayers["decoder.fc1"][0]) < float(sublayers["decoder.fc1"][2])
+    assert float(sublayers["all"][4].replace(",", "")) > 0
+
+
+def test_ops_are_attributed_to_their_sublayer_in_forward_and_backward():
+    """``--count-ops`` splits each phase's ops by the sublayer they run for, summed over layers:
+    a forward op by the innermost module running, a backward op by the module whose forward made
+    the autograd node (nodes that a module inside claimed stay that module's)."""
+    import torch
+    import torch.nn as nn
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scripts.bench.bench_paper_size import ModuleAttribution, sublayer_of
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x.tanh())))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, 4)
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            x = self.embed(x) * 2
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    ops = Counter()
+    attribution = ModuleAttribution()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+                ops[phase, sublayer_of(attribution.current()),
+                    func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = Model()
+    x = torch.randn(5, 3)
+    with attribution, Ops():
+        model(x).sum().backward()
+    assert sublayer_of("TransformerModel.encoder.layers.3.self_attn.q_proj") == "encoder.self_attn"
+    assert sublayer_of("TransformerModel.decoder.layers.0") == "decoder.layer"
+    assert sublayer_of("TransformerModel.decoder.embed_tokens") == "decoder.embed_tokens"
+    assert sublayer_of("Model") == "Model"
+    forward = {(m, op): n for (phase, m, op), n in ops.items() if phase == "forward"}
+    backward = {(m, op): n for (phase, m, op), n in ops.items() if phase == "backward"}
+    assert forward == {("embed", "addmm"): 1, ("Model", "mul"): 1, ("layer", "tanh"): 2,
+                       ("fc1", "addmm"): 2, ("layer", "relu"): 2, ("fc2", "addmm"): 2,
+                       ("layer", "add"): 2,
+                       # outside the model: the loss, and the backward's seed
+                       ("trainer", "sum"): 1, ("trainer", "ones_like"): 1}, forward
+    # every gradient op is its module's: the products' to the linears, tanh's and ReLU's to the
+    # layer, the embedding's scaling to the model (nothing left to an unclaimed node's name)
+    assert {m for m, _ in backward} == {"Model", "embed", "fc1", "fc2", "layer"}, backward
+    assert backward["layer", "tanh_backward"] == 2 and backward["layer", "threshold_backward"] == 2
+    assert backward["fc1", "mm"] == 4 and backward["fc2", "mm"] == 4
 
 
 def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):

@@ -93,6 +93,44 @@ def test_fully_masked_rows_stay_finite():
     assert torch.isfinite(out).all()
 
 
+def test_masks_are_derived_once_per_forward_and_again_when_they_change():
+    """fairseq hands every layer of a forward the same padding and future-mask tensors: the
+    additive mask and the pad-aware positions are derived from them once, not once per layer
+    (a few kernel launches each), and derived anew from a mask changed in place or a new one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
+
+    torch.manual_seed(0)
+    layers = [SynthesizerAttention(16, 4, components=("dense",), max_len=8) for _ in range(3)]
+    x = torch.randn(7, 3, 16)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, :2] = True
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def forward(mask):
+        seen.clear()
+        with Ops():
+            outs = [m(x, x, x, key_padding_mask=mask)[0] for m in layers]
+        return outs, seen.count("cumsum"), seen.count("masked_fill_")
+
+    first, positions, fills = forward(pad)
+    assert (positions, fills) == (1, 1), seen  # one derivation for the three layers
+    assert forward(pad)[1:] == (0, 0)  # the same, unchanged tensor: nothing derived again
+    pad[1, :3] = True  # changed in place: derived anew, and the outputs follow the new mask
+    changed, positions, fills = forward(pad)
+    assert (positions, fills) == (1, 1)
+    fresh = [m(x, x, x, key_padding_mask=pad.clone())[0] for m in layers]
+    for a, b in zip(changed, fresh):
+        assert torch.equal(a, b)
+    assert not torch.equal(changed[0][:, 1], first[0][:, 1])
+
+
 def test_pad_aware_positions():
     pad = torch.tensor([[True, True, False, False], [False, False, False, True]])
     assert positions_from_padding(pad, 4).tolist() == [[0, 0, 0, 1], [0, 1, 2, 0]]

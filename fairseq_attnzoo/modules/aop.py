@@ -97,17 +97,25 @@ class AttentionOverParameters(ZooFeedForward):
         nn.init.normal_(self.keys, 0.0, self._init_std[0])
         nn.init.normal_(self.values, 0.0, self._init_std[1])
 
-    def memory(self):
-        """The effective keys ``[h, n_p, d_pk]`` and values ``[h, n_p, d_pv]`` (scaled, and with
-        whole rows of V dropped in training)."""
-        k = self.keys * self.key_scale if self.key_scale != 1.0 else self.keys
-        v = self.values * self.value_scale if self.value_scale != 1.0 else self.values
+    def _values(self) -> Tensor:
+        """V as the attention reads it ``[h, n_p, d_pv]``: scaled by its constant and, in
+        training, with whole rows dropped, in one multiply of the table (the constant and
+        dropout's 1/(1-p) ride on the small keep mask)."""
+        c = self.value_scale
         if self.training and self.dropout > 0:
             # one keep/drop decision per (head, slot), shared by every token: drops memory rows
-            keep = torch.empty(self.heads, self.slots, 1, device=v.device, dtype=v.dtype)
+            keep = torch.empty(self.heads, self.slots, 1, device=self.values.device,
+                               dtype=self.values.dtype)
             keep.bernoulli_(1.0 - self.dropout)
-            v = v * keep / (1.0 - self.dropout)
-        return k, v
+            return self.values * keep.mul_(c / (1.0 - self.dropout))
+        return self.values * c if c != 1.0 else self.values
+
+    def memory(self):
+        """The effective keys ``[h, n_p, d_pk]`` and values ``[h, n_p, d_pv]`` (scaled, and with
+        whole rows of V dropped in training). The forward reads the same keys through the
+        attention's logit scale instead of a scaled copy."""
+        k = self.keys * self.key_scale if self.key_scale != 1.0 else self.keys
+        return k, self._values()
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
         # position-wise: [T, B, C] is just T·B independent tokens; pads are computed and ignored
@@ -115,10 +123,14 @@ class AttentionOverParameters(ZooFeedForward):
         n = t * b
         g = self.token_groups if n % self.token_groups == 0 else 1
         q = self.q_proj(x).view(g, n // g, self.heads, self.key_dim).transpose(1, 2)
-        k, v = self.memory()  # [h, n_p, d], shared by the g entries [g, h, N/g, d_pk]
-        # softmax(q Kᵀ) V over the n_p slots; scale=1: the √h_p on K replaces 1/√d_pk
-        y = F.scaled_dot_product_attention(q, k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1),
-                                           scale=1.0)
+        # the memory [h, n_p, d], shared by the g entries [g, h, N/g, d_pk] (unsqueezed for one
+        # entry: an expand's backward would be a reduction kernel over a dimension of size 1)
+        k, v = self.keys.unsqueeze(0), self._values().unsqueeze(0)
+        if g > 1:
+            k, v = k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1)
+        # softmax(q (√h_p K)ᵀ) V over the n_p slots: the key constant √h_p (which replaces
+        # 1/√d_pk) is the kernel's logit scale, so no scaled copy of K is made
+        y = F.scaled_dot_product_attention(q, k, v, scale=self.key_scale)
         y = y.transpose(1, 2).reshape(t, b, self.heads * self.value_dim)
         return self.out_proj(y)
 

@@ -22,6 +22,7 @@ equivalent stand-in otherwise), so the modules work and test without fairseq.
 """
 
 import uuid
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -62,6 +63,32 @@ def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=N
         return torch.arange(length, device=device).unsqueeze(0)
     keep = (~padding_mask).long()
     return ((torch.cumsum(keep, dim=1) - 1) * keep).clamp_(min=0)
+
+
+class _FromMasks:
+    """Tensors derived from the masks of a call (pad-aware positions, the boolean and additive
+    masks), kept while those mask tensors live and are unchanged. fairseq hands every layer of a
+    forward the same padding and future-mask tensors, so each is derived once per forward instead
+    of once per layer (each derivation is a few kernel launches, the cost of a host-bound step);
+    a mask modified in place (its version counter moves) or freed drops its entries."""
+
+    def __init__(self):
+        self.entries = {}
+
+    def get(self, masks, key, make):
+        masks = tuple(m for m in masks if m is not None)
+        full = (tuple((id(m), m._version) for m in masks), key)
+        entry = self.entries.get(full)
+        if entry is not None and all(ref() is m for ref, m in zip(entry[0], masks)):
+            return entry[1]
+        value = make()
+        if masks:  # nothing to key a mask-free value on: it is cheap (an arange) or None
+            drop = lambda _, full=full: self.entries.pop(full, None)  # noqa: E731
+            self.entries[full] = (tuple(weakref.ref(m, drop) for m in masks), value)
+        return value
+
+
+_FROM_MASKS = _FromMasks()
 
 
 class AttnContext:
@@ -130,6 +157,11 @@ class AttnContext:
     def blocked(self, k_len: int, device) -> Optional[Tensor]:
         """Boolean mask ``[B or 1, 1, Tq, Tk]``, True where attention is not allowed (padding or
         future). None when nothing is masked."""
+        return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask),
+                               ("blocked", self.q_len, k_len, str(device)),
+                               lambda: self._blocked(k_len, device))
+
+    def _blocked(self, k_len: int, device) -> Optional[Tensor]:
         mask = None
         if self.attn_mask is not None:
             am = self.attn_mask
@@ -144,11 +176,15 @@ class AttnContext:
 
     def bias(self, k_len: int, dtype, device) -> Optional[Tensor]:
         """Additive float mask ``[B or 1, 1, Tq, Tk]`` (0 or a large finite negative)."""
-        blocked = self.blocked(k_len, device)
-        if blocked is None:
-            return None
-        return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
-            blocked, mask_value(dtype))
+        def make():
+            blocked = self.blocked(k_len, device)
+            if blocked is None:
+                return None
+            return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
+                blocked, mask_value(dtype))
+
+        return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask),
+                               ("bias", self.q_len, k_len, dtype, str(device)), make)
 
     def masked(self, logits: Tensor) -> Tensor:
         """``logits [.., Tq, Tk]`` with the blocked entries set to the finite mask value (set, not
@@ -163,7 +199,15 @@ class AttnContext:
     def key_positions(self, k_len: int, device) -> Tensor:
         """Pad-aware absolute key positions, ``[B or 1, Tk]``."""
         pad = self.key_padding_mask
-        return positions_from_padding(None if pad is None else pad[:, -k_len:], k_len, device)
+        return _FROM_MASKS.get(
+            (pad,), ("positions", k_len, str(device)),
+            lambda: positions_from_padding(None if pad is None else pad[:, -k_len:], k_len,
+                                           device))
+
+    def from_masks(self, key, make):
+        """``make()``, computed once for this call's masks (the same tensors in every layer of a
+        forward) and ``key`` (a hashable naming what is made and of which sizes)."""
+        return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask), key, make)
 
     def query_positions(self, device) -> Tensor:
         """Absolute positions of the current queries (self-attention), ``[B or 1, Tq]``."""

@@ -24,6 +24,7 @@ Incremental decoding caches only G(x) (and the keys for +vanilla mixtures): step
 Imports torch and ``.base`` only.
 """
 
+import functools
 import math
 from typing import Dict, Optional, Sequence
 
@@ -62,6 +63,14 @@ def factorized_dense_sizes(max_len: int, factor_a: Optional[int] = None,
     if factor_b:
         return -(-max_len // factor_b), factor_b
     return default_factors(max_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-dim tensor holding ``value``, made once per dtype and device (a fill kernel per layer
+    otherwise); only ever expanded and read."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.full((), value, dtype=dtype, device=device)
 
 
 def _select_positions(table: Tensor, index: Tensor) -> Tensor:
@@ -225,7 +234,8 @@ class SynthesizerAttention(ZooAttention):
                 # B = ReLU(X W1 + b1) W2 + b2: row t from token t; column j is W2's j-th
                 # d_h-vector (and b2_j), so b2 rides along as a constant-1 query feature
                 q = self._hidden(x_q, self.dense_W1)
-                one = (q.new_ones(()) if w is None else w.to(q.dtype)).expand(q.shape[:-1] + (1,))
+                one = (_constant(1.0, q.dtype, q.device) if w is None else w.to(q.dtype))
+                one = one.expand(q.shape[:-1] + (1,))
                 kk = [self._by_position(self.dense_W2, kpos, 0, k_len),
                       self._by_position(self.dense_b2.unsqueeze(-1), kpos, 0, k_len)]
                 dots.append(([q if w is None else q * w, one], kk))
@@ -238,9 +248,10 @@ class SynthesizerAttention(ZooAttention):
                     if qpos is None:
                         t = self.R[:, off:off + tq, :k_len].unsqueeze(0)
                     else:  # one gather of (row, column) pairs of the flattened table
-                        n = self.R.size(2)
-                        t = _select_positions(self.R.flatten(1, 2),
-                                              qpos[:, :, None] * n + kpos[:, None, :])
+                        n = self.R.size(2)  # the same (row, column) ids in every layer
+                        pairs = ctx.from_masks(("synthesizer pairs", n, tq, k_len),
+                                               lambda: qpos[:, :, None] * n + kpos[:, None, :])
+                        t = _select_positions(self.R.flatten(1, 2), pairs)
                 elif name == "factorized_random":  # R1[qpos] R2[kpos]^T
                     t = torch.matmul(self._by_position(self.R1, qpos, off, tq),
                                      self._by_position(self.R2, kpos, 0, k_len).transpose(-1, -2))
@@ -323,8 +334,8 @@ class SynthesizerAttention(ZooAttention):
         dqk = sum(t.size(-1) for t in qs)
         width = -(-max(dqk, v.size(-1)) // 8) * 8
         if dqk != width:
-            qs = qs + [qs[0].new_zeros(()).expand(1, 1, 1, width - dqk)]
-            ks = ks + [ks[0].new_zeros(()).expand(1, 1, 1, width - dqk)]
+            qs, ks = ([*t, _constant(0.0, t[0].dtype, t[0].device).expand(1, 1, 1, width - dqk)]
+                      for t in (qs, ks))
         q = torch.cat([t.expand(bsz, h, tq, t.size(-1)) for t in qs], -1)
         k = torch.cat([t.expand(bsz, h, tk, t.size(-1)) for t in ks], -1)
         dv = v.size(-1)

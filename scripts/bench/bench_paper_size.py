@@ -272,6 +272,81 @@ def _caller() -> str:
     return "?"
 
 
+def sublayer_of(module: str) -> str:
+    """The sublayer a module path (from the model's class name) belongs to: ``encoder.self_attn``
+    for anything inside an encoder layer's ``self_attn`` (all layers together), ``decoder.layer``
+    for a decoder layer's own ops (residuals, norms, dropout), ``encoder.embed_tokens`` outside the
+    layers, a root module's class name for its own ops (the model's, the criterion's)."""
+    root, *parts = module.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        return ".".join(parts[:i] + (parts[i + 2:i + 3] or ["layer"]))
+    return ".".join(parts[:2]) or root
+
+
+class ModuleAttribution:
+    """Which module each op of a training step runs for, in the forward and in the backward: a
+    context whose :meth:`current` is the path of the innermost module whose forward is running
+    (``TransformerModel.encoder.layers.0.fc1``), or, in the backward, of the module whose forward
+    made the autograd node being run (each module's new nodes are tagged when its forward
+    returns, innermost first); ``trainer`` outside of both, the node's class for a node no module
+    made (``AccumulateGrad``)."""
+
+    TAG = "attnzoo_module"
+
+    def __init__(self):
+        import weakref
+
+        self.names = weakref.WeakKeyDictionary()
+        self.running = []  # (path, first autograd sequence number) of each forward running
+
+    def _name(self, module):
+        if module not in self.names:
+            root = type(module).__name__
+            for path, sub in module.named_modules():
+                self.names.setdefault(sub, f"{root}.{path}" if path else root)
+        return self.names[module]
+
+    def current(self) -> str:
+        import torch
+
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return node.metadata.get(self.TAG, type(node).__name__)
+        return self.running[-1][0] if self.running else "trainer"
+
+    def _enter(self, module, args):
+        import torch
+
+        self.running.append((self._name(module), torch._C._autograd._get_sequence_nr()))
+
+    def _exit(self, module, args, output):
+        import torch
+
+        name, first = self.running.pop()
+        nodes = [t.grad_fn for t in HostTensors._leaves(output)]
+        seen = set()
+        while nodes:  # the nodes this forward made: those no module inside it claimed are its
+            node = nodes.pop()
+            if node is None or node in seen or node._sequence_nr() < first:
+                continue
+            seen.add(node)
+            node.metadata.setdefault(self.TAG, name)
+            nodes.extend(n for n, _ in node.next_functions)
+
+    def __enter__(self):
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+
+        self.hooks = [register_module_forward_pre_hook(self._enter),
+                      register_module_forward_hook(self._exit)]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+
+
 def _count_train_steps(spec: str):
     """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
     autograd: :meth:`HostTensors.counting`) over ACTIVE updates after WAIT, split into the forward (model and criterion), the
@@ -289,12 +364,16 @@ def _count_train_steps(spec: str):
     wait, active = int(wait), int(active)
     counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]
     syncs = Counter()  # (phase, op) -> host syncs it would be on CUDA
+    launches = Counter()  # (phase, sublayer) -> non-view ops
     host = HostTensors()
+    modules = ModuleAttribution()
 
     def count(func, sync):
         counts[func.overloadpacket.__name__] += 1
         phases[phase[0]] += 1
         views[0] += func.is_view
+        if not func.is_view:
+            launches[phase[0], sublayer_of(modules.current())] += 1
         if sync:
             syncs[phase[0], f"{func.overloadpacket.__name__} ({_caller()})"] += 1
 
@@ -318,7 +397,7 @@ def _count_train_steps(spec: str):
         optimizer.backward = in_phase(type(optimizer).backward.__get__(optimizer), "backward",
                                       "forward")
         try:
-            with host.counting(count):
+            with modules, host.counting(count):
                 out = step(self, samples, raise_oom)
         finally:
             del task.train_step, optimizer.backward
@@ -328,7 +407,9 @@ def _count_train_steps(spec: str):
                            **{k: phases[k] / active for k in ("forward", "backward", "rest")},
                            "host syncs": sum(syncs.values()) / active,
                            "syncs": {f"{p}:{n}": c / active for (p, n), c in sorted(syncs.items())},
-                           "top": [(n, c / active) for n, c in counts.most_common(8)]}, f)
+                           "top": [(n, c / active) for n, c in counts.most_common(8)],
+                           "launches": {f"{p}:{m}": c / active
+                                        for (p, m), c in sorted(launches.items())}}, f)
         return out
 
     Trainer.train_step = counted_step
@@ -484,17 +565,47 @@ COUNT_COLUMNS = ["group", "precision", "arch", "ops/update", "of which views",
 def count_row(group, arch, data, args):
     """The ops ``arch`` dispatches per update (``--count-ops``): a host-cost measure that does not
     depend on the machine. On a GPU that waits for the host, each non-view op is at least one
-    kernel launch and each host sync (:func:`host_sync`) drains the queue."""
+    kernel launch and each host sync (:func:`host_sync`) drains the queue. Returns the row and
+    the non-view ops by (phase, sublayer) ({} when the run failed)."""
     text = _short_run(group, arch, data, args, COUNT_ENV, args.profile_wait, args.profile_steps)
     try:
         c = json.loads(text)
     except ValueError:
-        return f"| {group} | {args._precision} | {arch} | failed: {text[:300]} |"
+        return f"| {group} | {args._precision} | {arch} | failed: {text[:300]} |", {}
     top = ", ".join(f"{n} {v:g}" for n, v in c["top"][:5])
     syncs = ", ".join(f"{k} {v:g}" for k, v in c["syncs"].items())
     return (f"| {group} | {args._precision} | {arch} | {c['ops']:,.0f} | {c['views']:,.0f} | "
             f"{c['host syncs']:g} | {c['forward']:,.0f} | {c['backward']:,.0f} | "
-            f"{c['rest']:,.0f} | {top} | {syncs} |")
+            f"{c['rest']:,.0f} | {top} | {syncs} |"), c["launches"]
+
+
+SUBLAYER_COLUMNS = ["arch", "sublayer", "forward", "backward", "baseline forward",
+                    "baseline backward", "difference"]
+
+
+def sublayer_rows(launches, baseline):
+    """The sublayers whose kernel launches per update (non-view ops, ``phase:sublayer`` ->
+    count, from :func:`count_row`) differ from the baseline's, as table rows without the arch:
+    (sublayer, forward, backward, baseline forward, baseline backward, difference), then the
+    total."""
+    def split(counts):
+        out = {}
+        for key, n in counts.items():
+            phase, sublayer = key.split(":", 1)
+            if phase in ("forward", "backward"):
+                out.setdefault(sublayer, {"forward": 0, "backward": 0})[phase] += n
+        return out
+
+    ours, base = split(launches), split(baseline)
+    zero = {"forward": 0, "backward": 0}
+    rows, total = [], 0
+    for sublayer in sorted(set(ours) | set(base)):
+        a, b = ours.get(sublayer, zero), base.get(sublayer, zero)
+        if a != b:
+            diff = a["forward"] + a["backward"] - b["forward"] - b["backward"]
+            total += diff
+            rows.append((sublayer, a["forward"], a["backward"], b["forward"], b["backward"], diff))
+    return rows + [("all", "", "", "", "", total)]
 
 
 def bench_span(args, emit):
@@ -604,8 +715,21 @@ def main(argv=None):
                     continue
                 if args.count_ops:
                     emit_head(COUNT_COLUMNS)
+                    launches = {}
                     for arch in [BASELINE[group]] + chosen:
-                        emit(count_row(group, arch, data, args))
+                        row, launches[arch] = count_row(group, arch, data, args)
+                        emit(row)
+                    emit(f"\nKernel launches (non-view ops) per update by sublayer, all layers "
+                         f"together, where an arch differs from `{BASELINE[group]}` ({group}, "
+                         f"{precision}):")
+                    emit_head(SUBLAYER_COLUMNS)
+                    for arch in chosen:
+                        if launches[arch] and launches[BASELINE[group]]:
+                            for row in sublayer_rows(launches[arch], launches[BASELINE[group]]):
+                                emit(f"| {arch} | " + " | ".join(
+                                    f"{v:+,.0f}" if i == 5 else
+                                    f"{v:,.0f}" if isinstance(v, float) else str(v)
+                                    for i, v in enumerate(row)) + " |")
                     continue
                 base = None
                 if args.baseline == "bracket":
