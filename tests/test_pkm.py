@@ -94,6 +94,35 @@ def test_product_topk_in_token_chunks_equals_one_block(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_the_search_answers_token_major_and_its_key_gradient_is_a_gemm_per_half(monkeypatch):
+    """A GPU step at transformer-base size waits on the host's kernel launches. The search (one
+    chunk, as on CUDA) hands the value read its weights and slot ids as views, with no transposed
+    copies, and the sub-key gradient is one scatter and one batched GEMM per half for all heads
+    (not one per head and half)."""
+    import fairseq_attnzoo.modules.pkm as pkm
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(pkm, "_SCORE_CHUNK", 1 << 62)
+    m = _memory(heads=4)
+    q = m.query(torch.randn(9, 16)).detach().requires_grad_()
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    m.lookup(q)  # the candidate-pair table is made once per knn and device
+    with Ops():
+        weights, indices = m.lookup(q)
+    assert not {"clone", "copy_", "_to_copy", "cat"} & set(ops), ops
+    loss = (weights * torch.randn_like(weights)).sum()
+    ops.clear()
+    with Ops():
+        loss.backward()
+    assert (ops.count("scatter_add_"), ops.count("bmm"), ops.count("mm")) == (2, 2, 0), ops
+
+
 def test_memory_read_equals_explicit_weighted_sum_of_values():
     m = _memory(bn=False).eval()
     x = torch.randn(9, 16)

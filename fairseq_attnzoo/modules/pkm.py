@@ -73,63 +73,67 @@ def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
 
     q1, q2 ``[H, N, k_dim/2]``; keys1, keys2 ``[H, n_keys, k_dim/2]`` -> scores, indices
     ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b). Scores are differentiable with
-    respect to queries and keys (:class:`_ProductTopk`, which takes both halves joined:
-    :meth:`ProductKeyMemory.lookup` calls it directly on the query net's layout)."""
-    return _ProductTopk.apply(torch.cat([q1, q2], -1), torch.stack([keys1, keys2], 1), knn)
+    respect to queries and keys (:class:`_ProductTopk`, which takes both halves joined and
+    answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
+    scores, indices = _ProductTopk.apply(torch.cat([q1, q2], -1), torch.stack([keys1, keys2], 1),
+                                         knn)
+    return scores.transpose(0, 1), indices.transpose(0, 1)
 
 
 class _ProductTopk(torch.autograd.Function):
-    """``(query [H, N, k_dim], keys [H, 2, n_keys, k_dim/2], knn) -> scores, indices [H, N, knn]``:
-    half-query i of ``query`` is scored against ``keys[:, i]``.
+    """``(query [H, N, k_dim], keys [H, 2, n_keys, k_dim/2], knn) -> scores, indices [N, H, knn]``:
+    half-query i of ``query`` is scored against ``keys[:, i]``; the answer is token-major, the
+    layout of the value read (no transposed copies of either).
 
     Forward: the search runs without autograd, in chunks of tokens whose [H, chunk, n_keys] scores
-    stay cache-resident between their GEMM and their top-k. Backward: straight to the knn chosen
+    stay cache-resident between their GEMM and their top-k (on CUDA one chunk, so no per-chunk
+    launches and no copies into preallocated outputs). Backward: straight to the knn chosen
     sub-key pairs. Score (a, b) = ⟨q¹, c_a⟩ + ⟨q², c'_b⟩, so with g = ∂L/∂score:
 
         ∂L/∂q¹ = Σ_j g_j c_{a_j}    (an embedding bag over the sub-keys: knn reads a token)
-        ∂L/∂C  = Gᵀ q¹              (G [N, n_keys] = g scattered to the chosen a_j; one GEMM)
+        ∂L/∂C  = Gᵀ q¹              (G [N, n_keys] = g scattered to the chosen a_j; a GEMM)
 
     and the same for the second half. Both half-query gradients are one embedding bag whose bags
     are ordered (token, head, half), so its output is the query gradient already in the query
-    net's [N, H·k_dim] layout (no slice/transpose copies to join them); the sub-key gradient uses
-    one [N, n_keys] scratch buffer per call, re-zeroed for each head and half, instead of a fresh
-    zero-filled [H, N, n_keys] tensor per half. Stock autograd instead back-propagates through
-    the candidate gather, the second top-k and the first top-k (three zero-fills and scatters,
-    one of them [H, N, n_keys]) and then runs both bmm backward products on that dense
-    gradient."""
+    net's [N, H·k_dim] layout (no slice/transpose copies to join them). The sub-key gradient
+    scatters g into one [H, N, n_keys] buffer per half, re-zeroed for the second (the size of
+    the forward's score block for one half, so the backward needs no more scratch than the
+    forward did), and multiplies it with the half-queries in one batched GEMM per half. Stock
+    autograd instead back-propagates through the candidate gather, the second top-k and the
+    first top-k (three zero-fills and scatters, one of them [H, N, n_keys]) and then runs both
+    bmm backward products on that dense gradient."""
 
     @staticmethod
     def forward(ctx, query: Tensor, keys: Tensor, knn: int):
         h, n, _ = query.shape
         n_keys, half = keys.size(2), keys.size(3)
         a, b = _candidate_pairs(knn, query.device)
-        scores = query.new_empty(h, n, knn)
-        indices = torch.empty(h, n, knn, dtype=torch.long, device=query.device)
-        sub = torch.empty(n, h, 2, knn, dtype=torch.long, device=query.device)  # chosen a, b
         keys_t = keys.transpose(2, 3)  # [H, 2, half, n_keys]
         # CPU: cache-sized chunks; GPU: one chunk (no per-chunk kernel launches)
         chunk = n if query.is_cuda else max(1, _SCORE_CHUNK // (h * n_keys))
+        parts = []
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            # per half: [H, c, n_keys] scores -> sorted top-knn values and sub-key ids
+            # per half: [H, c, n_keys] scores -> sorted top-knn values and sub-key ids, read
+            # token-major [c, H, knn] from here on
             (s1, i1), (s2, i2) = (
-                torch.bmm(query[:, s:e, i * half:(i + 1) * half], keys_t[:, i]).topk(knn, dim=-1)
+                (t.transpose(0, 1) for t in
+                 torch.bmm(query[:, s:e, i * half:(i + 1) * half], keys_t[:, i]).topk(knn, dim=-1))
                 for i in range(2))
             # the overall top-k is among the pairs (a, b) of the two sorted lists; pair (a, b)
             # is beaten by every (a' <= a, b' <= b), so only pairs with (a+1)(b+1) <= knn can
             # make it (~k·ln k of the k² pairs: 119 of 1024 for k = 32)
             # (gather with an expanded index / index_select: 2-3x faster than advanced indexing)
-            cand = (s1.gather(-1, a.expand(h, e - s, -1))
-                    + s2.gather(-1, b.expand(h, e - s, -1)))  # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩
+            cand = (s1.gather(-1, a.expand(e - s, h, -1))
+                    + s2.gather(-1, b.expand(e - s, h, -1)))  # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩
             best_s, best = cand.topk(knn, dim=-1)
             best_flat = best.view(-1)
             sub1 = i1.gather(-1, a.index_select(0, best_flat).view_as(best))  # chosen sub-keys
             sub2 = i2.gather(-1, b.index_select(0, best_flat).view_as(best))
-            scores[:, s:e] = best_s
-            indices[:, s:e] = sub1 * n_keys + sub2
-            sub[s:e, :, 0] = sub1.transpose(0, 1)
-            sub[s:e, :, 1] = sub2.transpose(0, 1)
-        ctx.save_for_backward(query, keys, sub)
+            parts.append((best_s, torch.add(sub2, sub1, alpha=n_keys), torch.stack([sub1, sub2], 2)))
+        scores, indices, sub = (parts[0] if len(parts) == 1 else
+                                [torch.cat(p) for p in zip(*parts)])
+        ctx.save_for_backward(query, keys, sub)  # sub [N, H, 2, knn]: the chosen a, b
         ctx.mark_non_differentiable(indices)
         return scores, indices
 
@@ -138,23 +142,23 @@ class _ProductTopk(torch.autograd.Function):
         query, keys, sub = ctx.saved_tensors
         n, h, _, k = sub.shape
         n_keys, half = keys.size(2), keys.size(3)
-        g = grad.to(keys.dtype)
+        g = grad.to(keys.dtype)  # [N, H, knn]
         grad_query = grad_keys = None
         if ctx.needs_input_grad[0]:  # Σ_j g_j c_{sub_j}; bag (n, h, i) reads keys[h, i]
             rows = sub + torch.arange(0, h * 2 * n_keys, n_keys,
                                       device=sub.device).view(1, h, 2, 1)
-            weights = g.transpose(0, 1).unsqueeze(2).expand(n, h, 2, k)
+            weights = g.unsqueeze(2).expand(n, h, 2, k)
             grad_query = F.embedding_bag(rows.view(-1, k), keys.reshape(-1, half), mode="sum",
                                          per_sample_weights=weights.reshape(-1, k))
             grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1)
-        if ctx.needs_input_grad[1]:  # Gᵀ q per head and half (a sub-key chosen twice gets both g)
-            grad_keys = keys.new_empty(keys.shape)
-            dense = g.new_empty(n, n_keys)
-            for j in range(h):
-                for i in range(2):
-                    dense.zero_().scatter_add_(-1, sub[:, j, i], g[j])
-                    torch.mm(dense.t(), query[j, :, i * half:(i + 1) * half].to(keys.dtype),
-                             out=grad_keys[j, i])
+        if ctx.needs_input_grad[1]:  # Gᵀ q per half, all heads at once (a sub-key chosen
+            dense = g.new_empty(h, n, n_keys)  # twice gets both g)
+            grad_keys = []
+            for i in range(2):
+                dense.zero_().scatter_add_(-1, sub[:, :, i].transpose(0, 1), g.transpose(0, 1))
+                grad_keys.append(torch.bmm(dense.transpose(1, 2),
+                                           query[:, :, i * half:(i + 1) * half].to(keys.dtype)))
+            grad_keys = torch.stack(grad_keys, 1)
         return grad_query, grad_keys, None
 
 
@@ -452,9 +456,8 @@ class ProductKeyMemory(ZooFeedForward):
         with float32_region(query.device):
             scores, indices = _ProductTopk.apply(query.float(), self.sub_keys(), self.knn)
             weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
-        n = query.size(1)
-        return (weights.transpose(0, 1).reshape(n, self.heads * self.knn),
-                indices.transpose(0, 1).reshape(n, self.heads * self.knn))
+        n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
+        return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
 
     def values_read(self, x: Tensor, dropped: bool = False) -> Tensor:
         """Σ_i w_i v_i for unpadded tokens x [N, d] -> [N, v_dim] (no value dropout)."""
