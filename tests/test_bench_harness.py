@@ -109,12 +109,12 @@ def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
            "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {line.split(" | ")[2]: line.split(" | ")[3:6] for line in out.read_text().splitlines()
+    rows = {line.split(" | ")[2]: line.split(" | ")[3:7] for line in out.read_text().splitlines()
             if line.startswith("| lm | fp32 | ")}
     assert set(rows) == {"transformer_lm", "transformer_lm_pkm"}, rows
     ops = {arch: [float(v.replace(",", "")) for v in row] for arch, row in rows.items()}
-    for total, views, reads in ops.values():
-        assert total > 300 and 0 < views < total and reads >= 1
+    for total, views, launches, reads in ops.values():
+        assert total > 300 and 0 < views < total and 0 < launches < total - views and reads >= 1
     assert ops["transformer_lm_pkm"][0] > ops["transformer_lm"][0]
     # where they differ, by sublayer: the memory in place of one layer's fc1-ReLU-fc2
     sublayers = {line.split(" | ")[1]: line.split(" | ")[2:] for line in

@@ -130,7 +130,8 @@ class _ProductTopk(torch.autograd.Function):
             best_flat = best.view(-1)
             sub1 = i1.gather(-1, a.index_select(0, best_flat).view_as(best))  # chosen sub-keys
             sub2 = i2.gather(-1, b.index_select(0, best_flat).view_as(best))
-            parts.append((best_s, torch.add(sub2, sub1, alpha=n_keys), torch.stack([sub1, sub2], 2)))
+            parts.append((best_s, torch.add(sub2, sub1, alpha=n_keys),  # slot a·n_keys + b
+                          torch.stack([sub1, sub2], 2)))
         scores, indices, sub = (parts[0] if len(parts) == 1 else
                                 [torch.cat(p) for p in zip(*parts)])
         ctx.save_for_backward(query, keys, sub)  # sub [N, H, 2, knn]: the chosen a, b

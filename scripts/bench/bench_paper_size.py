@@ -99,6 +99,18 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "maske
                  "unique_dim_consecutive", "bincount", "histc"}
 
 
+#: aten ops that are not views to autograd but launch no kernel on CUDA: allocations without a
+#: fill, and ``_unsafe_view`` (the reshape of a matrix product's output)
+NO_KERNEL_OPS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
+                 "new_empty_strided"}
+
+
+def launches_kernel(func) -> bool:
+    """Whether the aten op ``func`` launches at least one kernel on CUDA: not a view, not in
+    :data:`NO_KERNEL_OPS`."""
+    return not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL_OPS
+
+
 def host_sync(func, args, kwargs) -> bool:
     """Whether the aten op ``func(*args, **kwargs)`` synchronises with the device on CUDA:
     :data:`HOST_SYNC_OPS`, indexing with a boolean mask (a ``nonzero`` inside ATen), and
@@ -349,8 +361,10 @@ class ModuleAttribution:
 
 def _count_train_steps(spec: str):
     """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
-    autograd: :meth:`HostTensors.counting`) over ACTIVE updates after WAIT, split into the forward (model and criterion), the
-    backward and the rest (optimizer, gradient clipping, the trainer); write them to PATH."""
+    autograd: :meth:`HostTensors.counting`) over ACTIVE updates after WAIT, split into the
+    forward (model and criterion), the backward and the rest (optimizer, gradient clipping, the
+    trainer), and the kernel launches by phase and sublayer (:class:`ModuleAttribution`); write
+    them to PATH."""
     from collections import Counter
 
     from fairseq.trainer import Trainer
@@ -364,7 +378,7 @@ def _count_train_steps(spec: str):
     wait, active = int(wait), int(active)
     counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]
     syncs = Counter()  # (phase, op) -> host syncs it would be on CUDA
-    launches = Counter()  # (phase, sublayer) -> non-view ops
+    launches = Counter()  # (phase, sublayer) -> ops that launch a kernel on CUDA
     host = HostTensors()
     modules = ModuleAttribution()
 
@@ -372,7 +386,7 @@ def _count_train_steps(spec: str):
         counts[func.overloadpacket.__name__] += 1
         phases[phase[0]] += 1
         views[0] += func.is_view
-        if not func.is_view:
+        if launches_kernel(func):
             launches[phase[0], sublayer_of(modules.current())] += 1
         if sync:
             syncs[phase[0], f"{func.overloadpacket.__name__} ({_caller()})"] += 1
@@ -404,6 +418,7 @@ def _count_train_steps(spec: str):
         if calls[0] == wait + active:
             with open(path, "w") as f:
                 json.dump({"ops": sum(counts.values()) / active, "views": views[0] / active,
+                           "launches/update": sum(launches.values()) / active,
                            **{k: phases[k] / active for k in ("forward", "backward", "rest")},
                            "host syncs": sum(syncs.values()) / active,
                            "syncs": {f"{p}:{n}": c / active for (p, n), c in sorted(syncs.items())},
@@ -558,15 +573,17 @@ def profile_run(group, arch, data, args, emit):
 
 
 COUNT_COLUMNS = ["group", "precision", "arch", "ops/update", "of which views",
+                 "kernel launches/update (on CUDA)",
                  "host syncs/update (on CUDA)", "forward", "backward", "optimizer + trainer",
                  "most dispatched ops (per update)", "host syncs by phase and op"]
 
 
 def count_row(group, arch, data, args):
     """The ops ``arch`` dispatches per update (``--count-ops``): a host-cost measure that does not
-    depend on the machine. On a GPU that waits for the host, each non-view op is at least one
-    kernel launch and each host sync (:func:`host_sync`) drains the queue. Returns the row and
-    the non-view ops by (phase, sublayer) ({} when the run failed)."""
+    depend on the machine. On a GPU that waits for the host, each op that
+    :func:`launches_kernel` costs at least one launch and each host sync (:func:`host_sync`)
+    drains the queue. Returns the row and
+    the kernel launches by (phase, sublayer) ({} when the run failed)."""
     text = _short_run(group, arch, data, args, COUNT_ENV, args.profile_wait, args.profile_steps)
     try:
         c = json.loads(text)
@@ -575,6 +592,7 @@ def count_row(group, arch, data, args):
     top = ", ".join(f"{n} {v:g}" for n, v in c["top"][:5])
     syncs = ", ".join(f"{k} {v:g}" for k, v in c["syncs"].items())
     return (f"| {group} | {args._precision} | {arch} | {c['ops']:,.0f} | {c['views']:,.0f} | "
+            f"{c['launches/update']:,.0f} | "
             f"{c['host syncs']:g} | {c['forward']:,.0f} | {c['backward']:,.0f} | "
             f"{c['rest']:,.0f} | {top} | {syncs} |"), c["launches"]
 
@@ -584,10 +602,10 @@ SUBLAYER_COLUMNS = ["arch", "sublayer", "forward", "backward", "baseline forward
 
 
 def sublayer_rows(launches, baseline):
-    """The sublayers whose kernel launches per update (non-view ops, ``phase:sublayer`` ->
-    count, from :func:`count_row`) differ from the baseline's, as table rows without the arch:
-    (sublayer, forward, backward, baseline forward, baseline backward, difference), then the
-    total."""
+    """The sublayers whose kernel launches per update (:func:`launches_kernel`;
+    ``phase:sublayer`` -> count, from :func:`count_row`) differ from the baseline's, as table
+    rows without the arch: (sublayer, forward, backward, baseline forward, baseline backward,
+    difference), then the total."""
     def split(counts):
         out = {}
         for key, n in counts.items():
@@ -719,9 +737,9 @@ def main(argv=None):
                     for arch in [BASELINE[group]] + chosen:
                         row, launches[arch] = count_row(group, arch, data, args)
                         emit(row)
-                    emit(f"\nKernel launches (non-view ops) per update by sublayer, all layers "
-                         f"together, where an arch differs from `{BASELINE[group]}` ({group}, "
-                         f"{precision}):")
+                    emit(f"\nKernel launches per update by sublayer (ops that launch one on "
+                         f"CUDA: not views, not bare allocations), all layers together, where "
+                         f"an arch differs from `{BASELINE[group]}` ({group}, {precision}):")
                     emit_head(SUBLAYER_COLUMNS)
                     for arch in chosen:
                         if launches[arch] and launches[BASELINE[group]]:
