@@ -117,7 +117,7 @@ def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
         assert total > 300 and 0 < views < total and 0 < launches < total - views and reads >= 1
     assert ops["transformer_lm_pkm"][0] > ops["transformer_lm"][0]
     # where they differ, by sublayer: the memory in place of one layer's fc1-ReLU-fc2
-    sublayers = {line.split(" | ")[1]: line.split(" | ")[2:] for line in
+    sublayers = {line.split(" | ")[1]: line.rstrip(" |").split(" | ")[2:] for line in
                  out.read_text().splitlines() if line.startswith("| transformer_lm_pkm | ")}
     fwd, bwd, base_fwd, base_bwd, diff = sublayers["decoder.ffn"][:5]
     assert float(fwd) > 10 and float(bwd) > 10 and float(base_fwd) == float(base_bwd) == 0
