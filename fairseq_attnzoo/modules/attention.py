@@ -70,7 +70,9 @@ class _FromMasks:
     masks), kept while those mask tensors live and are unchanged. fairseq hands every layer of a
     forward the same padding and future-mask tensors, so each is derived once per forward instead
     of once per layer (each derivation is a few kernel launches, the cost of a host-bound step);
-    a mask modified in place (its version counter moves) or freed drops its entries."""
+    a mask modified in place (its version counter moves) or freed drops its entries. A value that
+    shares memory with a mask (a view of it, such as the boolean form of a boolean padding mask)
+    is not kept: it costs no kernel to make again, and keeping it would keep the mask alive."""
 
     def __init__(self):
         self.entries = {}
@@ -82,10 +84,15 @@ class _FromMasks:
         if entry is not None and all(ref() is m for ref, m in zip(entry[0], masks)):
             return entry[1]
         value = make()
-        if masks:  # nothing to key a mask-free value on: it is cheap (an arange) or None
+        # nothing to key a mask-free value on: it is cheap (an arange) or None
+        if masks and not (value is not None and any(_same_memory(value, m) for m in masks)):
             drop = lambda _, full=full: self.entries.pop(full, None)  # noqa: E731
             self.entries[full] = (tuple(weakref.ref(m, drop) for m in masks), value)
         return value
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 _FROM_MASKS = _FromMasks()
