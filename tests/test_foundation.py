@@ -4,7 +4,7 @@ attention base against fairseq's MultiheadAttention, and one-line errors for bad
 import pytest
 import torch
 
-from zoo_testlib import build, parse
+from zoo_testlib import DispatchedOps, build, parse
 
 from fairseq_attnzoo.modules.attention import positions_from_padding
 from fairseq_attnzoo.modules.sdpa import ZooMultiheadAttention
@@ -97,8 +97,6 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
     """fairseq hands every layer of a forward the same padding and future-mask tensors: the
     additive mask and the pad-aware positions are derived from them once, not once per layer
     (a few kernel launches each), and derived anew from a mask changed in place or a new one."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
     torch.manual_seed(0)
@@ -106,21 +104,14 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
     x = torch.randn(7, 3, 16)
     pad = torch.zeros(3, 7, dtype=torch.bool)
     pad[0, :2] = True
-    seen = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def forward(mask):
-        seen.clear()
-        with Ops():
+        with DispatchedOps() as ops:
             outs = [m(x, x, x, key_padding_mask=mask)[0] for m in layers]
-        return outs, seen.count("cumsum"), seen.count("masked_fill_")
+        return outs, ops.n["cumsum"], ops.n["masked_fill_"]
 
     first, positions, fills = forward(pad)
-    assert (positions, fills) == (1, 1), seen  # one derivation for the three layers
+    assert (positions, fills) == (1, 1)  # one derivation for the three layers
     assert forward(pad)[1:] == (0, 0)  # the same, unchanged tensor: nothing derived again
     pad[1, :3] = True  # changed in place: derived anew, and the outputs follow the new mask
     changed, positions, fills = forward(pad)
@@ -129,6 +120,31 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
     for a, b in zip(changed, fresh):
         assert torch.equal(a, b)
     assert not torch.equal(changed[0][:, 1], first[0][:, 1])
+
+
+def test_masks_derived_once_are_released_with_the_masks():
+    """What is derived from a forward's masks lives as long as the masks, not longer: a training
+    run hands every batch new mask tensors, and a kept view of one (the boolean form of a
+    boolean padding mask) would keep it, and its entries, alive for good."""
+    import gc
+
+    from fairseq_attnzoo.modules.attention import _FROM_MASKS
+    from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
+
+    m = SynthesizerAttention(16, 4, components=("dense",), max_len=8)
+    x = torch.randn(7, 3, 16)
+    gc.collect()
+    before = len(_FROM_MASKS.entries)
+    for _ in range(5):
+        pad = torch.zeros(3, 7, dtype=torch.bool)
+        pad[0, :2] = True
+        future = torch.triu(torch.full((7, 7), float("-inf")), 1)
+        m(x, x, x, key_padding_mask=pad)
+        m(x, x, x, attn_mask=future)
+        assert len(_FROM_MASKS.entries) > before  # kept while the masks live
+        del pad, future
+    gc.collect()
+    assert len(_FROM_MASKS.entries) == before
 
 
 def test_pad_aware_positions():
