@@ -22,7 +22,7 @@ from fairseq_attnzoo.modules.collab import (
     head_projections,
 )
 
-from zoo_testlib import USER_DIR, run_cli
+from zoo_testlib import USER_DIR, DispatchedOps, run_cli
 
 
 def _script(name):
@@ -76,23 +76,14 @@ def test_full_rank_conversion_is_exact_with_padding_and_causal_masks():
 def test_projections_read_one_copy_of_each_input(cross):
     """fairseq hands attention time-first inputs; the four projections of self-attention (three
     of the keys' side in cross-attention) read one batch-first copy of each, not one copy each."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     d, t, b = 32, 5, 3
     m = CollaborativeAttention(d, 4, 16, kdim=24 if cross else None, vdim=24 if cross else None)
     x = torch.randn(t, b, d)
     kv = torch.randn(t + 2, b, 24) if cross else x
-    copies = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in ("clone", "copy_", "_to_copy") and args[0].dim() == 3:
-                copies.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    with DispatchedOps() as ops:
         m(x, kv, kv, need_weights=False)
+    copies = [tuple(args[0].shape) for name, _, args in ops.calls
+              if name in ("clone", "copy_", "_to_copy") and args[0].dim() == 3]
     expected = [(b, t, d), (b, t + 2, 24)] if cross else [(b, t, d)]
     assert sorted(c for c in copies if c in expected) == sorted(expected), copies
 

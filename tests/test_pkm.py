@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo_testlib import USER_DIR
+from zoo_testlib import USER_DIR, DispatchedOps
 from fairseq import options
 from fairseq.logging import metrics
 
@@ -100,27 +100,18 @@ def test_the_search_answers_token_major_and_its_key_gradient_is_a_gemm_per_half(
     copies, and the sub-key gradient is one scatter and one batched GEMM per half for all heads
     (not one per head and half)."""
     import fairseq_attnzoo.modules.pkm as pkm
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     monkeypatch.setattr(pkm, "_SCORE_CHUNK", 1 << 62)
     m = _memory(heads=4)
     q = m.query(torch.randn(9, 16)).detach().requires_grad_()
-    ops = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     m.lookup(q)  # the candidate-pair table is made once per knn and device
-    with Ops():
+    with DispatchedOps() as ops:
         weights, indices = m.lookup(q)
-    assert not {"clone", "copy_", "_to_copy", "cat"} & set(ops), ops
+    assert not {"clone", "copy_", "_to_copy", "cat"} & set(ops.names), ops.names
     loss = (weights * torch.randn_like(weights)).sum()
-    ops.clear()
-    with Ops():
+    with DispatchedOps() as ops:
         loss.backward()
-    assert (ops.count("scatter_add_"), ops.count("bmm"), ops.count("mm")) == (2, 2, 0), ops
+    assert (ops.n["scatter_add_"], ops.n["bmm"], ops.n["mm"]) == (2, 2, 0), ops.names
 
 
 def test_memory_read_equals_explicit_weighted_sum_of_values():

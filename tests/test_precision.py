@@ -19,13 +19,11 @@ import argparse
 import copy
 import math
 import os
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from zoo_testlib import (USER_DIR, build, decode_steps, decoder_inputs, incremental_vs_full, is_lm,
+from zoo_testlib import (USER_DIR, DispatchedOps, build, decode_steps, decoder_inputs, incremental_vs_full, is_lm,
                          json_logs, lm_extra, model_class, run_cli, sweep_batch, tiny_flags,
                          tolerance, train_flags, zoo_archs)
 
@@ -299,18 +297,6 @@ def test_fp16_optimizer_masters_stay_clamped(lm_data, monkeypatch, dtype, flatte
     assert all(float(s.abs().max()) == 0.0 for s in _spans(model))
 
 
-class CountOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside ``with CountOps() as c:`` by name (``c.n``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_bf16_flat_masters_train_like_per_parameter_masters(lm_data):
     """--bf16: fairseq keeps one fp32 master per parameter (for TPUs) and Adam loops over them;
     compat's fairseq_bf16_flat_masters gives bf16 the flat buffer of --fp16. Three updates with
@@ -330,7 +316,7 @@ def test_bf16_flat_masters_train_like_per_parameter_masters(lm_data):
         optimizer = FP16Optimizer.build_optimizer(cfg, params)
         assert optimizer.has_flat_params == (not flags)
         for update in range(3):
-            counter = CountOps()
+            counter = DispatchedOps()
             with counter:
                 task.train_step(sample, model, criterion, optimizer, update)
                 optimizer.multiply_grads(1.0 / float(sample["ntokens"]))
@@ -364,7 +350,7 @@ def test_flat_master_copies_are_one_multi_tensor_copy_each_way(lm_data):
     for i, p in enumerate(params):
         p.grad = None if i == 3 else torch.randn(p.shape, generator=g).to(p.dtype)
     optimizer._needs_sync = True
-    with CountOps() as grads_ops:
+    with DispatchedOps() as grads_ops:
         optimizer._sync_fp16_grads_to_fp32()
     flat = next(iter(optimizer.fp32_params.values()))
     expected = torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.float().reshape(-1)
@@ -372,7 +358,7 @@ def test_flat_master_copies_are_one_multi_tensor_copy_each_way(lm_data):
     assert torch.equal(flat.grad, expected)
     with torch.no_grad():
         flat.copy_(torch.randn(flat.shape, generator=g))
-    with CountOps() as params_ops:
+    with DispatchedOps() as params_ops:
         optimizer._sync_fp32_params_to_fp16()
     offset = 0
     for p in params:

@@ -5,6 +5,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+from zoo_testlib import DispatchedOps
 from fairseq_attnzoo.models.sublayers import build_options
 from fairseq_attnzoo.models.synthesizer import (
     VARIANTS,
@@ -173,22 +174,13 @@ def test_projections_read_one_copy_of_the_time_first_input():
     """fairseq hands attention time-first inputs; the base turns each into one contiguous
     batch-first tensor, read by all the module's projections (Dense: its hidden layer and the
     values), not copied again by each ``nn.Linear``."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     m = SynthesizerAttention(D, H, components=("dense",), max_len=16)
     t, b = 5, 3
     x = torch.randn(t, b, D)
-    copies = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in ("clone", "copy_", "_to_copy") and tuple(args[0].shape) == (b, t, D):
-                copies.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    with DispatchedOps() as ops:
         m(x, x, x, need_weights=False)
+    copies = [name for name, _, args in ops.calls
+              if name in ("clone", "copy_", "_to_copy") and tuple(args[0].shape) == (b, t, D)]
     assert copies == ["clone"], copies
 
 

@@ -17,6 +17,8 @@ import sys
 from typing import Dict, List, Optional
 
 import torch
+from collections import Counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fairseq_attnzoo  # noqa: F401  (registers everything)
 from fairseq import options, tasks
@@ -25,6 +27,28 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq_attnzoo.models.registry import ArchTests, arch_tests
 from fairseq_attnzoo.models.sublayers import (SLOT_FLAGS, SUBLAYER_REGISTRY, layer_names,
                                               tiny_overrides)
+
+class DispatchedOps(TorchDispatchMode):
+    """The aten ops dispatched inside ``with DispatchedOps() as ops:``, below autograd (so the
+    backward's too): ``ops.calls``, each ``(name, func, args)`` in order; ``ops.names``, their
+    names; ``ops.n``, how often each name came."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket.__name__, func, args))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def names(self) -> List[str]:
+        return [name for name, _, _ in self.calls]
+
+    @property
+    def n(self) -> Counter:
+        return Counter(self.names)
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
