@@ -265,3 +265,34 @@ def test_train_logs_are_read_in_every_logging_format():
         'INFO:train_inner:{"broken',
     ])
     assert [r["loss"] for r in inner_logs(text)] == ["7.5", "7.4"]
+
+
+def _layout(cmd):
+    """What a model built from a harness command looks like apart from its methods: per side,
+    pre- or post-norm, the final and the embedding layer norms, the embedding scale."""
+    from fairseq import options, tasks
+
+    argv = cmd[cmd.index("--run-train") + 1:]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    model = tasks.setup_task(args).build_model(args)
+    sides = [getattr(model, "encoder", None), model.decoder]
+    return [(s.layers[0].normalize_before, s.layer_norm is not None,
+             s.layernorm_embedding is not None, s.embed_scale) for s in sides if s is not None]
+
+
+@pytest.mark.parametrize("group", ["mt", "lm"])
+def test_the_baseline_has_the_layout_of_the_archs_it_is_compared_with(group, mt_data, lm_data,
+                                                                      tmp_path):
+    """A ratio against the stock baseline measures the method only if everything else is the
+    same model: fairseq's bare ``transformer_lm`` arch is post-norm without a final layer norm,
+    the zoo LMs (fairseq's ``base_lm_architecture``) pre-norm with one."""
+    from scripts.bench import bench_paper_size as bps
+
+    args = types.SimpleNamespace(size="tiny", updates=1, seed=1, valid_steps=1,
+                                 _precision="fp32", device="cpu", extra="")
+    data = mt_data if group == "mt" else lm_data
+    archs = bps.MT_ARCHS if group == "mt" else bps.LM_ARCHS
+    layout = {arch: _layout(bps.train_command(group, arch, data, args, str(tmp_path)))
+              for arch in [bps.BASELINE[group]] + archs}
+    base = layout.pop(bps.BASELINE[group])
+    assert {arch: base for arch in layout} == layout

@@ -96,7 +96,7 @@ def test_shared_fast_path_equals_gathered_path(mode):
                                        atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["dense", "dense_vanilla"])
+@pytest.mark.parametrize("mode", ["dense", "dense_vanilla", "factorized_random"])
 def test_fused_path_equals_materialized_path(mode):
     # dot-product-form logits go through SDPA; keep_attention materializes Softmax(B) instead
     m = make(mode)
@@ -108,6 +108,34 @@ def test_fused_path_equals_materialized_path(mode):
         m.keep_attention = True
         torch.testing.assert_close(run(m, x, **kw), fused, atol=1e-5, rtol=1e-5)
         m.keep_attention = False
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_factorized_random_runs_the_fused_kernel_unless_the_batch_shares_one_map(share,
+                                                                                monkeypatch):
+    """R1 R2ᵀ is a rank-k dot product: with padding or weight dropout (a map per sentence) it
+    goes through SDPA like Dense, no [B, H, Tq, Tk] logits and fp32 softmax; with neither, the
+    one softmax for the whole batch stays. Outputs equal the materialized path's."""
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(3))
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, :3] = True
+    m = make("factorized_random", share_heads=share)
+    for kw, fused in (({"pad": pad}, True), ({"pad": pad, "mask": causal(7)}, True),
+                      ({"mask": causal(7)}, False)):
+        with DispatchedOps() as ops:
+            run(m, x, **kw)
+        attention = {n for n in ops.names if "scaled_dot_product" in n or "softmax" in n}
+        assert any("scaled_dot_product" in n for n in attention) == fused, (kw, attention)
+        assert any("softmax" in n for n in attention) == (not fused), (kw, attention)
+    # weight dropout: a map per sentence too (torch's CPU SDPA runs its math path with dropout,
+    # so the call itself is counted)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw["dropout_p"]) or sdpa(*a, **kw))
+    m.dropout = 0.1
+    run(m.train(), x, mask=causal(7))
+    assert calls == [0.1]
 
 
 def _step_params(m, steps=3):
@@ -208,10 +236,12 @@ def test_gathered_tables_equal_the_position_formulas(share):
     for b in range(2):
         i, j = pos[b][:, None], pos[b][None, :]
         torch.testing.assert_close(tables[0][b], alpha[0] * m.R[:, i, j])
-        torch.testing.assert_close(tables[1][b], alpha[1] * m.R1[:, pos[b]] @ m.R2[:, pos[b]].mT)
         fdense = Bf[b][..., pos[b] // 4] * A[b][..., pos[b] % 4]
-        torch.testing.assert_close(tables[2][b], alpha[2] * fdense)
+        torch.testing.assert_close(tables[1][b], alpha[2] * fdense)
+        # the dot terms, in component order: Factorized Random (padding: not shared), Dense
         q, k = torch.cat(dots[0][0], -1)[b], torch.cat(dots[0][1], -1)[b]
+        torch.testing.assert_close(q @ k.mT, alpha[1] * m.R1[:, pos[b]] @ m.R2[:, pos[b]].mT)
+        q, k = torch.cat(dots[1][0], -1)[b], torch.cat(dots[1][1], -1)[b]
         want = dense_q[b] @ m.dense_W2[:, pos[b]].mT + m.dense_b2[:, None, pos[b]]
         torch.testing.assert_close(q @ k.mT, alpha[3] * want)
 

@@ -212,7 +212,8 @@ class SynthesizerAttention(ZooAttention):
     def terms(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext, k_len: int):
         """The components' logits, each already weighted by its alpha, in two forms:
 
-        * dot-product terms S_i = q_i k_i^T (Dense, Vanilla) as lists of feature blocks
+        * dot-product terms S_i = q_i k_i^T (Dense, Vanilla; Factorized Random unless the
+          batch shares one map) as lists of feature blocks
           ([q blocks], [k blocks]): they go through the fused SDPA kernel, all blocks concatenated
           along the feature dimension in one copy;
         * tables [B or 1, H or 1, Tq, Tk] (Random, Factorized Random, Factorized Dense), added
@@ -225,6 +226,10 @@ class SynthesizerAttention(ZooAttention):
             kpos = ctx.key_positions(k_len, x_q.device).expand(x_q.size(0), k_len)
             qpos = kpos[:, -tq:]
         cols = min(k_len, self.max_len)
+        # with no padding and no weight dropout the table terms are one map for the whole batch
+        # (compute's shared path); otherwise Factorized Random's R1 R2ᵀ, a dot product of rank k,
+        # is better a dot term: the fused kernel, no [B, H, Tq, Tk] logits or fp32 softmax
+        shared = qpos is None and not (self.training and self.dropout > 0)
         if len(self.components) > 1:
             alpha = torch.softmax(self.mix_logits.float(), dim=0).to(x_q.dtype)
         dots, tables = [], []
@@ -243,6 +248,10 @@ class SynthesizerAttention(ZooAttention):
                 scale = self.head_dim ** -0.5
                 q = self.split_heads(self.q_proj(x_q))
                 dots.append(([q * (scale if w is None else w * scale)], [k]))
+            elif name == "factorized_random" and not shared:  # R1[qpos] . R2[kpos]
+                r1 = self._by_position(self.R1, qpos, off, tq)
+                dots.append(([r1 if w is None else r1 * w],
+                             [self._by_position(self.R2, kpos, 0, k_len)]))
             else:
                 if name == "random":  # R[qpos, kpos]
                     if qpos is None:

@@ -59,7 +59,12 @@ MT_BASE = ("--task translation --share-decoder-input-output-embed --optimizer ad
            "--adam-betas (0.9,0.98) --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 "
            "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout 0.1 "
            "--max-tokens 8192 --skip-invalid-size-inputs-valid-test")
+#: --decoder-normalize-before: the zoo LMs are fairseq's pre-norm LM (base_lm_architecture, as
+#: transformer_lm_big/_gpt), but the bare ``transformer_lm`` arch name skips that function and
+#: builds a post-norm model without the final layer norm: the flag gives the baseline the same
+#: layout (a no-op for the zoo archs)
 LM_BASE = ("--task language_modeling --sample-break-mode none --tokens-per-sample 512 "
+           "--decoder-normalize-before "
            "--decoder-layers 12 --decoder-embed-dim 512 --decoder-ffn-embed-dim 2048 "
            "--decoder-attention-heads 8 --optimizer adam --adam-betas (0.9,0.98) --lr 5e-4 "
            "--lr-scheduler inverse_sqrt --warmup-updates 4000 --criterion cross_entropy "
