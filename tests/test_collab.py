@@ -163,6 +163,41 @@ def test_reduced_rank_conversion_keeps_outputs_of_collaborating_heads():
     assert (col(x, x, x)[0] - ref).abs().max() <= 1e-3
 
 
+def test_content_bias_rides_in_the_fused_product_and_equals_the_formula(monkeypatch):
+    """logits_i = (X W̃Q diag(m_i) (Y W̃K)ᵀ + 1 (Y w_i)ᵀ) · s: the content term goes to SDPA as H
+    more query/key features (padded to a multiple of 8), not as an additive bias with a gradient
+    ([B, H, Tq, Tk], which the fused kernels must write out or cannot take). Outputs and every
+    parameter's gradient equal the formula's."""
+    torch.manual_seed(7)
+    d, H, Dk, T, B = 32, 4, 13, 6, 3
+    m = CollaborativeAttention(d, H, Dk).train()
+    x = torch.randn(T, B, d)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, :2] = True
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.shape, kw["attn_mask"])) or
+                        sdpa(q, k, v, **kw))
+    out, _ = m(x, x, x, key_padding_mask=pad)
+    (q_shape, mask), = seen
+    assert q_shape == (B, H, T, 24) and not mask.requires_grad  # Dk + H = 17 -> 24
+    out.pow(2).sum().backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+
+    xb = x.transpose(0, 1)
+    q, k, c = m.q_proj(xb), m.k_proj(xb), m.content_bias(xb)  # [B,T,Dk], [B,T,Dk], [B,T,H]
+    logits = torch.einsum("bqr,hr,bkr->bhqk", q, m.mixing, k) + c.permute(0, 2, 1)[:, :, None]
+    logits = (logits * m.scaling).masked_fill(pad[:, None, None], float("-inf"))
+    v = m.v_proj(xb).view(B, T, H, d // H).transpose(1, 2)
+    ref = m.out_proj((logits.softmax(-1) @ v).transpose(1, 2).reshape(B, T, d)).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ref.pow(2).sum().backward()
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_incremental_cache_stores_shared_keys_once_per_token():
     torch.manual_seed(6)
     d, H, Dk, T, B = 32, 4, 12, 6, 2  # D̃k not a multiple of H on purpose

@@ -29,11 +29,13 @@ fork mixes on the key side and caches per-head keys; we mix the queries (same lo
 Imports torch and ``.base`` only.
 """
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttnContext, ZooAttention
@@ -42,6 +44,14 @@ from .sdpa import init_like_fairseq_mha
 MIXING_INITS = ("random", "concatenate", "xavier", "ones")
 SCALINGS = ("key_dim", "head_dim")  # 1/sqrt(D̃k/H) (EPFL package) | 1/sqrt(d/H) (fairseq fork)
 PROJ_INITS = ("mha", "fork")
+
+
+@functools.lru_cache(maxsize=None)
+def _content_mixing(num_heads: int, width: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The content features' mixing rows: head i reads its own bias column, ``[I_H | 0]``
+    ``[H, width]``; made once per dtype and device, only ever read."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.eye(num_heads, width, dtype=dtype, device=device)
 
 
 def concatenate_mixing(num_heads: int, key_dim: int) -> Tensor:
@@ -130,12 +140,23 @@ class CollaborativeAttention(ZooAttention):
         return kv["k"], kv["c"], kv["v"]
 
     def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
-        # q_i = X W̃Q diag(m_i): [B, 1, Tq, D̃k] * [1, H, 1, D̃k] -> [B, H, Tq, D̃k]
-        q = self.q_proj(x_q).unsqueeze(1) * self.mixing[None, :, None, :]
         k, c, v = self.keys(x_kv, ctx)
+        q, mixing = self.q_proj(x_q), self.mixing
+        if c is not None:
+            # the content bias as H more features: q'_i = [q, 1] * [m_i, e_i] and k' = [k, c]
+            # give q'_i k'ᵀ = q diag(m_i) kᵀ + 1 c_iᵀ, so it rides in the fused kernel's product
+            # instead of a [B, H, Tq, Tk] additive bias whose gradient the kernel must write (and
+            # the CPU has no fused kernel for); zero columns up to a multiple of 8, where the
+            # fused kernels run
+            extra = self.num_heads + (-(self.key_dim + self.num_heads) % 8)
+            q = F.pad(q, (0, extra), value=1.0)
+            mixing = torch.cat([mixing, _content_mixing(self.num_heads, extra, mixing.dtype,
+                                                        mixing.device)], -1)
+            k = F.pad(torch.cat([k, c.to(k.dtype)], -1), (0, extra - self.num_heads))
+        # q_i = X W̃Q diag(m_i): [B, 1, Tq, D̃k] * [1, H, 1, D̃k] -> [B, H, Tq, D̃k]
+        q = q.unsqueeze(1) * mixing[None, :, None, :]
         k = k.unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # one key tensor for all heads
-        content = None if c is None else c.transpose(1, 2).unsqueeze(2) * self.scaling  # [B,H,1,Tk]
-        out = ctx.attend(q, k, self.split_heads(v), scale=self.scaling, extra_logits=content)
+        out = ctx.attend(q, k, self.split_heads(v), scale=self.scaling)
         return self.out_proj(self.merge_heads(out))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
