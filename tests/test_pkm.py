@@ -251,6 +251,21 @@ def test_padding_changes_neither_batchnorm_statistics_nor_real_outputs():
     torch.testing.assert_close(m.query_bn.running_mean, stats[0][0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_queries_reach_the_search_in_float32_without_a_round_trip(dtype):
+    """The search scores in float32: the batch norm's float32 output goes to it as it is (not
+    rounded to the model's dtype and cast back, two copies each way), and the one cast of the
+    query path is the projection's into the batch norm."""
+    m = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).to(dtype).train()
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with DispatchedOps() as ops:
+        q = m.query(x)
+    assert q.dtype == torch.float32 and ops.n["_to_copy"] == 1, ops.names
+    bn = m.query_bn
+    ref = F.batch_norm(m.query_proj(x).float(), None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+    torch.testing.assert_close(q, ref.view(10, 2, 8).transpose(0, 1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("padded", [True, False])
 def test_a_training_step_syncs_with_the_device_once(padded):
     """On CUDA every op that reads a device value back (``bool(t)``, ``.item()``) or sizes its

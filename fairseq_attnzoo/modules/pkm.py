@@ -146,8 +146,7 @@ class _ProductTopk(torch.autograd.Function):
         g = grad.to(keys.dtype)  # [N, H, knn]
         grad_query = grad_keys = None
         if ctx.needs_input_grad[0]:  # Σ_j g_j c_{sub_j}; bag (n, h, i) reads keys[h, i]
-            rows = sub + torch.arange(0, h * 2 * n_keys, n_keys,
-                                      device=sub.device).view(1, h, 2, 1)
+            rows = sub + _set_offsets(h, n_keys, sub.device)
             weights = g.unsqueeze(2).expand(n, h, 2, k)
             grad_query = F.embedding_bag(rows.view(-1, k), keys.reshape(-1, half), mode="sum",
                                          per_sample_weights=weights.reshape(-1, k))
@@ -178,6 +177,20 @@ def _candidate_pairs(knn: int, device) -> Tuple[Tensor, Tensor]:
         a, b = ((r[:, None] * r[None, :]) <= knn).nonzero(as_tuple=True)
         _PAIRS[key] = (a.to(device), b.to(device))
     return _PAIRS[key]
+
+
+_OFFSETS = {}
+
+
+def _set_offsets(heads: int, n_keys: int, device) -> Tensor:
+    """[1, H, 2, 1]: the first row of sub-key set (head, half) in the flattened sub-keys (made
+    once per shape and device: an arange kernel per layer and backward otherwise)."""
+    key = (heads, n_keys, str(device))
+    if key not in _OFFSETS:
+        with torch.inference_mode(False), torch.no_grad():
+            _OFFSETS[key] = torch.arange(0, heads * 2 * n_keys, n_keys,
+                                         device=device).view(1, heads, 2, 1)
+    return _OFFSETS[key]
 
 
 class _WeightedRowSum(torch.autograd.Function):
@@ -289,11 +302,12 @@ def usage_stats(counts: Tensor) -> Tuple[float, float]:
 class Float32BatchNorm1d(Float32Module, nn.BatchNorm1d):
     """BatchNorm1d whose statistics, parameters and running averages stay float32 inside an
     fp16/bf16 model (as fairseq's ``Fp32BatchNorm``); input and output keep the caller's dtype.
-    Same state-dict keys as ``nn.BatchNorm1d``."""
+    Same state-dict keys as ``nn.BatchNorm1d``; ``keep_float32``: the float32 output as it is."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, keep_float32: bool = False) -> Tensor:
         with float32_region(x.device):
-            return super().forward(x.float()).to(x.dtype)
+            out = super().forward(x.float())
+        return out if keep_float32 else out.to(x.dtype)
 
 
 def value_table(size: int, v_dim: int, sparse: bool = False) -> nn.EmbeddingBag:
@@ -420,7 +434,9 @@ class ProductKeyMemory(ZooFeedForward):
 
     # ---- the memory read ---------------------------------------------------------------------
     def query(self, x: Tensor, dropped: bool = False) -> Tensor:
-        """[N, d] -> per-head queries [H, N, k_dim] (``dropped``: input dropout already done)."""
+        """[N, d] -> per-head queries [H, N, k_dim] in float32, the search's precision: the batch
+        norm's float32 output goes on as it is, not rounded through the model's dtype and cast
+        back (two copies each way in half precision). ``dropped``: input dropout already done."""
         if not dropped:
             x = F.dropout(x, self.input_dropout, self.training)
         q = self.query_proj(x)
@@ -429,9 +445,10 @@ class ProductKeyMemory(ZooFeedForward):
                 bn = self.query_bn
                 with float32_region(q.device):
                     q = F.batch_norm(q.float(), bn.running_mean, bn.running_var, bn.weight,
-                                     bn.bias, False, 0.0, bn.eps).to(q.dtype)
+                                     bn.bias, False, 0.0, bn.eps)
             else:
-                q = self.query_bn(q)
+                q = self.query_bn(q, keep_float32=True)
+        q = q.float()
         if self.query_gain is not None:
             q = self._normalize_query(q)
         q = F.dropout(q, self.query_dropout, self.training)

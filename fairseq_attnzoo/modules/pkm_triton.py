@@ -32,6 +32,7 @@ tensors in Triton's interpreter -- that is how the tests compare them with the r
 machines without a GPU (tests/conftest.py sets it).
 """
 
+import functools
 import importlib.util
 import os
 from typing import NamedTuple, Optional, Tuple
@@ -260,8 +261,16 @@ def row_ranges(rows: Tensor, size: int) -> Tuple[Tensor, Tensor]:
     (a row nobody reads: count 0, start where it would be), by one binary search per row.
     ``torch.bincount`` would be 3-5x faster on the CPU, but on CUDA it reads its input's maximum
     back to the host: a sync of the whole queue inside the backward."""
-    bounds = torch.searchsorted(rows, torch.arange(size + 1, dtype=rows.dtype, device=rows.device))
+    bounds = torch.searchsorted(rows, _row_ids(size + 1, rows.dtype, rows.device))
     return bounds[:-1], bounds[1:] - bounds[:-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _row_ids(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``0 .. n-1``, made once per size, dtype and device (an arange kernel per backward
+    otherwise); only ever read."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.arange(n, dtype=dtype, device=device)
 
 
 def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launch] = None
