@@ -22,7 +22,7 @@ from fairseq_attnzoo.modules.collab import (
     head_projections,
 )
 
-from zoo_testlib import USER_DIR, DispatchedOps, run_cli
+from zoo_testlib import USER_DIR, DispatchedOps, record_sdpa, run_cli
 
 
 def _script(name):
@@ -174,14 +174,10 @@ def test_content_bias_rides_in_the_fused_product_and_equals_the_formula(monkeypa
     x = torch.randn(T, B, d)
     pad = torch.zeros(B, T, dtype=torch.bool)
     pad[1, :2] = True
-    seen = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda q, k, v, **kw: seen.append((q.shape, kw["attn_mask"])) or
-                        sdpa(q, k, v, **kw))
+    calls = record_sdpa(monkeypatch)
     out, _ = m(x, x, x, key_padding_mask=pad)
-    (q_shape, mask), = seen
-    assert q_shape == (B, H, T, 24) and not mask.requires_grad  # Dk + H = 17 -> 24
+    (q, _, _, kw), = calls
+    assert q.shape == (B, H, T, 24) and not kw["attn_mask"].requires_grad  # Dk + H = 17 -> 24
     out.pow(2).sum().backward()
     got = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()

@@ -283,7 +283,7 @@ def test_a_training_step_syncs_with_the_device_once(padded):
         if sync:
             syncs.append(func.overloadpacket.__name__)
 
-    pkm._PAIRS.clear()  # built again inside the count, as by a layer's first step
+    pkm._candidate_pairs.cache_clear()  # built again inside the count, as by a layer's first step
 
     m = _memory(kernel="torch").train()
     x = torch.randn(6, 4, 16, requires_grad=True)

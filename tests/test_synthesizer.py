@@ -5,7 +5,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from zoo_testlib import DispatchedOps
+from zoo_testlib import DispatchedOps, record_sdpa
 from fairseq_attnzoo.models.sublayers import build_options
 from fairseq_attnzoo.models.synthesizer import (
     VARIANTS,
@@ -129,13 +129,10 @@ def test_factorized_random_runs_the_fused_kernel_unless_the_batch_shares_one_map
         assert any("softmax" in n for n in attention) == (not fused), (kw, attention)
     # weight dropout: a map per sentence too (torch's CPU SDPA runs its math path with dropout,
     # so the call itself is counted)
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **kw: calls.append(kw["dropout_p"]) or sdpa(*a, **kw))
+    calls = record_sdpa(monkeypatch)
     m.dropout = 0.1
     run(m.train(), x, mask=causal(7))
-    assert calls == [0.1]
+    assert [kw["dropout_p"] for _, _, _, kw in calls] == [0.1]
 
 
 def _step_params(m, steps=3):

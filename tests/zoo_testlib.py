@@ -50,6 +50,20 @@ class DispatchedOps(TorchDispatchMode):
         return Counter(self.names)
 
 
+def record_sdpa(monkeypatch) -> List[tuple]:
+    """Every later call of ``F.scaled_dot_product_attention``, as ``(q, k, v, kwargs)``, in
+    order (the call still runs)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((q, k, v, kwargs))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    return calls
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
 

@@ -29,7 +29,6 @@ fork mixes on the key side and caches per-head keys; we mix the queries (same lo
 Imports torch and ``.base`` only.
 """
 
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttnContext, ZooAttention
+from .constants import cached_constant
 from .sdpa import init_like_fairseq_mha
 
 MIXING_INITS = ("random", "concatenate", "xavier", "ones")
@@ -46,12 +46,11 @@ SCALINGS = ("key_dim", "head_dim")  # 1/sqrt(D̃k/H) (EPFL package) | 1/sqrt(d/H
 PROJ_INITS = ("mha", "fork")
 
 
-@functools.lru_cache(maxsize=None)
+@cached_constant
 def _content_mixing(num_heads: int, width: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The content features' mixing rows: head i reads its own bias column, ``[I_H | 0]``
-    ``[H, width]``; made once per dtype and device, only ever read."""
-    with torch.inference_mode(False), torch.no_grad():
-        return torch.eye(num_heads, width, dtype=dtype, device=device)
+    ``[H, width]``."""
+    return torch.eye(num_heads, width, dtype=dtype, device=device)
 
 
 def concatenate_mixing(num_heads: int, key_dim: int) -> Tensor:

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import pkm_triton
+from .constants import cached_constant
 from .feedforward import ZooFeedForward
 from .precision import Float32Module, float32_region
 
@@ -167,30 +168,18 @@ class _ProductTopk(torch.autograd.Function):
 _SCORE_CHUNK = 1 << 20
 
 
-_PAIRS = {}
-
-
+@cached_constant
 def _candidate_pairs(knn: int, device) -> Tuple[Tensor, Tensor]:
-    key = (knn, str(device))
-    if key not in _PAIRS:
-        r = torch.arange(1, knn + 1)
-        a, b = ((r[:, None] * r[None, :]) <= knn).nonzero(as_tuple=True)
-        _PAIRS[key] = (a.to(device), b.to(device))
-    return _PAIRS[key]
+    r = torch.arange(1, knn + 1)
+    a, b = ((r[:, None] * r[None, :]) <= knn).nonzero(as_tuple=True)
+    return a.to(device), b.to(device)
 
 
-_OFFSETS = {}
-
-
+@cached_constant
 def _set_offsets(heads: int, n_keys: int, device) -> Tensor:
-    """[1, H, 2, 1]: the first row of sub-key set (head, half) in the flattened sub-keys (made
-    once per shape and device: an arange kernel per layer and backward otherwise)."""
-    key = (heads, n_keys, str(device))
-    if key not in _OFFSETS:
-        with torch.inference_mode(False), torch.no_grad():
-            _OFFSETS[key] = torch.arange(0, heads * 2 * n_keys, n_keys,
-                                         device=device).view(1, heads, 2, 1)
-    return _OFFSETS[key]
+    """[1, H, 2, 1]: the first row of sub-key set (head, half) in the flattened sub-keys (an
+    arange kernel per layer and backward otherwise)."""
+    return torch.arange(0, heads * 2 * n_keys, n_keys, device=device).view(1, heads, 2, 1)
 
 
 class _WeightedRowSum(torch.autograd.Function):

@@ -32,13 +32,14 @@ tensors in Triton's interpreter -- that is how the tests compare them with the r
 machines without a GPU (tests/conftest.py sets it).
 """
 
-import functools
 import importlib.util
 import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .constants import cached_constant
 
 #: table rows of at most this many elements are handled by one program (larger: reference path)
 MAX_DIM = 8192
@@ -265,12 +266,10 @@ def row_ranges(rows: Tensor, size: int) -> Tuple[Tensor, Tensor]:
     return bounds[:-1], bounds[1:] - bounds[:-1]
 
 
-@functools.lru_cache(maxsize=None)
+@cached_constant
 def _row_ids(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``0 .. n-1``, made once per size, dtype and device (an arange kernel per backward
-    otherwise); only ever read."""
-    with torch.inference_mode(False), torch.no_grad():
-        return torch.arange(n, dtype=dtype, device=device)
+    """``0 .. n-1`` (an arange kernel per backward otherwise)."""
+    return torch.arange(n, dtype=dtype, device=device)
 
 
 def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launch] = None

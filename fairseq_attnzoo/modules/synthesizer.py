@@ -24,7 +24,6 @@ Incremental decoding caches only G(x) (and the keys for +vanilla mixtures): step
 Imports torch and ``.base`` only.
 """
 
-import functools
 import math
 from typing import Dict, Optional, Sequence
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttnContext, ZooAttention
+from .constants import cached_constant
 from .precision import fp32_softmax
 
 #: the logit synthesizers; several of them make a mixture
@@ -65,12 +65,10 @@ def factorized_dense_sizes(max_len: int, factor_a: Optional[int] = None,
     return default_factors(max_len)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_constant
 def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-dim tensor holding ``value``, made once per dtype and device (a fill kernel per layer
-    otherwise); only ever expanded and read."""
-    with torch.inference_mode(False), torch.no_grad():
-        return torch.full((), value, dtype=dtype, device=device)
+    """A 0-dim tensor holding ``value`` (a fill kernel per layer otherwise); only expanded."""
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 def _select_positions(table: Tensor, index: Tensor) -> Tensor:
