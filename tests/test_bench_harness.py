@@ -200,7 +200,7 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
                         "--out", str(out)])
     text = out.read_text()
     for title in ("copy bandwidth", "pkm_read", "pkm_tune d 32", "pkm_layer", "aop", "span",
-                  "synth_gather"):
+                  "synth_gather", "synth_tables"):
         assert f"\n{title}\n" in text
     if pkm_triton.HAS_TRITON:  # each launch once, the module's default among them, marked
         tune = [line.split(" | ")[:6] for line in text.splitlines() if line.startswith("| 32 | read")
@@ -224,6 +224,11 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
                     for name in ("ours sdpa", "ours explicit", "fairseq example")]
     gathers = [line.split(" | ")[0] for line in text.splitlines() if "left pad <=" in line]
     assert gathers == ["| index_select (ours)", "| advanced indexing (before)"]
+    tables = [line.split(" | ")[:3] for line in text.splitlines()
+              if line.startswith(("| random |", "| factorized_random |"))]
+    assert tables == [[f"| {mode}", f"{32 // t} x {t}", padding]
+                      for mode in ("random", "factorized_random") for t in (8, 16)
+                      for padding in ("none", "left")]
 
 
 def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatch):

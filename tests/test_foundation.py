@@ -122,6 +122,36 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
     assert not torch.equal(changed[0][:, 1], first[0][:, 1])
 
 
+def test_the_decoders_future_mask_views_are_derived_once_per_forward():
+    """fairseq's decoder hands each layer a new view of its one buffered future mask
+    (``buffered_future_mask``: ``self._future_mask[:T, :T]``, sliced per layer): the masks are
+    still derived once per forward, from the view's base and place, and a differently placed
+    view of the same buffer is a different mask. What is kept is bounded."""
+    from fairseq_attnzoo.modules.attention import _FROM_MASKS
+    from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
+
+    torch.manual_seed(0)
+    layers = [SynthesizerAttention(16, 4, components=("dense",), max_len=8) for _ in range(3)]
+    buffered = torch.triu(torch.full((8, 8), float("-inf")), 1)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[2, 5:] = True  # right-padded targets
+
+    def forward(t):
+        x = torch.randn(t, 3, 16)
+        with DispatchedOps() as ops:
+            for m in layers:
+                m(x, x, x, key_padding_mask=pad[:, :t], attn_mask=buffered[:t, :t])
+        return ops.n["cumsum"], ops.n["masked_fill_"]
+
+    assert forward(7) == (1, 1)  # one derivation for the three layers' three views
+    assert forward(6) == (1, 1)  # another place in the buffer: derived anew
+    alive = [torch.zeros(3, 7, dtype=torch.bool) for _ in range(2 * _FROM_MASKS.capacity)]
+    for mask in alive:  # masks that live on: at most `capacity` entries kept
+        mask[0, 0] = True
+        layers[0](torch.randn(7, 3, 16), key_padding_mask=mask)
+    assert len(_FROM_MASKS.entries) == _FROM_MASKS.capacity
+
+
 def test_masks_derived_once_are_released_with_the_masks():
     """What is derived from a forward's masks lives as long as the masks, not longer: a training
     run hands every batch new mask tensors, and a kept view of one (the boolean form of a

@@ -97,6 +97,8 @@ def test_bool_spellings_reach_the_module(stored, expected):
     ("synth", {"synth_factor_b": 0}, "--synth-factor-b must be a positive integer, got 0"),
     ("synth", {"synth_mix": "dense,bogus"}, "--synth-mix 'dense,bogus': give distinct names"),
     ("synth_dense", {"synth_share_heads": "yes"}, "--synth-share-heads must be true or false"),
+    ("synth_random", {"synth_table_kernel": "fast"},
+     "--synth-table-kernel 'fast' is not one of: auto, sdpa, table"),
     ("synth_factorized_dense", {"synth_max_len": 16, "synth_factor_a": 3, "synth_factor_b": 3},
      "--synth-factor-a 3 x --synth-factor-b 3 = 9 is less than --synth-max-len 16"),
 ])

@@ -1,5 +1,6 @@
 """Synthesizer (Tay et al. 2020): method-specific properties. The generic sweep covers the rest."""
 
+import os
 from argparse import Namespace
 
 import pytest
@@ -16,6 +17,9 @@ from fairseq_attnzoo.models.synthesizer import (
 from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention, default_factors
 
 D, H, N = 16, 4, 12
+#: where the kernels are compared with the formula (``ATTNZOO_TEST_DEVICE=cuda``: the GPU's fused
+#: attention kernels; the rest of the file runs on the CPU)
+DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
 MODES = sorted(VARIANTS)
 
 
@@ -43,9 +47,13 @@ def run(m, x, pad=None, mask=None, state=None):
     return out.transpose(0, 1)
 
 
+KERNELS = ["sdpa", "table"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("mode", MODES)
-def test_padding_does_not_change_real_outputs(mode):
-    m = make(mode)
+def test_padding_does_not_change_real_outputs(mode, kernel):
+    m = make(mode, table_kernel=kernel)
     g = torch.Generator().manual_seed(1)
     a = torch.randn(1, 5, D, generator=g)  # the sentence of interest
     other = torch.randn(1, 7, D, generator=g)  # a longer sentence in the same batch
@@ -68,9 +76,10 @@ def test_padding_does_not_change_real_outputs(mode):
     torch.testing.assert_close(out[0, :5], ref_dec[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("mode", MODES)
-def test_incremental_equals_full_forward(mode):
-    m = make(mode)
+def test_incremental_equals_full_forward(mode, kernel):
+    m = make(mode, table_kernel=kernel)
     x = torch.randn(3, 6, D, generator=torch.Generator().manual_seed(2))
     full = run(m, x, mask=causal(6))
     state, steps = {}, []
@@ -83,12 +92,13 @@ def test_incremental_equals_full_forward(mode):
     assert set(buf) == want and buf["v"].shape == (3, 6, D)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("mode", ["random", "factorized_random", "random_dense"])
-def test_shared_fast_path_equals_gathered_path(mode):
-    # no padding: tables sliced and Softmax(R) shared by the batch; an all-False padding mask
-    # forces the per-sentence gather path, which must give the same numbers
+def test_shared_fast_path_equals_gathered_path(mode, kernel):
+    # no padding: tables sliced (the table kernel: Softmax shared by the batch); an all-False
+    # padding mask forces the per-sentence gather path: the same numbers
     for share in (False, True):
-        m = make(mode, share_heads=share)
+        m = make(mode, share_heads=share, table_kernel=kernel)
         x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(3))
         nopad = torch.zeros(2, 7, dtype=torch.bool)
         for mask in (None, causal(7)):
@@ -96,10 +106,11 @@ def test_shared_fast_path_equals_gathered_path(mode):
                                        atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["dense", "dense_vanilla", "factorized_random"])
+@pytest.mark.parametrize("mode", ["dense", "dense_vanilla", "factorized_random", "random",
+                                  "random_dense"])
 def test_fused_path_equals_materialized_path(mode):
     # dot-product-form logits go through SDPA; keep_attention materializes Softmax(B) instead
-    m = make(mode)
+    m = make(mode, table_kernel="sdpa")
     x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(3))
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[0, :3] = True
@@ -108,6 +119,41 @@ def test_fused_path_equals_materialized_path(mode):
         m.keep_attention = True
         torch.testing.assert_close(run(m, x, **kw), fused, atol=1e-5, rtol=1e-5)
         m.keep_attention = False
+
+
+def _attention_ops(m, x, **kw):
+    with DispatchedOps() as ops:
+        run(m, x, **kw)
+    return {n for n in ops.names if "scaled_dot_product" in n or "softmax" in n}
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_random_runs_the_fused_kernel_while_its_keys_are_narrow(share):
+    """R[i, j] = R[i]·e_j: the query's row of R against the one-hot key position, a dot product
+    as wide as the keys. Up to RANDOM_DOT_MAX_WIDTH (or the head width) it goes through SDPA,
+    padded or not, with no [B, H, Tq, Tk] logits and fp32 softmax; wider keys make the table,
+    with one softmax for the batch when it shares one map."""
+    from fairseq_attnzoo.modules.synthesizer import RANDOM_DOT_MAX_WIDTH
+
+    g = torch.Generator().manual_seed(3)
+    cases = [(7, "sdpa", True), (RANDOM_DOT_MAX_WIDTH, "sdpa", True),
+             (RANDOM_DOT_MAX_WIDTH + 1, "sdpa", False), (7, "table", False),
+             (7, "auto", False)]  # auto: the table on the CPU
+    for t, kernel, fused in cases:
+        m = make("random", share_heads=share, max_len=RANDOM_DOT_MAX_WIDTH + 8,
+                 table_kernel=kernel)
+        x = torch.randn(2, t, D, generator=g)
+        pad = torch.zeros(2, t, dtype=torch.bool)
+        pad[0, :3] = True
+        for kw in ({"pad": pad}, {"pad": pad, "mask": causal(t)}, {"mask": causal(t)}, {}):
+            attention = _attention_ops(m, x, **kw)
+            assert any("scaled_dot_product" in n for n in attention) == fused, (t, kw, attention)
+            assert any("softmax" in n for n in attention) == (not fused), (t, kw, attention)
+            if fused:  # the same numbers as the materialized logits
+                expected = run(m, x, **kw)
+                m.keep_attention = True
+                torch.testing.assert_close(run(m, x, **kw), expected, atol=1e-5, rtol=1e-5)
+                m.keep_attention = False
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -119,12 +165,10 @@ def test_factorized_random_runs_the_fused_kernel_unless_the_batch_shares_one_map
     x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(3))
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[0, :3] = True
-    m = make("factorized_random", share_heads=share)
+    m = make("factorized_random", share_heads=share, table_kernel="sdpa")
     for kw, fused in (({"pad": pad}, True), ({"pad": pad, "mask": causal(7)}, True),
                       ({"mask": causal(7)}, False)):
-        with DispatchedOps() as ops:
-            run(m, x, **kw)
-        attention = {n for n in ops.names if "scaled_dot_product" in n or "softmax" in n}
+        attention = _attention_ops(m, x, **kw)
         assert any("scaled_dot_product" in n for n in attention) == fused, (kw, attention)
         assert any("softmax" in n for n in attention) == (not fused), (kw, attention)
     # weight dropout: a map per sentence too (torch's CPU SDPA runs its math path with dropout,
@@ -133,6 +177,47 @@ def test_factorized_random_runs_the_fused_kernel_unless_the_batch_shares_one_map
     m.dropout = 0.1
     run(m.train(), x, mask=causal(7))
     assert [kw["dropout_p"] for _, _, _, kw in calls] == [0.1]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("t", [7, 131])
+def test_random_equals_the_formula_with_its_gradients(t, padding, dtype, kernel):
+    """Random, through the fused kernel (one-hot key positions against rows of R; 7 keys) and
+    as a table (131 keys, past RANDOM_DOT_MAX_WIDTH), against softmax(R[pos_i, pos_j] + mask) V
+    written out: outputs and the gradients of R, the input and the value projection, without
+    padding and with an encoder's (left) or a decoder's (right, causal) padding."""
+    m = make("random", max_len=t + 3, table_kernel=kernel).to(DEVICE, dtype)
+    x = torch.randn(3, t, D, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    pad = torch.zeros(3, t, dtype=torch.bool)
+    if padding == "right":
+        pad[0, t - 3:] = pad[1, t - 1:] = True
+    elif padding == "left":
+        pad[0, :3] = pad[1, :1] = True
+    pad = pad.to(DEVICE)
+    causal_mask = padding != "left"
+    mask = causal(t).to(DEVICE) if causal_mask else None
+    grad = torch.randn(3, t, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
+
+    def grads(fn):
+        xx = x.clone().requires_grad_()
+        m.zero_grad()
+        fn(xx).backward(grad)
+        return [fn(x).detach(), xx.grad, m.R.grad, m.v_proj.weight.grad]
+
+    def formula(xx):
+        pos = ((~pad).long().cumsum(1) - 1).clamp(min=0) * (~pad)  # pads: position 0
+        logits = m.R[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)  # [B, H, T, T]
+        blocked = pad[:, None, None, :] | (mask.isinf() if causal_mask else False)
+        probs = torch.softmax(logits.float().masked_fill(blocked, -1e9), -1).to(dtype)
+        v = m.v_proj(xx).view(3, t, H, D // H).transpose(1, 2)
+        return m.out_proj((probs @ v).transpose(1, 2).reshape(3, t, D))
+
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    given = None if padding == "none" else pad
+    for ours, want in zip(grads(lambda xx: run(m, xx, pad=given, mask=mask)), grads(formula)):
+        torch.testing.assert_close(ours, want, **tol)
 
 
 def _step_params(m, steps=3):
@@ -209,16 +294,18 @@ def test_projections_read_one_copy_of_the_time_first_input():
     assert copies == ["clone"], copies
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("share", [False, True])
-def test_gathered_tables_equal_the_position_formulas(share):
+def test_gathered_tables_equal_the_position_formulas(share, kernel):
     # with padding, every table is gathered by the tokens' real positions in one index:
     # Random R[h, i, j], Factorized Random R1[h, i] . R2[h, j], Factorized Dense A[p] B[q] at
-    # column j = q*a + p, Dense h_i . W2[h, j] + b2[h, j], for query/key positions i, j
+    # column j = q*a + p, Dense h_i . W2[h, j] + b2[h, j], for query/key positions i, j; the sdpa
+    # kernel makes Random and Factorized Random dot terms, the table kernel tables
     from fairseq_attnzoo.modules.attention import AttnContext
 
     m = SynthesizerAttention(D, H, components=("random", "factorized_random", "factorized_dense",
                                                "dense"), max_len=N, rank=3, factor_a=4,
-                             factor_b=3, share_heads=share)
+                             factor_b=3, share_heads=share, table_kernel=kernel)
     x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(8))
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[0, :3] = True  # left padding: positions 0..3 on the last four slots
@@ -230,17 +317,18 @@ def test_gathered_tables_equal_the_position_formulas(share):
     A = hidden @ m.fdense_WA + m.fdense_bA[:, None]
     Bf = hidden @ m.fdense_WB + m.fdense_bB[:, None]
     dense_q = torch.relu(m.dense_W1(x)).view(2, 7, H, D // H).transpose(1, 2)
+    products = [torch.cat(q, -1) @ torch.cat(k, -1).mT for q, k in dots]
+    # in component order: Random, Factorized Random, Factorized Dense (always a table), Dense
+    # (always a dot term)
+    terms = (products[:2] + tables + products[2:]) if kernel == "sdpa" else (tables + products)
+    assert len(terms) == 4 and len(tables) == (1 if kernel == "sdpa" else 3)
     for b in range(2):
         i, j = pos[b][:, None], pos[b][None, :]
-        torch.testing.assert_close(tables[0][b], alpha[0] * m.R[:, i, j])
-        fdense = Bf[b][..., pos[b] // 4] * A[b][..., pos[b] % 4]
-        torch.testing.assert_close(tables[1][b], alpha[2] * fdense)
-        # the dot terms, in component order: Factorized Random (padding: not shared), Dense
-        q, k = torch.cat(dots[0][0], -1)[b], torch.cat(dots[0][1], -1)[b]
-        torch.testing.assert_close(q @ k.mT, alpha[1] * m.R1[:, pos[b]] @ m.R2[:, pos[b]].mT)
-        q, k = torch.cat(dots[1][0], -1)[b], torch.cat(dots[1][1], -1)[b]
-        want = dense_q[b] @ m.dense_W2[:, pos[b]].mT + m.dense_b2[:, None, pos[b]]
-        torch.testing.assert_close(q @ k.mT, alpha[3] * want)
+        want = [alpha[0] * m.R[:, i, j], alpha[1] * m.R1[:, pos[b]] @ m.R2[:, pos[b]].mT,
+                alpha[2] * Bf[b][..., pos[b] // 4] * A[b][..., pos[b] % 4],
+                alpha[3] * (dense_q[b] @ m.dense_W2[:, pos[b]].mT + m.dense_b2[:, None, pos[b]])]
+        for term, expected in zip(terms, want):
+            torch.testing.assert_close(term[b].expand(H, 7, 7), expected.expand(H, 7, 7))
 
 
 @pytest.mark.parametrize("mode", ["random_dense", "dense_vanilla", "random_vanilla"])

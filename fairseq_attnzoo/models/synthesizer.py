@@ -25,9 +25,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..modules.synthesizer import COMPONENTS, SynthesizerAttention, factorized_dense_sizes
+from ..modules.synthesizer import (
+    COMPONENTS,
+    TABLE_KERNELS,
+    SynthesizerAttention,
+    factorized_dense_sizes,
+)
 from .sublayers import SublayerSpec, build_options, register_sublayer, require
 from .transformer import register_arch
 
@@ -59,6 +64,12 @@ class SynthesizerConfig(FairseqDataclass):
     synth_share_heads: bool = field(default=False, metadata={
         "help": "Random / Factorized Random: one table R for all heads instead of one per head "
         "(paper: R per head; default False)"})
+    synth_table_kernel: ChoiceEnum(list(TABLE_KERNELS)) = field(  # type: ignore
+        default="auto", metadata={
+            "help": "Random / Factorized Random logits: sdpa = as dot products through the fused "
+            "attention kernel (Random while the keys are at most 128 long), table = "
+            "materialized with an fp32 softmax (one for the batch without padding); auto = sdpa "
+            "on CUDA, table elsewhere (same function; default auto)"})
     synth_freeze_random: bool = field(default=False, metadata={
         "help": "Fixed Random: keep R (and R1, R2) at their random init, never trained (stored "
         "as buffers; implied by synth_fixed_random; default False)"})
@@ -128,7 +139,7 @@ def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> Synthesiz
         spec.embed_dim, spec.num_heads, components=components, max_len=o.synth_max_len,
         dropout=spec.attention_dropout, freeze_random=freeze or o.synth_freeze_random,
         factor_a=o.synth_factor_a, factor_b=o.synth_factor_b, rank=o.synth_rank,
-        share_heads=o.synth_share_heads)
+        share_heads=o.synth_share_heads, table_kernel=str(o.synth_table_kernel))
     if len(components) > 1:
         _log_mixture(module, f"mix_{spec.side[:3]}{spec.layer_idx}_{components[0]}")
     return module

@@ -23,6 +23,7 @@ equivalent stand-in otherwise), so the modules work and test without fairseq.
 
 import uuid
 import weakref
+from collections import OrderedDict
 from typing import Dict, Optional
 
 import torch
@@ -68,26 +69,40 @@ def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=N
 class _FromMasks:
     """Tensors derived from the masks of a call (pad-aware positions, the boolean and additive
     masks), kept while those mask tensors live and are unchanged. fairseq hands every layer of a
-    forward the same padding and future-mask tensors, so each is derived once per forward instead
-    of once per layer (each derivation is a few kernel launches, the cost of a host-bound step);
-    a mask modified in place (its version counter moves) or freed drops its entries. A value that
-    shares memory with a mask (a view of it, such as the boolean form of a boolean padding mask)
-    is not kept: it costs no kernel to make again, and keeping it would keep the mask alive."""
+    forward the same padding mask, and the decoder's layers each a new view of the one buffered
+    future mask (``buffered_future_mask``), so a mask is known by the tensor it views and where
+    (storage offset, shape, strides): each value is derived once per forward instead of once per
+    layer (each derivation is a few kernel launches, the cost of a host-bound step). A mask
+    modified in place (its version counter moves) or freed drops its entries, and at most
+    ``capacity`` are kept, the least recently used dropped first (a value keyed on the future
+    mask alone lives as long as that buffer). A value that shares memory with a mask (a view of
+    it, such as the boolean form of a boolean padding mask) is not kept: it costs no kernel to
+    make again, and keeping it would keep the mask alive."""
 
-    def __init__(self):
-        self.entries = {}
+    def __init__(self, capacity: int = 64):
+        self.entries = OrderedDict()
+        self.capacity = capacity
+
+    @staticmethod
+    def _base(m: Tensor) -> Tensor:
+        return m if m._base is None else m._base
 
     def get(self, masks, key, make):
         masks = tuple(m for m in masks if m is not None)
-        full = (tuple((id(m), m._version) for m in masks), key)
+        bases = tuple(self._base(m) for m in masks)
+        full = (tuple((id(b), b._version, m.storage_offset(), m.shape, m.stride(), m.dtype)
+                      for b, m in zip(bases, masks)), key)
         entry = self.entries.get(full)
-        if entry is not None and all(ref() is m for ref, m in zip(entry[0], masks)):
+        if entry is not None and all(ref() is b for ref, b in zip(entry[0], bases)):
+            self.entries.move_to_end(full)
             return entry[1]
         value = make()
         # nothing to key a mask-free value on: it is cheap (an arange) or None
-        if masks and not (value is not None and any(_same_memory(value, m) for m in masks)):
+        if masks and not (value is not None and any(_same_memory(value, b) for b in bases)):
             drop = lambda _, full=full: self.entries.pop(full, None)  # noqa: E731
-            self.entries[full] = (tuple(weakref.ref(m, drop) for m in masks), value)
+            self.entries[full] = (tuple(weakref.ref(b, drop) for b in bases), value)
+            if len(self.entries) > self.capacity:
+                self.entries.popitem(last=False)
         return value
 
 

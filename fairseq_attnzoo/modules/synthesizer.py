@@ -15,8 +15,12 @@ weights sum to 1 and are learned, one set per layer.
 
 Tables indexed by position (R, R1, R2, the columns of W2) are indexed by *pad-aware* positions
 (``ctx.query_positions() / key_positions()``), so a left-padded sentence gets exactly the logits
-of its unpadded copy; with no padding the tables are sliced [:Lq, :Lk] instead of gathered. Pure
-Random with no per-sentence mask computes Softmax(R) once per forward for the whole batch.
+of its unpadded copy; with no padding the tables are sliced [:Lq, :Lk] instead of gathered.
+With the ``sdpa`` table kernel (``TABLE_KERNELS``; the default on CUDA) Random's R[i, j] = R[i]·e_j
+runs through the fused kernel as a dot product of the query's row of R and the key's one-hot
+position while the keys are at most ``RANDOM_DOT_MAX_WIDTH`` long, and Factorized Random's
+R1[i]·R2[j] with a per-sentence mask; otherwise they are tables, and a table with no
+per-sentence mask gets one Softmax for the whole batch.
 
 Incremental decoding caches only G(x) (and the keys for +vanilla mixtures): step t uses row t of R
 (or the row synthesized from the current token for Dense) over columns 0..t.
@@ -71,6 +75,28 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((), value, dtype=dtype, device=device)
 
 
+#: how Random and Factorized Random logits run (``table_kernel``): ``sdpa`` = as dot products
+#: through the fused kernel (Random: rows of R against one-hot key positions; Factorized Random:
+#: R1 rows against R2 rows) wherever that is exact and not wider than the table; ``table`` = the
+#: logits materialized, with one softmax for the batch when it shares one map; ``auto`` = ``sdpa``
+#: on the devices in :data:`AUTO_SDPA_DEVICES`, ``table`` elsewhere
+TABLE_KERNELS = ("auto", "sdpa", "table")
+#: where ``auto`` picks ``sdpa``: on CUDA a training step waits for the host, and the fused
+#: kernel takes 14 fewer kernel launches per layer and step than the table (Random, padded); on
+#: the CPU it costs 0.9-5x the table's time (docs/synthesizer.md, "Speed")
+AUTO_SDPA_DEVICES = {"cuda"}
+#: the widest one-hot key (the key length rounded up to 8) with which Random runs as a dot
+#: product in the fused kernel; past it (and past the head width) the logits are a table, as
+#: the product over c features would cost the kernel more than c/d_h times the values' work
+RANDOM_DOT_MAX_WIDTH = 128
+
+
+@cached_constant
+def _identity(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``eye(rows, cols)``: the one-hot vectors of positions 0..rows-1."""
+    return torch.eye(rows, cols, dtype=dtype, device=device)
+
+
 def _select_positions(table: Tensor, index: Tensor) -> Tensor:
     """``table[:, index]`` moved batch-first: [h, M, *rest] and index [B, *S] -> [B, h, *S, *rest]
     (a view of an [h, B, *S, *rest] tensor). Through ``index_select``, whose backward is an
@@ -92,14 +118,17 @@ class SynthesizerAttention(ZooAttention):
         factor_a, factor_b: Factorized Dense sizes a, b (a*b >= N); default :func:`default_factors`.
         rank: Factorized Random rank k.
         share_heads: one Random table for all heads instead of one per head.
+        table_kernel: how Random and Factorized Random run, one of :data:`TABLE_KERNELS`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, components: Sequence[str] = ("random",),
                  max_len: int = 256, dropout: float = 0.0, freeze_random: bool = False,
                  factor_a: Optional[int] = None, factor_b: Optional[int] = None, rank: int = 32,
-                 share_heads: bool = False, bias: bool = True):
+                 share_heads: bool = False, bias: bool = True, table_kernel: str = "auto"):
         super().__init__(embed_dim, num_heads, dropout)
         components = tuple(components)
+        assert table_kernel in TABLE_KERNELS, f"table_kernel {table_kernel!r}"
+        self.table_kernel = table_kernel
         # user-facing checks (one line naming the flag) are the fairseq options' validate()
         assert components and set(components) <= set(COMPONENTS) and \
             len(set(components)) == len(components), f"components {components!r}"
@@ -210,12 +239,13 @@ class SynthesizerAttention(ZooAttention):
     def terms(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext, k_len: int):
         """The components' logits, each already weighted by its alpha, in two forms:
 
-        * dot-product terms S_i = q_i k_i^T (Dense, Vanilla; Factorized Random unless the
-          batch shares one map) as lists of feature blocks
+        * dot-product terms S_i = q_i k_i^T (Dense, Vanilla; with the sdpa table kernel Random
+          while its keys are narrow, Factorized Random unless the batch shares one map) as
+          lists of feature blocks
           ([q blocks], [k blocks]): they go through the fused SDPA kernel, all blocks concatenated
           along the feature dimension in one copy;
-        * tables [B or 1, H or 1, Tq, Tk] (Random, Factorized Random, Factorized Dense), added
-          to the logits.
+        * tables [B or 1, H or 1, Tq, Tk] (Factorized Dense; Random and Factorized Random
+          otherwise), added to the logits.
         """
         tq, off = x_q.size(1), ctx.offset
         if ctx.key_padding_mask is None:  # fast path: positions are 0..Tk-1, slice the tables
@@ -225,9 +255,14 @@ class SynthesizerAttention(ZooAttention):
             qpos = kpos[:, -tq:]
         cols = min(k_len, self.max_len)
         # with no padding and no weight dropout the table terms are one map for the whole batch
-        # (compute's shared path); otherwise Factorized Random's R1 R2ᵀ, a dot product of rank k,
-        # is better a dot term: the fused kernel, no [B, H, Tq, Tk] logits or fp32 softmax
+        # (compute's shared path); otherwise, with the sdpa kernel, Factorized Random's R1 R2ᵀ, a
+        # dot product of rank k, is better a dot term: the fused kernel, no [B, H, Tq, Tk]
+        # logits or fp32 softmax. So is Random's R[i, j] = R[i]·e_j, padded or not, while its
+        # width (the keys') is small
         shared = qpos is None and not (self.training and self.dropout > 0)
+        fused = self.table_kernel == "sdpa" or (self.table_kernel == "auto" and
+                                                x_q.device.type in AUTO_SDPA_DEVICES)
+        random_width = self._random_width(cols) if fused and "random" in self.components else None
         if len(self.components) > 1:
             alpha = torch.softmax(self.mix_logits.float(), dim=0).to(x_q.dtype)
         dots, tables = [], []
@@ -246,10 +281,13 @@ class SynthesizerAttention(ZooAttention):
                 scale = self.head_dim ** -0.5
                 q = self.split_heads(self.q_proj(x_q))
                 dots.append(([q * (scale if w is None else w * scale)], [k]))
-            elif name == "factorized_random" and not shared:  # R1[qpos] . R2[kpos]
+            elif name == "factorized_random" and fused and not shared:  # R1[qpos] . R2[kpos]
                 r1 = self._by_position(self.R1, qpos, off, tq)
                 dots.append(([r1 if w is None else r1 * w],
                              [self._by_position(self.R2, kpos, 0, k_len)]))
+            elif name == "random" and random_width:  # R[qpos] . onehot(kpos)
+                rows, onehot = self._random_rows(ctx, qpos, kpos, off, tq, k_len, random_width)
+                dots.append(([rows if w is None else rows * w], [onehot]))
             else:
                 if name == "random":  # R[qpos, kpos]
                     if qpos is None:
@@ -276,6 +314,43 @@ class SynthesizerAttention(ZooAttention):
                         t = Bf.gather(-1, j // a) * A.gather(-1, j % a)
                 tables.append(t if w is None else t * w)
         return dots, tables
+
+    def _random_width(self, cols: int) -> Optional[int]:
+        """The width c of Random's dot form for keys at ``cols`` positions (they must cover
+        every key position; at least the head width, so that q, k and v share one width and
+        the kernel needs no padding copies), or None when that is wider than
+        :data:`RANDOM_DOT_MAX_WIDTH` and the head: there the product over c features costs more
+        than the table's logits."""
+        c = -(-cols // 8) * 8
+        if c > max(RANDOM_DOT_MAX_WIDTH, self.head_dim):
+            return None
+        return min(self.R.size(2), max(c, self.head_dim))
+
+    def _random_rows(self, ctx: AttnContext, qpos: Optional[Tensor], kpos: Optional[Tensor],
+                     off: int, tq: int, k_len: int, c: int):
+        """Random's R[qpos, kpos] as a dot product, for the fused kernel: the query's row of R
+        (its first c columns) against the one-hot vector of the key's position. Exact in any
+        precision (one non-zero product per logit), and the only per-sentence tensor is the
+        gathered rows: no [B, H, Tq, Tk] logits and fp32 softmax, forward or backward (columns
+        past the keys meet zeros in the one-hot vectors and get no gradient). Returns q
+        ``[B or 1, h, Tq, c]`` and k ``[B or 1, H or 1, Tk, c]`` (with padding, made once per
+        forward for all layers)."""
+        n = self.R.size(2)
+        dtype, device = self.R.dtype, self.R.device
+        if qpos is None:  # no padding: rows off.., keys 0..Tk-1
+            return (self.R[:, off:off + tq, :c].unsqueeze(0),
+                    _identity(k_len, c, dtype, device).view(1, 1, k_len, c))
+        # one gather of the rows' first c entries of the flattened table (its backward is one
+        # index_add into R's gradient), by ids made once per forward
+        ids = ctx.from_masks(("synthesizer rows", n, tq, c),
+                             lambda: qpos[:, :, None] * n + torch.arange(c, device=device))
+        rows = _select_positions(self.R.flatten(1, 2), ids)
+        onehot = ctx.from_masks(
+            ("synthesizer one-hot", k_len, c, self.num_heads, dtype, str(device)),
+            # (a scatter: F.one_hot reads the positions' range back to the host)
+            lambda: torch.zeros(kpos.size(0), 1, k_len, c, dtype=dtype, device=device).scatter_(
+                -1, kpos[:, None, :, None], 1.0).expand(-1, self.num_heads, -1, -1).contiguous())
+        return rows, onehot
 
     def synthesized_logits(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext,
                            k_len: int) -> Tensor:
@@ -343,9 +418,16 @@ class SynthesizerAttention(ZooAttention):
         if dqk != width:
             qs, ks = ([*t, _constant(0.0, t[0].dtype, t[0].device).expand(1, 1, 1, width - dqk)]
                       for t in (qs, ks))
-        q = torch.cat([t.expand(bsz, h, tq, t.size(-1)) for t in qs], -1)
-        k = torch.cat([t.expand(bsz, h, tk, t.size(-1)) for t in ks], -1)
+        q, k = _one_tensor(qs, (bsz, h, tq)), _one_tensor(ks, (bsz, h, tk))
         dv = v.size(-1)
         if dv != width:
             v = F.pad(v, (0, width - dv))
         return ctx.attend(q, k, v, scale=1.0)[..., :dv]
+
+
+def _one_tensor(blocks, lead) -> Tensor:
+    """Feature blocks ``[.., T, d_i]`` (broadcastable to ``lead``) as one ``[*lead, sum d_i]``
+    tensor: one concatenating copy, none for a single block that already has the shape."""
+    if len(blocks) == 1 and blocks[0].shape[:-1] == lead:
+        return blocks[0]
+    return torch.cat([t.expand(*lead, t.size(-1)) for t in blocks], -1)

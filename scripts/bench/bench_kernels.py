@@ -40,6 +40,13 @@ off by a time limit keeps the tables of the stages it finished):
     torch's fused attention (``--adaptive-span-kernel sdpa``) and op by op (``explicit``) against
     fairseq's ``examples/adaptive_span`` attention (``MultiHeadSeqAttention``) at the same window.
 
+``synth_gather``
+    Synthesizer Random's pad-aware gather of R by advanced indexing (before) and ``index_select``.
+``synth_tables``
+    Synthesizer Random and Factorized Random layers, ``--synth-table-kernel sdpa`` against
+    ``table``, a transformer-base batch of sentences of 32, 64 and 128 tokens, with and without
+    padding: the numbers behind ``auto``'s choice per device.
+
 ``--size tiny --device cpu`` runs every stage at toy shapes (the harness's test); the Triton
 rows then need ``TRITON_INTERPRET=1`` (interpreted kernels, timings meaningless).
 
@@ -65,11 +72,13 @@ SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dim
                        copy_mib=1024, ffn=2048, token_groups=(1, 4, 16),
                        span=dict(batch=64, block=512, d=512, heads=8, max_span=8192,
                                  windows=(64, 1024, 4096)),
-                       synth=dict(heads=8, max_len=512, batch=256, length=32, max_pad=12)),
+                       synth=dict(heads=8, max_len=512, batch=256, length=32, max_pad=12,
+                                  d=512, table_len=256, tokens=8192, lengths=(32, 64, 128))),
          "tiny": dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32, dims=(32,), copy_mib=8,
                       ffn=256, token_groups=(1, 2),
                       span=dict(batch=2, block=16, d=32, heads=2, max_span=128, windows=(64, 128)),
-                      synth=dict(heads=2, max_len=16, batch=4, length=8, max_pad=3))}
+                      synth=dict(heads=2, max_len=16, batch=4, length=8, max_pad=3, d=32,
+                                 table_len=16, tokens=32, lengths=(8, 16)))}
 
 
 def median_ms(fn, device, repeats):
@@ -320,6 +329,49 @@ def synth_gather_rows(args, device, dtype):
             for name, ms in (("index_select (ours)", ours), ("advanced indexing (before)", before))]
 
 
+class _SelfAttention(nn.Module):
+    """``att`` called as fairseq's self-attention with a fixed padding mask."""
+
+    def __init__(self, att, pad):
+        super().__init__()
+        self.att, self.pad = att, pad
+
+    def forward(self, x):
+        return self.att(x, x, x, key_padding_mask=self.pad)[0]
+
+
+def synth_table_rows(args, device, dtype):
+    """Synthesizer Random and Factorized Random, one self-attention layer forward + backward,
+    with ``--synth-table-kernel sdpa`` (dot products through the fused kernel) against ``table``
+    (materialized logits): a transformer-base batch (--max-tokens 8192 as sentences of each
+    length), no padding or the encoder's left padding (up to a third of the length). Timed
+    alternately; the ratio says which kernel ``auto`` should pick on this device."""
+    from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
+
+    c = args.cfg["synth"]
+    d, h, n = c["d"], c["heads"], c["table_len"]
+    rows = []
+    for mode in ("random", "factorized_random"):
+        for length in c["lengths"]:
+            b = c["tokens"] // length
+            g = torch.Generator(device="cpu").manual_seed(4)
+            x = torch.randn(length, b, d, generator=g).to(device, dtype).requires_grad_(True)
+            lead = torch.randint(0, length // 3 + 1, (b,), generator=g)
+            lead[0] = 0
+            left = (torch.arange(length)[None] < lead[:, None]).to(device)
+            for padding, pad in (("none", None), ("left", left)):
+                timers = {}
+                for kernel in ("sdpa", "table"):
+                    torch.manual_seed(0)
+                    m = SynthesizerAttention(d, h, components=(mode,), max_len=n,
+                                             table_kernel=kernel).to(device, dtype).train()
+                    timers[kernel] = module_timer(_SelfAttention(m, pad), (x,), False, device)
+                sdpa, table = time_pair(timers["sdpa"], timers["table"], repeats=args.repeats)
+                rows.append({"mode": mode, "tokens": f"{b} x {length}", "padding": padding,
+                             "sdpa ms": sdpa, "table ms": table, "sdpa / table": sdpa / table})
+    return rows
+
+
 def span_rows(args, device, dtype):
     c = args.cfg["span"]
     ramp, s = 32, c["max_span"]
@@ -364,7 +416,8 @@ def span_rows(args, device, dtype):
     return rows
 
 
-STAGES = ("copy", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span", "synth_gather")
+STAGES = ("copy", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span", "synth_gather",
+          "synth_tables")
 
 
 def main(argv=None):
@@ -406,6 +459,8 @@ def main(argv=None):
             rows = span_rows(args, device, dtype)
         elif stage == "synth_gather":
             rows = synth_gather_rows(args, device, dtype)
+        elif stage == "synth_tables":
+            rows = synth_table_rows(args, device, dtype)
         else:
             rows = aop_rows(args, device, dtype)
         emit(args, stage, rows)

@@ -374,11 +374,12 @@ def _count_train_steps(spec: str):
 
     from fairseq.trainer import Trainer
 
-    from fairseq_attnzoo.modules import pkm
+    from fairseq_attnzoo.modules import pkm, synthesizer
 
     # what CUDA dispatches: the product-key search in one chunk of all tokens (the CPU splits it
-    # into cache-sized chunks, ~20 ops each)
+    # into cache-sized chunks, ~20 ops each), Synthesizer's tables through the fused kernel
     pkm._SCORE_CHUNK = 1 << 62
+    synthesizer.AUTO_SDPA_DEVICES.add("cpu")
     path, wait, active = spec.rsplit(":", 2)
     wait, active = int(wait), int(active)
     counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]

@@ -102,6 +102,10 @@ kernels)
         ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout 60 python3 -m pytest -q \
             -p no:cacheprovider tests/test_adaptive_span.py -k sdpa_band > "$OUT/span_tests.log" 2>&1
         echo "adaptive-span sdpa tests rc $?"; tail -3 "$OUT/span_tests.log"
+        ATTNZOO_TEST_DEVICE=cuda OMP_NUM_THREADS=1 timeout 60 python3 -m pytest -q \
+            -p no:cacheprovider tests/test_synthesizer.py -k equals_the_formula \
+            > "$OUT/synth_tests.log" 2>&1
+        echo "synthesizer kernel tests rc $?"; tail -3 "$OUT/synth_tests.log"
     fi
     for dtype in ${DTYPES:-bf16 fp16}; do
         timeout "${TIMEOUT:-240}" python3 -m scripts.bench.bench_kernels --device cuda \
