@@ -257,6 +257,32 @@ def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatc
     assert runs.count("transformer_lm") == 2 and len(runs) == 4
 
 
+def test_a_variant_is_one_more_row_of_its_arch_with_its_flags(tmp_path, monkeypatch):
+    """``--variant ARCH:--flag=value``: ARCH once more with those flags (e.g. a kernel switch
+    measured end to end against the default), its own row; the flags reach that run only."""
+    from scripts.bench import bench_paper_size as bps
+
+    runs = []
+
+    def fake_run(group, arch, data, args, env=None):
+        runs.append(bps.train_command(group, arch, data, args, str(tmp_path)))
+        return {"tokens/s": 50.0, "peak GiB": 1.0, "valid loss": 2.0, "wall s": 1.0}
+
+    monkeypatch.setattr(bps, "one_run", fake_run)
+    variant = "transformer_synth_random:--synth-table-kernel=table"
+    bps.main(["--size", "tiny", "--device", "cpu", "--groups", "mt", "--precisions", "fp32",
+              "--repeats", "1", "--data-mt", str(tmp_path), "--baseline", "bracket",
+              "--archs", "transformer_synth_random", "--variant", variant,
+              "--out", str(tmp_path / "v.md")])
+    archs = [cmd[cmd.index("--arch") + 1] for cmd in runs]
+    assert archs == ["transformer", "transformer_synth_random", "transformer_synth_random",
+                     "transformer"]
+    assert [("--synth-table-kernel=table" in cmd) for cmd in runs] == [False, False, True, False]
+    assert f"| mt | fp32 | {variant} | 50 |" in (tmp_path / "v.md").read_text()
+    with pytest.raises(SystemExit):
+        bps.main(["--variant", "transformer_bogus:--x=1", "--out", str(tmp_path / "e.md")])
+
+
 def test_train_logs_are_read_in_every_logging_format():
     """fairseq's example started through ``python -c`` logs ``INFO:train_inner:{...}`` (the root
     logger unconfigured), fairseq's CLI ``... | INFO | train_inner | {...}``: the adaptive-span

@@ -458,10 +458,17 @@ def run_train_here(argv):
             print(f"{PEAK_TAG} {torch.cuda.max_memory_allocated()}", flush=True)
 
 
-def train_command(group, arch, data, args, save_dir):
+def split_variant(spec: str):
+    """``ARCH`` or a variant ``ARCH:--flag=value:...`` (``--variant``) -> (ARCH, [flags])."""
+    arch, *flags = spec.split(":")
+    return arch, flags
+
+
+def train_command(group, spec, data, args, save_dir):
+    arch, variant_flags = split_variant(spec)
     flags = shlex.split(MT_BASE if group == "mt" else LM_BASE)
     if arch != BASELINE[group]:
-        flags += shlex.split(METHOD[group])
+        flags += shlex.split(METHOD[group]) + variant_flags
     if args.size == "tiny":
         flags += shlex.split(TINY_MT if group == "mt" else TINY_LM)
         if arch != BASELINE[group]:
@@ -693,6 +700,10 @@ def main(argv=None):
                    "archs alike (torch.backends.cuda.enable_cudnn_sdp(False)): on Hopper torch "
                    "may pick it for SDPA, and it builds a graph for every new shape")
     p.add_argument("--extra", default="", help="more fairseq-train flags for every run")
+    p.add_argument("--variant", action="append", default=[], metavar="ARCH:--FLAG=VALUE[:...]",
+                   help="one more candidate row: ARCH (of the groups run) with these flags, e.g. "
+                   "transformer_synth_random:--synth-table-kernel=table (repeatable; not "
+                   "filtered by --archs)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs of each group and precision, profile one short run "
                    "of the baseline and of each arch (torch.profiler: top ops by self device time)")
@@ -707,6 +718,12 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
     p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
     args = p.parse_args(argv)
+    for v in args.variant:
+        arch, flags = split_variant(v)
+        if arch not in MT_ARCHS + LM_ARCHS or not flags or not all(
+                f.startswith("--") for f in flags):
+            p.error(f"--variant {v!r}: give ARCH:--flag=value[:...] with ARCH one of "
+                    f"{', '.join(MT_ARCHS + LM_ARCHS)}")
     args.data_mt, args.data_lm = os.path.abspath(args.data_mt), os.path.abspath(args.data_lm)
     for group, data in (("mt", args.data_mt), ("lm", args.data_lm), ("span", args.data_lm)):
         if group in args.groups and not os.path.isdir(data):
@@ -733,6 +750,7 @@ def main(argv=None):
                 if group not in args.groups:
                     continue
                 chosen = [a for a in archs if args.archs is None or a in args.archs]
+                chosen += [v for v in args.variant if split_variant(v)[0] in archs]
                 if args.profile_only:
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)
