@@ -210,11 +210,44 @@ def test_incremental_cache_stores_shared_keys_once_per_token():
         steps_cross.append(cross(xt, enc, enc, incremental_state=state, static_kv=True)[0])
     assert (torch.cat(steps) - full).abs().max() <= 1e-5
     assert (torch.cat(steps_cross) - full_cross).abs().max() <= 1e-5
+    # shared keys with the content bias, padded to a multiple of 8: D̃k + H + 0 = 16 per token,
+    # not H x d_k
     buf = self_attn._get_buffer(state)
-    assert buf["k"].shape == (B, T, Dk)  # shared keys: D̃k per token, not H x d_k
-    assert buf["c"].shape == (B, T, H) and buf["v"].shape == (B, T, d)
+    assert set(buf) == {"k", "v", "_padding"}
+    assert buf["k"].shape == (B, T, 16) and buf["v"].shape == (B, T, d)
     buf = cross._get_buffer(state)
-    assert buf["k"].shape == (B, 5, Dk) and buf["c"].shape == (B, 5, H)
+    assert buf["k"].shape == (B, 5, 16)
+
+
+def test_keys_and_content_bias_are_one_product_of_the_keys_input():
+    """k' = [Y W̃K | Y wᵀ | 0] is one matrix product of the keys' input with the stacked weights
+    (not two products, a concatenation and a padding copy), forward and backward, and the
+    weights' gradients equal the two projections'."""
+    torch.manual_seed(7)
+    d, H, Dk, T, B = 32, 4, 12, 5, 3
+    m = CollaborativeAttention(d, H, Dk, kdim=20, vdim=20)
+    x, y = torch.randn(T, B, d), torch.randn(T + 2, B, 20)
+    with DispatchedOps() as ops:
+        out = m(x, y, y, static_kv=True)[0]
+    y_first = [n for n, _, args in ops.calls if n in ("mm", "addmm", "linear", "matmul")
+               and any(getattr(a, "shape", None) == (B * (T + 2), 20) for a in args)]
+    assert len(y_first) == 2, y_first  # keys (with the content bias) and values
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    k_grad, c_grad = m.k_proj.weight.grad.clone(), m.content_bias.weight.grad.clone()
+    m.zero_grad()
+    # the same function with the two projections written out
+    yb = y.transpose(0, 1)
+    q = torch.cat([m.q_proj(x.transpose(0, 1)), torch.ones(B, T, 4)], -1)
+    kk = torch.cat([m.k_proj(yb), m.content_bias(yb)], -1)
+    mixing = torch.cat([m.mixing, torch.eye(H, 4)], -1)
+    logits = (q[:, None] * mixing[None, :, None]) @ kk[:, None].transpose(-1, -2) * m.scaling
+    v = m.v_proj(yb).view(B, T + 2, H, d // H).transpose(1, 2)
+    ref = m.out_proj((logits.softmax(-1) @ v).transpose(1, 2).reshape(B, T, d)).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ref.backward(grad)
+    torch.testing.assert_close(k_grad, m.k_proj.weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c_grad, m.content_bias.weight.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_builder_flags():

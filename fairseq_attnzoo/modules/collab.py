@@ -53,6 +53,11 @@ def _content_mixing(num_heads: int, width: int, dtype: torch.dtype, device: torc
     return torch.eye(num_heads, width, dtype=dtype, device=device)
 
 
+@cached_constant
+def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.zeros(rows, cols, dtype=dtype, device=device)
+
+
 def concatenate_mixing(num_heads: int, key_dim: int) -> Tensor:
     """Block one-hot M [H, D̃k]: head i uses dims [i·D̃k/H, (i+1)·D̃k/H) (the last block is smaller
     when H does not divide D̃k): collaborative attention then equals concatenated heads."""
@@ -124,34 +129,44 @@ class CollaborativeAttention(ZooAttention):
 
     # ---- attention ---------------------------------------------------------------------------
     def keys(self, x_kv: Optional[Tensor], ctx: AttnContext):
-        """Shared keys k̃ = Y W̃K [B, Tk, D̃k], content bias Y wᵀ [B, Tk, H], values [B, Tk, d]."""
-        if self.content_bias is None:  # q/k biases: no separate content term to cache
-            if ctx.static_kv:
-                return (ctx.cache_static("k", lambda: self.k_proj(x_kv)), None,
-                        ctx.cache_static("v", lambda: self.v_proj(x_kv)))
-            kv = ctx.cache(k=self.k_proj(x_kv), v=self.v_proj(x_kv))
-            return kv["k"], None, kv["v"]
+        """The keys and values [B, Tk, ·]: k̃ = Y W̃K (shared by all heads) and, with a content
+        bias, k' = [Y W̃K | Y wᵀ | 0] (:meth:`_key_features`)."""
+        make_k = self.k_proj if self.content_bias is None else self._key_features
         if ctx.static_kv:  # encoder output: computed once per sentence
-            return (ctx.cache_static("k", lambda: self.k_proj(x_kv)),
-                    ctx.cache_static("c", lambda: self.content_bias(x_kv)),
+            return (ctx.cache_static("k", lambda: make_k(x_kv)),
                     ctx.cache_static("v", lambda: self.v_proj(x_kv)))
-        kv = ctx.cache(k=self.k_proj(x_kv), c=self.content_bias(x_kv), v=self.v_proj(x_kv))
-        return kv["k"], kv["c"], kv["v"]
+        kv = ctx.cache(k=make_k(x_kv), v=self.v_proj(x_kv))
+        return kv["k"], kv["v"]
+
+    def _content_width(self) -> int:
+        """The H content features and the zero columns after them, up to a multiple of 8 of the
+        product's width (where the fused kernels run)."""
+        return self.num_heads + (-(self.key_dim + self.num_heads) % 8)
+
+    def _key_features(self, y: Tensor) -> Tensor:
+        """k' = [Y W̃K | Y wᵀ | 0]: the shared keys, the content bias and the zero columns, one
+        product of Y with the stacked weights (the two projections, their concatenation and the
+        zero padding were four kernels forward and five backward)."""
+        rows = [self.k_proj.weight, self.content_bias.weight]
+        zeros = self._content_width() - self.num_heads
+        if zeros:
+            w = self.k_proj.weight
+            rows.append(_zeros(zeros, w.size(1), w.dtype, w.device))
+        return F.linear(y, torch.cat(rows))
 
     def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
-        k, c, v = self.keys(x_kv, ctx)
+        k, v = self.keys(x_kv, ctx)
         q, mixing = self.q_proj(x_q), self.mixing
-        if c is not None:
+        if self.content_bias is not None:
             # the content bias as H more features: q'_i = [q, 1] * [m_i, e_i] and k' = [k, c]
             # give q'_i k'ᵀ = q diag(m_i) kᵀ + 1 c_iᵀ, so it rides in the fused kernel's product
             # instead of a [B, H, Tq, Tk] additive bias whose gradient the kernel must write (and
             # the CPU has no fused kernel for); zero columns up to a multiple of 8, where the
-            # fused kernels run
-            extra = self.num_heads + (-(self.key_dim + self.num_heads) % 8)
+            # fused kernels run (k' has them from _key_features)
+            extra = self._content_width()
             q = F.pad(q, (0, extra), value=1.0)
             mixing = torch.cat([mixing, _content_mixing(self.num_heads, extra, mixing.dtype,
                                                         mixing.device)], -1)
-            k = F.pad(torch.cat([k, c.to(k.dtype)], -1), (0, extra - self.num_heads))
         # q_i = X W̃Q diag(m_i): [B, 1, Tq, D̃k] * [1, H, 1, D̃k] -> [B, H, Tq, D̃k]
         q = q.unsqueeze(1) * mixing[None, :, None, :]
         k = k.unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # one key tensor for all heads
