@@ -220,6 +220,23 @@ def test_random_equals_the_formula_with_its_gradients(t, padding, dtype, kernel)
         torch.testing.assert_close(ours, want, **tol)
 
 
+def test_the_fused_kernels_mask_is_finite_in_autocasts_dtype(monkeypatch):
+    """Random's query rows stay float32 under autocast (a gather is not autocast), and SDPA casts
+    its inputs to autocast's dtype: a mask made in float32 would hold float32's minimum, which
+    is -inf in bfloat16 and float16. It is made in the dtype the kernel computes in."""
+    m = make("random", table_kernel="sdpa").train()
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(3))
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, :3] = True
+    calls = record_sdpa(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(m, x, pad=pad)
+    q, mask = calls[0][0], calls[0][3]["attn_mask"]
+    assert q.dtype == torch.float32 and mask.dtype == torch.bfloat16
+    assert torch.isfinite(mask).all() and mask.min() == torch.finfo(torch.bfloat16).min
+    assert torch.isfinite(out).all()
+
+
 def _step_params(m, steps=3):
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1,
                             weight_decay=0.1)

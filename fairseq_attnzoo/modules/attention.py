@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .precision import fp32_softmax, mask_value
+from .precision import compute_dtype, fp32_softmax, mask_value
 
 try:  # fairseq's helper, so our state lives in fairseq's incremental_state exactly like its MHA's
     from fairseq.incremental_decoding_utils import FairseqIncrementalState
@@ -208,14 +208,14 @@ class AttnContext:
         return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask),
                                ("bias", self.q_len, k_len, dtype, str(device)), make)
 
-    def masked(self, logits: Tensor) -> Tensor:
-        """``logits [.., Tq, Tk]`` with the blocked entries set to the finite mask value (set, not
-        added: an fp16 logit + mask would overflow to -inf; one pass, where an out-of-place
-        masked_fill is a clone, then a fill)."""
+    def masked(self, logits: Tensor, dtype=None) -> Tensor:
+        """``logits [.., Tq, Tk]`` with the blocked entries set to the finite mask value of
+        ``dtype`` (default: the logits'; set, not added: an fp16 logit + mask would overflow to
+        -inf; one pass, where an out-of-place masked_fill is a clone, then a fill)."""
         blocked = self.blocked(logits.size(-1), logits.device)
         if blocked is None:
             return logits
-        return torch.where(blocked, mask_value(logits.dtype), logits)
+        return torch.where(blocked, mask_value(dtype or logits.dtype), logits)
 
     # ---- positions ---------------------------------------------------------------------------
     def key_positions(self, k_len: int, device) -> Tensor:
@@ -241,10 +241,12 @@ class AttnContext:
         """softmax(q kᵀ·scale + extra + mask) v with dropout, via the fused SDPA kernel.
 
         q ``[B, H, Tq, dk]``, k ``[B, H, Tk, dk]``, v ``[B, H, Tk, dv]`` -> ``[B, H, Tq, dv]``."""
+        # the mask in the dtype the kernel computes in (under autocast, not float32's)
+        dtype = compute_dtype(q)
         if extra_logits is None:
-            bias = self.bias(k.size(-2), q.dtype, q.device)
+            bias = self.bias(k.size(-2), dtype, q.device)
         else:
-            bias = self.masked(extra_logits)
+            bias = self.masked(extra_logits, dtype)
         p = self.module.dropout if self.module.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=scale)
 

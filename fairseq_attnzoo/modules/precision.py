@@ -26,6 +26,16 @@ def mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype an op that autocast lowers (a matmul, SDPA) computes ``t`` in: autocast's dtype
+    for a float32 tensor inside an autocast region of its device, ``t``'s own otherwise. A mask
+    made for that op in float32 would be cast there, and float32's minimum overflows to -inf in
+    float16 and bfloat16 (the masked row of :func:`mask_value` is no longer finite)."""
+    if t.dtype == torch.float32 and torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
+
+
 def fp32_softmax(x: Tensor, dim: int = -1) -> Tensor:
     """softmax computed in float32 and cast back to ``x``'s dtype (``fairseq.utils.softmax``): the
     normaliser of an fp16/bf16 row loses the small weights otherwise."""
