@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo_testlib import USER_DIR, DispatchedOps
+from zoo_testlib import USER_DIR, DispatchedOps, record_sdpa
 from fairseq import options
 from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
@@ -290,3 +290,25 @@ def test_the_memory_costs_one_multiply_each_way():
             loss.backward()
         backward = launched(ops)  # V's gradient; no expand's reduction
         assert backward.count("mul") == 1 and "sum" not in backward, backward
+
+
+@pytest.mark.parametrize("bucket", [5, 16])  # 12 tokens: padded to 15 and to 16
+def test_token_bucket_pads_the_attention_and_keeps_the_function_and_gradients(bucket, monkeypatch):
+    """``--aop-token-bucket``: in training the attention sees the tokens padded with zero queries
+    to a multiple of the bucket (fewer shapes for cuDNN's per-shape graphs); the outputs and every
+    gradient are those of the unpadded module. Decoding and evaluation are not padded."""
+    calls = record_sdpa(monkeypatch)
+    results = []
+    for b in (0, bucket):
+        torch.manual_seed(0)
+        m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=9,
+                                    token_bucket=b).train()
+        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = m(x)
+        y.square().sum().backward()
+        results.append([y.detach()] + [p.grad for p in m.parameters()] + [x.grad])
+        m.eval()
+        m(x.detach())
+    assert [c[0][0].shape[-2] for c in calls] == [12, 12, 12 + (-12) % bucket, 12]
+    for a, b in zip(results[1], results[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -200,7 +200,7 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
                         "--out", str(out)])
     text = out.read_text()
     for title in ("copy bandwidth", "pkm_read", "pkm_tune d 32", "pkm_layer", "aop", "span",
-                  "synth_gather", "synth_tables"):
+                  "synth_gather", "synth_tables", "sdpa_shapes"):
         assert f"\n{title}\n" in text
     if pkm_triton.HAS_TRITON:  # each launch once, the module's default among them, marked
         tune = [line.split(" | ")[:6] for line in text.splitlines() if line.startswith("| 32 | read")
@@ -229,6 +229,13 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
     assert tables == [[f"| {mode}", f"{32 // t} x {t}", padding]
                       for mode in ("random", "factorized_random") for t in (8, 16)
                       for padding in ("none", "left")]
+    # each backend the CPU has, at shapes of its own (the second's lengths one longer), timed
+    shapes = [line.split(" | ") for line in text.splitlines()
+              if line.startswith(("| self-attention with", "| attention over 1536"))]
+    assert [row[1:3] for row in shapes] == [
+        ["12 x 5 .. 9 x 7", "torch's choice"], ["10 x 6 .. 8 x 8", "math"],
+        ["1 x 16 .. 1 x 24", "torch's choice"], ["1 x 24 .. 1 x 32", "math"]]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in shapes)
 
 
 def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatch):

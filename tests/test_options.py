@@ -87,6 +87,8 @@ def test_bool_spellings_reach_the_module(stored, expected):
     ("aop", {"aop_dropout": 1.0}, r"--aop-dropout must be in \[0, 1\), got 1.0"),
     ("aop", {"aop_dropout": "high"}, "--aop-dropout must be a number, got 'high'"),
     ("aop", {"aop_scale_at": "both"}, "--aop-scale-at 'both' is not one of: use, init"),
+    ("aop", {"aop_token_bucket": -8},
+     r"--aop-token-bucket must be 0 \(no padding\) or a positive integer, got -8"),
     ("collab", {"collab_key_dim": -3}, "--collab-key-dim must be a non-negative integer"),
     ("collab", {"collab_mixing_init": "bogus"}, "--collab-mixing-init 'bogus' is not one of"),
     ("collab", {"collab_scaling": "none"}, "--collab-scaling 'none' is not one of"),

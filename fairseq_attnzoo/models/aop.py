@@ -49,12 +49,21 @@ class AOPConfig(FairseqDataclass):
                 "paper's time), 'init' folds them into the initialiser's std (tensor2tensor since "
                 "2018-06-11); same function at init, different Adam steps (default use)"})
 
+    aop_token_bucket: int = field(default=0, metadata={
+        "help": "in training, pad the tokens the memory attention runs over (all of a batch's, "
+                "as one sequence) with zero queries to a multiple of this, dropping them after: the same "
+                "function and gradients, fewer distinct shapes for the attention kernel (on CUDA "
+                "cuDNN's builds an execution graph for each new shape, and a translation batch's "
+                "token count changes nearly every update; docs/aop.md, 'On the GPU'); costs up to "
+                "N-1 extra rows (default 0: no padding)"})
 
     def validate(self):
         for name in ("aop_heads", "aop_key_dim", "aop_value_dim", "aop_slots"):
             value = getattr(self, name)
             require(self, name, value is None or value > 0, "a positive integer")
         require(self, "aop_width_factor", self.aop_width_factor > 0, "a positive integer")
+        require(self, "aop_token_bucket", self.aop_token_bucket >= 0,
+                "0 (no padding) or a positive integer")
         require(self, "aop_dropout", self.aop_dropout is None or 0.0 <= self.aop_dropout < 1.0,
                 "in [0, 1)")
 
@@ -107,7 +116,7 @@ def build_aop(spec):
     heads, key_dim, value_dim, slots = sizes
     return AttentionOverParameters(spec.embed_dim, heads=heads, key_dim=key_dim,
                                    value_dim=value_dim, slots=slots, dropout=p,
-                                   scale_at=o.aop_scale_at)
+                                   scale_at=o.aop_scale_at, token_bucket=o.aop_token_bucket)
 
 
 # AOP₁ = the AOPConfig defaults; AOP₂ (tensor2tensor transformer_parameter_attention_b) sets

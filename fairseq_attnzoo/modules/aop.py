@@ -60,10 +60,12 @@ class AttentionOverParameters(ZooFeedForward):
     """Multi-head attention over h_p × n_p persistent key/value slots (a drop-in FFN)."""
 
     def __init__(self, embed_dim: int, heads: int = 8, key_dim: int = 64, value_dim: int = 64,
-                 slots: int = 1536, dropout: float = 0.0, scale_at: str = "use"):
+                 slots: int = 1536, dropout: float = 0.0, scale_at: str = "use",
+                 token_bucket: int = 0):
         super().__init__()
         # user-facing checks (one line naming the flag) are the fairseq options' validate()
         assert min(heads, key_dim, value_dim, slots) > 0, (heads, key_dim, value_dim, slots)
+        assert token_bucket >= 0, token_bucket
         assert 0.0 <= dropout < 1.0 and scale_at in SCALE_AT, (dropout, scale_at)
         self.embed_dim = embed_dim
         self.heads = heads  # h_p
@@ -88,6 +90,11 @@ class AttentionOverParameters(ZooFeedForward):
         #: block per (entry, head, block of slots), so one entry gives only h·n_p/block blocks
         #: (scripts/bench/bench_kernels.py measures the choices)
         self.token_groups = 1
+        #: in training the attention runs over the N tokens padded with zero queries to a
+        #: multiple of this (0: not padded). Same function and gradients (a padded row's output is dropped, so its
+        #: gradient is zero); what changes is how many shapes the attention kernel sees: cuDNN's
+        #: builds an execution graph for each new one, and fairseq's batches keep changing N
+        self.token_bucket = token_bucket
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -121,8 +128,13 @@ class AttentionOverParameters(ZooFeedForward):
         # position-wise: [T, B, C] is just T·B independent tokens; pads are computed and ignored
         t, b, _ = x.shape
         n = t * b
-        g = self.token_groups if n % self.token_groups == 0 else 1
-        q = self.q_proj(x).view(g, n // g, self.heads, self.key_dim).transpose(1, 2)
+        q = self.q_proj(x).view(n, self.heads, self.key_dim)
+        bucket = self.token_bucket if self.training else 0  # (decoding steps repeat one N)
+        padded = n + (-n) % bucket if bucket else n
+        if padded != n:  # zero queries after the tokens (the rows dropped below)
+            q = F.pad(q, (0, 0, 0, 0, 0, padded - n))
+        g = self.token_groups if padded % self.token_groups == 0 else 1
+        q = q.view(g, padded // g, self.heads, self.key_dim).transpose(1, 2)
         # the memory [h, n_p, d], shared by the g entries [g, h, N/g, d_pk] (unsqueezed for one
         # entry: an expand's backward would be a reduction kernel over a dimension of size 1)
         k, v = self.keys.unsqueeze(0), self._values().unsqueeze(0)
@@ -131,9 +143,10 @@ class AttentionOverParameters(ZooFeedForward):
         # softmax(q (√h_p K)ᵀ) V over the n_p slots: the key constant √h_p (which replaces
         # 1/√d_pk) is the kernel's logit scale, so no scaled copy of K is made
         y = F.scaled_dot_product_attention(q, k, v, scale=self.key_scale)
-        y = y.transpose(1, 2).reshape(t, b, self.heads * self.value_dim)
-        return self.out_proj(y)
+        y = y.transpose(1, 2).reshape(padded, self.heads * self.value_dim)
+        return self.out_proj(y[:n].view(t, b, -1))
 
     def extra_repr(self) -> str:
         return (f"h_p={self.heads}, d_pk={self.key_dim}, d_pv={self.value_dim}, n_p={self.slots}, "
-                f"dropout={self.dropout}, scale_at={self.scale_at}")
+                f"dropout={self.dropout}, scale_at={self.scale_at}"
+                + (f", token_bucket={self.token_bucket}" if self.token_bucket else ""))

@@ -46,6 +46,16 @@ off by a time limit keeps the tables of the stages it finished):
     Synthesizer Random and Factorized Random layers, ``--synth-table-kernel sdpa`` against
     ``table``, a transformer-base batch of sentences of 32, 64 and 128 tokens, with and without
     padding: the numbers behind ``auto``'s choice per device.
+``sdpa_shapes``
+    torch's fused attention (``scaled_dot_product_attention``) under each of its backends that
+    this device has (torch's own choice, then cuDNN, flash, memory-efficient; the CPU: its choice
+    and math), forward + backward in ``--dtype``, at the two shapes a translation model gives it:
+    fairseq's self-attention of a ``--max-tokens 8192`` batch (8 heads × 64, the float
+    key-padding mask torch's ``multi_head_attention_forward`` makes, [B, H, 1, T]) and AOP₁'s
+    attention over 1,536 parameter slots (all the batch's tokens as one sequence). For each, the
+    first call at each of several shapes the process has not seen (a new batch's) and the calls
+    at a shape it has: cuDNN builds an execution graph per shape, so a run whose batches keep
+    changing shape (fairseq's) pays the first-call column, a long run mostly the second.
 
 ``--size tiny --device cpu`` runs every stage at toy shapes (the harness's test); the Triton
 rows then need ``TRITON_INTERPRET=1`` (interpreted kernels, timings meaningless).
@@ -73,12 +83,15 @@ SIZES = {"paper": dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384, dim
                        span=dict(batch=64, block=512, d=512, heads=8, max_span=8192,
                                  windows=(64, 1024, 4096)),
                        synth=dict(heads=8, max_len=512, batch=256, length=32, max_pad=12,
-                                  d=512, table_len=256, tokens=8192, lengths=(32, 64, 128))),
+                                  d=512, table_len=256, tokens=8192, lengths=(32, 64, 128)),
+                       sdpa=dict(batch_tokens=8192, lengths=(17, 23, 31, 42, 57, 77, 101, 127),
+                                 tokens=(5000, 5600, 6200, 6800, 7400, 8000))),
          "tiny": dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32, dims=(32,), copy_mib=8,
                       ffn=256, token_groups=(1, 2),
                       span=dict(batch=2, block=16, d=32, heads=2, max_span=128, windows=(64, 128)),
                       synth=dict(heads=2, max_len=16, batch=4, length=8, max_pad=3, d=32,
-                                 table_len=16, tokens=32, lengths=(8, 16)))}
+                                 table_len=16, tokens=32, lengths=(8, 16)),
+                      sdpa=dict(batch_tokens=64, lengths=(5, 7), tokens=(16, 24)))}
 
 
 def median_ms(fn, device, repeats):
@@ -416,8 +429,94 @@ def span_rows(args, device, dtype):
     return rows
 
 
+def sdpa_backends(device):
+    """(name, context manager factory) of the SDPA backends to try on ``device``: torch's choice
+    first, then each fused backend on CUDA (the CPU has one fused kernel and the math path)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+             ("efficient", SDPBackend.EFFICIENT_ATTENTION)) if device.type == "cuda" else (
+             ("math", SDPBackend.MATH),)
+    return [("torch's choice", contextlib.nullcontext)] + [
+        (name, lambda b=backend: sdpa_kernel(b)) for name, backend in names]
+
+
+def _sdpa_call(shape, i, device, dtype):
+    """Inputs and a forward + backward of SDPA for case ``shape`` = (kind, b, t): fairseq's
+    self-attention (kind "self": [b, 8, t, 64] with the encoder's left-padding mask as torch's
+    MHA hands it over, an additive [b, 8, 1, t] view) or AOP₁ (kind "aop": [1, 8, t, 64] queries
+    over [1, 8, 1536, 64] keys and values that are parameters). ``i`` seeds the data."""
+    kind, b, t = shape
+    heads, dk = 8, 64
+    g = torch.Generator(device="cpu").manual_seed(i)
+
+    def leaf(*size):
+        return torch.randn(*size, generator=g).to(device, dtype).requires_grad_(True)
+
+    mask = None
+    if kind == "self":
+        q, k, v = (leaf(b, heads, t, dk) for _ in range(3))
+        lead = torch.randint(0, t // 3 + 1, (b,), generator=g)
+        pad = torch.arange(t)[None, :] < lead[:, None]
+        mask = torch.zeros(b, 1, 1, t).masked_fill(pad[:, None, None, :], float("-inf"))
+        mask = mask.to(device, dtype).expand(b, heads, 1, t)
+    else:
+        q = leaf(1, heads, t, dk)
+        k, v = leaf(1, heads, 1536, dk), leaf(1, heads, 1536, dk)
+    grad = torch.randn(q.shape[:-1] + (v.size(-1),), generator=g).to(device, dtype)
+
+    def call():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out.backward(grad)
+
+    return call
+
+
+def sdpa_shape_rows(args, device, dtype):
+    """``sdpa_shapes``: per case and backend, over several shapes the process has not seen
+    (medians over the shapes): the first forward + backward at the shape, the same call again
+    once the shape is known (median of ``--repeats``), and their difference, the cost of a new
+    shape. Every backend gets shapes of its own (torch's choice may be cuDNN, whose graph cache
+    the cuDNN row would otherwise find filled)."""
+    import warnings
+
+    c = args.cfg["sdpa"]
+    rows = []
+    for kind, sizes in (("self", c["lengths"]), ("aop", c["tokens"])):
+        for index, (backend, context) in enumerate(sdpa_backends(device)):
+            # shapes unseen by this process: each backend's lengths shifted by its index
+            shapes = [("self", c["batch_tokens"] // (t + index), t + index) if kind == "self"
+                      else ("aop", 1, t + 8 * index) for t in sizes]
+            # and a warm-up at a shape of its own (libraries load, handles are made at the
+            # first call of a backend)
+            warm_up = (kind, 1, 8 + index)
+            row = {"case": ("self-attention with a padding mask (fairseq)" if kind == "self"
+                            else "attention over 1536 parameter slots (AOP₁)"),
+                   "shapes": (f"{shapes[0][1]} x {shapes[0][2]} .. {shapes[-1][1]} x "
+                              f"{shapes[-1][2]}"), "backend": backend}
+            try:
+                with warnings.catch_warnings(), context():
+                    warnings.simplefilter("ignore")  # (torch explains each kernel it skips)
+                    _sdpa_call(warm_up, 0, device, dtype)()
+                    first, seen = [], []
+                    for i, shape in enumerate(shapes):  # its first call, then it again
+                        run = timer(_sdpa_call(shape, i, device, dtype), device)
+                        first.append(1000 * run())
+                        seen.append(median_runs(run, args.repeats))
+            except RuntimeError as e:  # a backend that cannot take this case
+                rows.append({**row, "first call ms": "n/a: " + str(e).splitlines()[0][:80]})
+                continue
+            rows.append({**row, "first call ms": statistics.median(first),
+                         "seen shape ms": statistics.median(seen),
+                         "cost of a new shape ms": statistics.median(
+                             a - b for a, b in zip(first, seen))})
+    return rows
+
+
 STAGES = ("copy", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span", "synth_gather",
-          "synth_tables")
+          "synth_tables", "sdpa_shapes")
 
 
 def main(argv=None):
@@ -461,6 +560,8 @@ def main(argv=None):
             rows = synth_gather_rows(args, device, dtype)
         elif stage == "synth_tables":
             rows = synth_table_rows(args, device, dtype)
+        elif stage == "sdpa_shapes":
+            rows = sdpa_shape_rows(args, device, dtype)
         else:
             rows = aop_rows(args, device, dtype)
         emit(args, stage, rows)
