@@ -245,7 +245,7 @@ def test_bracket_baseline_runs_the_baseline_twice_per_group(tmp_path, monkeypatc
 
     runs = []
 
-    def fake_run(group, arch, data, args, env=None):
+    def fake_run(group, arch, data, args, env=None, seed=None):
         runs.append(arch)
         speed = {"transformer_lm": 100.0 + 10 * runs.count(arch)}.get(arch, 50.0)
         return {"tokens/s": speed, "peak GiB": 1.0, "valid loss": 2.0, "wall s": 1.0}
@@ -271,7 +271,7 @@ def test_a_variant_is_one_more_row_of_its_arch_with_its_flags(tmp_path, monkeypa
 
     runs = []
 
-    def fake_run(group, arch, data, args, env=None):
+    def fake_run(group, arch, data, args, env=None, seed=None):
         runs.append(bps.train_command(group, arch, data, args, str(tmp_path)))
         return {"tokens/s": 50.0, "peak GiB": 1.0, "valid loss": 2.0, "wall s": 1.0}
 
@@ -288,6 +288,43 @@ def test_a_variant_is_one_more_row_of_its_arch_with_its_flags(tmp_path, monkeypa
     assert f"| mt | fp32 | {variant} | 50 |" in (tmp_path / "v.md").read_text()
     with pytest.raises(SystemExit):
         bps.main(["--variant", "transformer_bogus:--x=1", "--out", str(tmp_path / "e.md")])
+
+
+def test_seeds_alternate_over_repeats_and_bf16_losses_are_judged_against_fp16_noise(
+        tmp_path, monkeypatch):
+    """``--seeds 1 2``: repeat i runs the baseline and the arch with the i-th seed in turn, and a
+    last table compares each arch's bf16 valid loss with its fp16 loss over the seeds: the noise
+    is the larger spread of the two precisions, the verdict whether the means differ by no more.
+    Without two seeds of each there is no noise to judge by, and the table says so."""
+    from scripts.bench import bench_paper_size as bps
+
+    seeds = []
+    loss = {("transformer", "fp16"): {1: 5.0, 2: 5.2}, ("transformer", "bf16"): {1: 5.1, 2: 5.3},
+            ("transformer_aop", "fp16"): {1: 6.0, 2: 6.1},
+            ("transformer_aop", "bf16"): {1: 6.4, 2: 6.5}}
+
+    def fake_run(group, arch, data, args, env=None, seed=None):
+        seeds.append((arch, seed))
+        return {"tokens/s": 50.0, "peak GiB": 1.0, "wall s": 1.0, "seed": seed,
+                "valid loss": loss[arch, args._precision][seed]}
+
+    monkeypatch.setattr(bps, "one_run", fake_run)
+    common = ["--size", "tiny", "--device", "cpu", "--groups", "mt", "--precisions", "fp16",
+              "bf16", "--archs", "transformer_aop", "--data-mt", str(tmp_path)]
+    bps.main(common + ["--repeats", "2", "--seeds", "1", "2", "--out", str(tmp_path / "a.md")])
+    assert seeds == [("transformer", 1), ("transformer_aop", 1), ("transformer_aop", 2),
+                     ("transformer", 2)] * 2
+    rows = {tuple(line.split(" | ")[1:3]): line.split(" | ")
+            for line in (tmp_path / "a.md").read_text().splitlines()
+            if line.startswith("| mt | transformer")}
+    assert rows["transformer", "bf16"][3:] == [  # 0.1 apart, spread 0.2: within
+        "5.100 (seed 1), 5.300 (seed 2)", "5.200", "5.000 (seed 1), 5.200 (seed 2)", "5.100",
+        "+0.100", "0.200", "yes |"]
+    assert rows["transformer_aop", "bf16"][7:] == ["+0.400", "0.100", "no |"]
+    assert ("transformer", "fp16") not in rows  # fp16 is what the others are judged against
+    bps.main(common + ["--repeats", "1", "--out", str(tmp_path / "b.md")])
+    assert "| mt | transformer_aop | bf16 | 6.400 (seed 1) | 6.400 | 6.000 (seed 1) | 6.000 | " \
+        "+0.400 |  | needs 2 seeds of each (--seeds) |" in (tmp_path / "b.md").read_text()
 
 
 def test_train_logs_are_read_in_every_logging_format():

@@ -9,7 +9,9 @@ allocated`` of the training process) and the valid loss reached at the last upda
 gives medians over the repeats and the ratios to the baseline; every row is written to ``--out``
 as soon as it is measured, so a cut-off run keeps what it finished. ``--baseline bracket`` halves
 the runs for a short GPU loan: the baseline runs once before a group's archs and once after them,
-the rows use the first run, and a note gives the drift between the two.
+the rows use the first run, and a note gives the drift between the two. ``--seeds A B`` gives
+the repeats seeds in turn; with ``--precisions fp16 bf16`` a last table then says whether each
+arch's valid loss in bf16 is within the run-to-run noise of its fp16 loss (the issue's target).
 
 Groups (``--size base``; ``--size tiny`` shrinks every model for a CPU dry run of the harness):
 
@@ -35,6 +37,7 @@ the same modules, started in the repository root).
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -464,7 +467,7 @@ def split_variant(spec: str):
     return arch, flags
 
 
-def train_command(group, spec, data, args, save_dir):
+def train_command(group, spec, data, args, save_dir, seed=None):
     arch, variant_flags = split_variant(spec)
     flags = shlex.split(MT_BASE if group == "mt" else LM_BASE)
     if arch != BASELINE[group]:
@@ -475,7 +478,8 @@ def train_command(group, spec, data, args, save_dir):
             flags += shlex.split(TINY_METHOD)
     interval = max(1, args.updates // 5)
     cmd = [sys.executable, "-m", MODULE, "--run-train", data, "--user-dir", USER_DIR,
-           "--arch", arch, "--max-update", str(args.updates), "--seed", str(args.seed),
+           "--arch", arch, "--max-update", str(args.updates), "--seed",
+           str(args.seed if seed is None else seed),
            "--save-dir", save_dir, "--no-save", "--log-format", "json", "--log-interval",
            str(interval), "--num-workers", "2", "--max-valid-steps", str(args.valid_steps)]
     cmd += flags + PRECISION_FLAGS[args._precision]
@@ -484,10 +488,13 @@ def train_command(group, spec, data, args, save_dir):
     return cmd + shlex.split(args.extra)
 
 
-def one_run(group, arch, data, args, env=None):
+def one_run(group, arch, data, args, env=None, seed=None):
+    """One ``fairseq-train`` run (``seed``: default ``--seed``): its tokens/s, peak GiB, valid
+    loss, wall seconds and seed, or ``{"error": last line}``."""
     env = {**(env or {}), **({NO_CUDNN_SDPA_ENV: "1"} if args.no_cudnn_sdpa else {})}
+    seed = args.seed if seed is None else seed
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = train_command(group, arch, data, args, tmp)
+        cmd = train_command(group, arch, data, args, tmp, seed)
         t0 = time.time()
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout,
                              cwd=REPO, env={**os.environ, **env})
@@ -501,7 +508,45 @@ def one_run(group, arch, data, args, env=None):
     return {"tokens/s": statistics.median(wps) if wps else float("nan"),
             "peak GiB": peak[-1] / 2**30 if peak else float("nan"),
             "valid loss": float(valid[-1]["valid_loss"]) if valid else float("nan"),
-            "wall s": time.time() - t0}
+            "wall s": time.time() - t0, "seed": seed}
+
+
+def repeat_seed(args, i: int) -> int:
+    """The seed of repeat ``i``: ``--seeds`` in turn (both the baseline's and the arch's run of a
+    repeat), else ``--seed``."""
+    return args.seeds[i % len(args.seeds)] if args.seeds else args.seed
+
+
+AGREEMENT_COLUMNS = ["group", "arch", "precision", "valid loss by seed", "mean",
+                     "fp16 valid loss by seed", "fp16 mean", "difference", "noise",
+                     "within the noise"]
+
+
+def agreement_rows(losses):
+    """The target "every family's loss within the run-to-run noise of ``--fp16``": for each arch
+    and precision other than fp16, the valid losses by seed against fp16's at the same updates.
+    The noise is the larger spread (max − min over the seeds) of the two precisions, so it needs
+    at least two seeds of each; the verdict is whether the means differ by no more."""
+    rows = []
+    for (group, arch, precision), by_seed in losses.items():
+        fp16 = losses.get((group, arch, "fp16"))
+        if precision == "fp16" or fp16 is None:
+            continue
+        row = {"group": group, "arch": arch, "precision": precision,
+               "valid loss by seed": _by_seed(by_seed), "mean": statistics.mean(by_seed.values()),
+               "fp16 valid loss by seed": _by_seed(fp16), "fp16 mean": statistics.mean(fp16.values())}
+        row["difference"] = row["mean"] - row["fp16 mean"]
+        if min(len(by_seed), len(fp16)) < 2:
+            row.update(noise="", **{"within the noise": "needs 2 seeds of each (--seeds)"})
+        else:
+            row["noise"] = max(max(v.values()) - min(v.values()) for v in (by_seed, fp16))
+            row["within the noise"] = "yes" if abs(row["difference"]) <= row["noise"] else "no"
+        rows.append(row)
+    return rows
+
+
+def _by_seed(by_seed) -> str:
+    return ", ".join(f"{loss:.3f} (seed {seed})" for seed, loss in sorted(by_seed.items()))
 
 
 def median_of(runs, key):
@@ -519,9 +564,15 @@ def bench_pair(group, arch, data, args, base=None):
         for i in range(args.repeats):
             order = [(baseline, base), (arch, cand)]
             for name, sink in (order if i % 2 == 0 else order[::-1]):
-                sink.append(one_run(group, name, data, args))
+                sink.append(one_run(group, name, data, args, seed=repeat_seed(args, i)))
     else:
-        cand = [one_run(group, arch, data, args) for _ in range(args.repeats)]
+        cand = [one_run(group, arch, data, args, seed=repeat_seed(args, i))
+                for i in range(args.repeats)]
+    for name, runs in ((baseline, base), (arch, cand)):  # for the agreement table
+        for r in runs:
+            if not math.isnan(r.get("valid loss", math.nan)):
+                args._losses.setdefault((group, name, args._precision), {})[
+                    r.get("seed", args.seed)] = r["valid loss"]
     errors = [r["error"] for r in base + cand if "error" in r]
     row = {"group": group, "precision": args._precision, "arch": arch, "baseline": baseline}
     if errors:
@@ -694,6 +745,11 @@ def main(argv=None):
                    "runs -- for a short GPU loan")
     p.add_argument("--valid-steps", type=int, default=50, help="--max-valid-steps of each run")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="one seed per repeat in turn (the baseline's and the arch's run of a "
+                   "repeat share it): with fp16 and another precision and two seeds or more, a "
+                   "last table says whether each arch's valid loss in that precision is within "
+                   "the run-to-run noise of fp16's (default: --seed for every repeat)")
     p.add_argument("--run-timeout", type=int, default=1800, help="seconds per training run")
     p.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="switch torch's cuDNN attention backend off in every run, baseline and "
@@ -718,6 +774,7 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
     p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
     args = p.parse_args(argv)
+    args._losses = {}  # (group, arch, precision) -> {seed: valid loss} of the timed runs
     for v in args.variant:
         arch, flags = split_variant(v)
         if arch not in MT_ARCHS + LM_ARCHS or not flags or not all(
@@ -790,6 +847,15 @@ def main(argv=None):
                     emit_head(COLUMNS)  # the next rows' header
         if "span" in args.groups and not (args.profile_only or args.count_ops):
             bench_span(args, emit)
+        rows = agreement_rows(args._losses)
+        if rows:
+            emit(f"\nValid loss after {args.updates} updates against --fp16's, by seed "
+                 "(noise: the larger spread over the seeds of the two precisions):")
+            emit_head(AGREEMENT_COLUMNS)
+            for row in rows:
+                emit("| " + " | ".join(f"{row[c]:+.3f}" if c == "difference" else
+                                       f"{row[c]:.3f}" if isinstance(row[c], float) else
+                                       str(row[c]) for c in AGREEMENT_COLUMNS) + " |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #                                                     baselines, fp16 and bf16, with profiles
 #                                                     (scripts/bench/bench_paper_size.py; env
 #                                                     TIMEOUT UPDATES REPEATS PRECISIONS ARCHS
+#                                                     SEEDS (one per repeat in turn)
 #                                                     BASELINE=pair|bracket PROFILE= to skip,
 #                                                     PROFILE=--profile-only, BENCH_FLAGS: more
 #                                                     flags, e.g. --no-cudnn-sdpa)
@@ -120,6 +121,7 @@ paper)
     timeout "${TIMEOUT:-540}" python -m scripts.bench.bench_paper_size --size base --device cuda \
         --precisions ${PRECISIONS:-fp16 bf16} --groups ${@:-mt lm span} --updates "${UPDATES:-300}" \
         --repeats "${REPEATS:-1}" --baseline "${BASELINE:-pair}" ${ARCHS:+--archs $ARCHS} \
+        ${SEEDS:+--seeds $SEEDS} \
         ${PROFILE---profile} ${BENCH_FLAGS:-} --out "$OUT/paper_size.md" > "$OUT/paper.log" 2>&1
     echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300
     ;;
