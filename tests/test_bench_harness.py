@@ -125,6 +125,52 @@ def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
     assert float(sublayers["all"][4].replace(",", "")) > 0
 
 
+def test_step_phases_give_each_update_the_host_time_of_its_phases(monkeypatch):
+    """``--host-time``: the time between two phase changes is the earlier phase's, summed per
+    update; each update starts and ends in "rest" (the optimizer and the trainer)."""
+    from scripts.bench import bench_paper_size as bps
+
+    clock = iter([0.0, 1.0, 3.0, 6.0, 10.0, 15.0, 100.0, 100.5, 101.5])
+    monkeypatch.setattr(bps.time, "perf_counter", lambda: next(clock))
+    phases = bps.StepPhases()
+    phases.start()  # 0: the trainer
+    phases.enter("forward")  # 1
+    phases.enter("backward")  # 3 (fairseq's task runs the backward inside its train_step)
+    phases.enter("forward")  # 6
+    phases.enter("rest")  # 10
+    phases.stop()  # 15
+    assert phases.updates == [{"rest": 1.0 + 5.0, "forward": 2.0 + 4.0, "backward": 3.0}]
+    phases.start()  # 100
+    phases.enter("forward")  # 100.5
+    phases.stop()  # 101.5
+    assert phases.updates[1] == {"rest": 0.5, "forward": 1.0}
+
+
+@pytest.mark.slow
+def test_host_time_rows_time_each_arch_against_the_baseline_before_and_after(lm_data, tmp_path):
+    """``--host-time``: the baseline, each arch, the baseline again (the drift), each row the
+    median host milliseconds of an update and its phases, and the baseline's time over the
+    arch's."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "host.md"
+    cmd = [sys.executable, "-m", "scripts.bench.bench_paper_size", "--size", "tiny", "--device",
+           "cpu", "--groups", "lm", "--archs", "transformer_lm_pkm", "--precisions", "fp32",
+           "--host-time", "--profile-wait", "1", "--profile-steps", "3", "--data-lm", lm_data,
+           "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    rows = [line.split(" | ")[2:] for line in text.splitlines() if line.startswith("| lm | fp32 |")]
+    assert [row[0] for row in rows] == ["transformer_lm", "transformer_lm_pkm"]
+    for arch, total, fwd, bwd, rest, base, ratio in rows:
+        total, fwd, bwd, rest, base = map(float, (total, fwd, bwd, rest, base))
+        assert min(fwd, bwd, rest) > 0 and max(fwd, bwd, rest) <= total  # (each update's)
+        assert float(ratio.rstrip(" |")) == pytest.approx(base / total, rel=0.01)
+    assert rows[0][6] == "1.000 |" and "an update before the rows above" in text
+
+
 def test_ops_are_attributed_to_their_sublayer_in_forward_and_backward():
     """``--count-ops`` splits each phase's ops by the sublayer they run for, summed over layers:
     a forward op by the innermost module running, a backward op by the module whose forward made

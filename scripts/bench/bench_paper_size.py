@@ -82,6 +82,14 @@ TINY_LM = ("--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 12
            "--decoder-attention-heads 4 --tokens-per-sample 64 --max-tokens 1024")
 # (AOP: at d 64 the FFN-matched memory has no slots left, so --aop-slots is set)
 TINY_METHOD = "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16 --aop-slots 16"
+#: --size host: the base models' depth, heads and op sequence at a width (d 32: 8 heads of 4)
+#: and batch (96 tokens) where a step's arithmetic is small beside what the host spends on it
+#: (--host-time; the PKM memory smaller: the ops per step do not depend on its size)
+HOST_MT = ("--encoder-embed-dim 32 --decoder-embed-dim 32 --encoder-ffn-embed-dim 64 "
+           "--decoder-ffn-embed-dim 64 --max-tokens 96")
+HOST_LM = ("--decoder-embed-dim 32 --decoder-ffn-embed-dim 64 --tokens-per-sample 48 "
+           "--max-tokens 96")
+HOST_METHOD = "--pkm-n-keys 32 --pkm-k-dim 16 --aop-slots 48 --synth-max-len 64"
 PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
 #: the adaptive-span paper's small enwik8 model (Sukhbaatar et al. 2019, Table/appendix: 12
 #: layers, d 512, 8 heads, FFN 2048, span 8192, block 512, batch 64)
@@ -95,6 +103,8 @@ PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
 PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
 #: set by --count-ops for a child run: "PATH:WAIT:ACTIVE" (write the op counts to PATH as JSON)
 COUNT_ENV = "ATTNZOO_BENCH_COUNT_OPS"
+#: set by --host-time for a child run: "PATH:WAIT:ACTIVE" (write the step times to PATH as JSON)
+HOST_TIME_ENV = "ATTNZOO_BENCH_HOST_TIME"
 #: set by --no-cudnn-sdpa for every child run: torch's cuDNN attention backend switched off
 NO_CUDNN_SDPA_ENV = "ATTNZOO_BENCH_NO_CUDNN_SDPA"
 #: ops that make the host wait for the device on CUDA, whatever device the count runs on: a
@@ -367,51 +377,64 @@ class ModuleAttribution:
             hook.remove()
 
 
-def _count_train_steps(spec: str):
-    """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
-    autograd: :meth:`HostTensors.counting`) over ACTIVE updates after WAIT, split into the
-    forward (model and criterion), the backward and the rest (optimizer, gradient clipping, the
-    trainer), and the kernel launches by phase and sublayer (:class:`ModuleAttribution`); write
-    them to PATH."""
-    from collections import Counter
-
-    from fairseq.trainer import Trainer
-
+def _as_on_cuda():
+    """Make a CPU run dispatch what CUDA dispatches where the two differ by choice: the
+    product-key search in one chunk of all tokens (the CPU splits it into cache-sized chunks, ~20
+    ops each), Synthesizer's tables through the fused kernel."""
     from fairseq_attnzoo.modules import pkm, synthesizer
 
-    # what CUDA dispatches: the product-key search in one chunk of all tokens (the CPU splits it
-    # into cache-sized chunks, ~20 ops each), Synthesizer's tables through the fused kernel
     pkm._SCORE_CHUNK = 1 << 62
     synthesizer.AUTO_SDPA_DEVICES.add("cpu")
+
+
+class StepPhases:
+    """The phase a training step is in -- ``forward`` (the task's train_step: model and
+    criterion), ``backward``, or ``rest`` (optimizer, clipping, the trainer) -- and the host
+    seconds each phase took in every measured update (``updates``: one dict per update)."""
+
+    def __init__(self):
+        self.name, self.updates, self._since = "rest", [], None
+
+    def enter(self, name):
+        now = time.perf_counter()
+        if self._since is not None:  # the time since the last change was the old phase's
+            spent = self.updates[-1]
+            spent[self.name] = spent.get(self.name, 0.0) + now - self._since
+        self.name, self._since = name, now
+
+    def start(self):
+        self.updates.append({})
+        self.enter("rest")
+
+    def stop(self):
+        self.enter("rest")
+        self._since = None
+
+
+def _measure_train_steps(spec: str, phases: StepPhases, around, report):
+    """Patch ``Trainer.train_step`` so that the ACTIVE updates after WAIT (``spec`` =
+    "PATH:WAIT:ACTIVE") run inside the context ``around()``, with ``phases`` following the step
+    through its forward, backward and the rest; after the last, ``report(active)`` is written to
+    PATH as JSON."""
+    from fairseq.trainer import Trainer
+
+    _as_on_cuda()
     path, wait, active = spec.rsplit(":", 2)
     wait, active = int(wait), int(active)
-    counts, phases, views, calls, phase = Counter(), Counter(), [0], [0], ["rest"]
-    syncs = Counter()  # (phase, op) -> host syncs it would be on CUDA
-    launches = Counter()  # (phase, sublayer) -> ops that launch a kernel on CUDA
-    host = HostTensors()
-    modules = ModuleAttribution()
-
-    def count(func, sync):
-        counts[func.overloadpacket.__name__] += 1
-        phases[phase[0]] += 1
-        views[0] += func.is_view
-        if launches_kernel(func):
-            launches[phase[0], sublayer_of(modules.current())] += 1
-        if sync:
-            syncs[phase[0], f"{func.overloadpacket.__name__} ({_caller()})"] += 1
+    calls = [0]
 
     def in_phase(fn, name, after):
         def run(*args, **kwargs):
-            phase[0] = name
+            phases.enter(name)
             try:
                 return fn(*args, **kwargs)
             finally:
-                phase[0] = after
+                phases.enter(after)
         return run
 
     step = Trainer.train_step
 
-    def counted_step(self, samples, raise_oom=False):
+    def measured_step(self, samples, raise_oom=False):
         calls[0] += 1
         if not wait < calls[0] <= wait + active:
             return step(self, samples, raise_oom)
@@ -420,23 +443,76 @@ def _count_train_steps(spec: str):
         optimizer.backward = in_phase(type(optimizer).backward.__get__(optimizer), "backward",
                                       "forward")
         try:
-            with modules, host.counting(count):
+            with around():
+                phases.start()
                 out = step(self, samples, raise_oom)
+                phases.stop()
         finally:
             del task.train_step, optimizer.backward
         if calls[0] == wait + active:
             with open(path, "w") as f:
-                json.dump({"ops": sum(counts.values()) / active, "views": views[0] / active,
-                           "launches/update": sum(launches.values()) / active,
-                           **{k: phases[k] / active for k in ("forward", "backward", "rest")},
-                           "host syncs": sum(syncs.values()) / active,
-                           "syncs": {f"{p}:{n}": c / active for (p, n), c in sorted(syncs.items())},
-                           "top": [(n, c / active) for n, c in counts.most_common(8)],
-                           "launches": {f"{p}:{m}": c / active
-                                        for (p, m), c in sorted(launches.items())}}, f)
+                json.dump(report(active), f)
         return out
 
-    Trainer.train_step = counted_step
+    Trainer.train_step = measured_step
+
+
+def _count_train_steps(spec: str):
+    """Count the aten ops ``Trainer.train_step`` dispatches (through a ``TorchDispatchMode``, below
+    autograd: :meth:`HostTensors.counting`) over ACTIVE updates after WAIT, split into the
+    forward (model and criterion), the backward and the rest (optimizer, gradient clipping, the
+    trainer), and the kernel launches by phase and sublayer (:class:`ModuleAttribution`); write
+    them to PATH."""
+    import contextlib
+    from collections import Counter
+
+    counts, views, phases = Counter(), [0], StepPhases()
+    by_phase = Counter()  # phase -> ops
+    syncs = Counter()  # (phase, op) -> host syncs it would be on CUDA
+    launches = Counter()  # (phase, sublayer) -> ops that launch a kernel on CUDA
+    host = HostTensors()
+    modules = ModuleAttribution()
+
+    def count(func, sync):
+        counts[func.overloadpacket.__name__] += 1
+        by_phase[phases.name] += 1
+        views[0] += func.is_view
+        if launches_kernel(func):
+            launches[phases.name, sublayer_of(modules.current())] += 1
+        if sync:
+            syncs[phases.name, f"{func.overloadpacket.__name__} ({_caller()})"] += 1
+
+    @contextlib.contextmanager
+    def around():
+        with modules, host.counting(count):
+            yield
+
+    def report(active):
+        return {"ops": sum(counts.values()) / active, "views": views[0] / active,
+                "launches/update": sum(launches.values()) / active,
+                **{k: by_phase[k] / active for k in ("forward", "backward", "rest")},
+                "host syncs": sum(syncs.values()) / active,
+                "syncs": {f"{p}:{n}": c / active for (p, n), c in sorted(syncs.items())},
+                "top": [(n, c / active) for n, c in counts.most_common(8)],
+                "launches": {f"{p}:{m}": c / active for (p, m), c in sorted(launches.items())}}
+
+    _measure_train_steps(spec, phases, around, report)
+
+
+def _time_train_steps(spec: str):
+    """The host's wall time of each of ACTIVE updates after WAIT, split into the forward, the
+    backward and the rest: medians in milliseconds, written to PATH."""
+    import contextlib
+
+    phases = StepPhases()
+
+    def report(active):
+        ms = {k: 1000 * statistics.median(u.get(k, 0.0) for u in phases.updates)
+              for k in ("forward", "backward", "rest")}
+        return {"update": 1000 * statistics.median(sum(u.values()) for u in phases.updates),
+                **ms}
+
+    _measure_train_steps(spec, phases, contextlib.nullcontext, report)
 
 
 def run_train_here(argv):
@@ -449,6 +525,8 @@ def run_train_here(argv):
         torch.backends.cuda.enable_cudnn_sdp(False)
     if os.environ.get(COUNT_ENV):
         _count_train_steps(os.environ[COUNT_ENV])
+    if os.environ.get(HOST_TIME_ENV):
+        _time_train_steps(os.environ[HOST_TIME_ENV])
     spec = os.environ.get(PROFILE_ENV)
     prof = _profile_train_steps(spec) if spec else None
     sys.argv = ["fairseq-train"] + argv
@@ -472,10 +550,12 @@ def train_command(group, spec, data, args, save_dir, seed=None):
     flags = shlex.split(MT_BASE if group == "mt" else LM_BASE)
     if arch != BASELINE[group]:
         flags += shlex.split(METHOD[group]) + variant_flags
-    if args.size == "tiny":
-        flags += shlex.split(TINY_MT if group == "mt" else TINY_LM)
+    if args.size != "base":
+        shrunk = {"tiny": (TINY_MT, TINY_LM, TINY_METHOD), "host": (HOST_MT, HOST_LM, HOST_METHOD)}
+        mt, lm, method = shrunk[args.size]
+        flags += shlex.split(mt if group == "mt" else lm)
         if arch != BASELINE[group]:
-            flags += shlex.split(TINY_METHOD)
+            flags += shlex.split(method)
     interval = max(1, args.updates // 5)
     cmd = [sys.executable, "-m", MODULE, "--run-train", data, "--user-dir", USER_DIR,
            "--arch", arch, "--max-update", str(args.updates), "--seed",
@@ -642,6 +722,32 @@ COUNT_COLUMNS = ["group", "precision", "arch", "ops/update", "of which views",
                  "most dispatched ops (per update)", "host syncs by phase and op"]
 
 
+HOST_COLUMNS = ["group", "precision", "arch", "host ms/update", "forward", "backward",
+                "optimizer + trainer", "baseline host ms/update", "speed ratio if host-bound"]
+
+
+def host_time(group, arch, data, args):
+    """``--host-time``: the medians in ms of one short run's updates (total, forward, backward,
+    rest), or ``{"error": why}``."""
+    text = _short_run(group, arch, data, args, HOST_TIME_ENV, args.profile_wait,
+                      args.profile_steps)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"error": text[:300]}
+
+
+def host_time_row(group, arch, ms, base) -> str:
+    """A table row of :data:`HOST_COLUMNS`: ``arch``'s host times ``ms`` against the baseline's
+    ``base`` (the baseline's time over the arch's: the speed ratio of a step that waits for the
+    host)."""
+    if "error" in ms or "error" in base:
+        return f"| {group} | {{}} | {arch} | failed: {ms.get('error') or base.get('error')} |"
+    return (f"| {group} | {{}} | {arch} | {ms['update']:.2f} | {ms['forward']:.2f} | "
+            f"{ms['backward']:.2f} | {ms['rest']:.2f} | {base['update']:.2f} | "
+            f"{base['update'] / ms['update']:.3f} |")
+
+
 def count_row(group, arch, data, args):
     """The ops ``arch`` dispatches per update (``--count-ops``): a host-cost measure that does not
     depend on the machine. On a GPU that waits for the host, each op that
@@ -728,7 +834,9 @@ def main(argv=None):
     if argv[:1] == ["--run-train"]:
         return run_train_here(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=["base", "tiny"], default="base")
+    p.add_argument("--size", choices=["base", "tiny", "host"], default="base",
+                   help="base: the sizes people train; tiny: every model shrunk (a dry run); "
+                   "host: base depth and heads at width 64 and 256-token batches (--host-time)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--groups", nargs="+", default=["mt", "lm", "span"],
                    choices=["mt", "lm", "span"])
@@ -770,6 +878,14 @@ def main(argv=None):
                    help="instead of timed rows: the aten ops (and the host syncs they would be on "
                    "CUDA) each arch and the baseline dispatch per update, counted over --profile-steps updates after "
                    "--profile-wait (runs on any device; the host's share of a GPU step)")
+    p.add_argument("--host-time", action="store_true",
+                   help="instead of timed rows: the host's wall time per update (median over "
+                   "--profile-steps updates after --profile-wait), split into forward, backward "
+                   "and optimizer + trainer, against the baseline's (run before and after the "
+                   "archs): where a GPU waits for the host, the baseline's time over the arch's is "
+                   "the speed ratio. On the CPU use --size host (the base models' depth and "
+                   "heads at a width where the arithmetic is small) and --precisions fp32 (the "
+                   "CPU's bf16 kernels are slow arithmetic); on a GPU, --size base")
     p.add_argument("--profile-wait", type=int, default=5, help="updates before profiling")
     p.add_argument("--profile-steps", type=int, default=3, help="updates profiled")
     p.add_argument("--out", default=os.path.join(REPO, "results", "paper_size.md"))
@@ -798,7 +914,7 @@ def main(argv=None):
             emit("|" + "---|" * len(columns))
 
         emit(f"\n`{' '.join(shlex.quote(a) for a in ['python', '-m', MODULE] + argv)}`")
-        if not (args.profile_only or args.count_ops):  # the timed rows' table
+        if not (args.profile_only or args.count_ops or args.host_time):  # the timed rows' table
             emit_head(COLUMNS)
         for precision in args.precisions:
             args._precision = precision
@@ -830,6 +946,19 @@ def main(argv=None):
                                     f"{v:,.0f}" if isinstance(v, float) else str(v)
                                     for i, v in enumerate(row)) + " |")
                     continue
+                if args.host_time:
+                    emit_head(HOST_COLUMNS)
+                    first = host_time(group, BASELINE[group], data, args)
+                    emit(host_time_row(group, BASELINE[group], first, first).format(precision))
+                    for arch in chosen:
+                        ms = host_time(group, arch, data, args)
+                        emit(host_time_row(group, arch, ms, first).format(precision))
+                    last = host_time(group, BASELINE[group], data, args)
+                    if "error" not in first and "error" not in last:
+                        emit(f"\n({group}, {BASELINE[group]}: {first['update']:.2f} ms an update "
+                             f"before the rows above, {last['update']:.2f} after them: drift "
+                             f"{100 * (last['update'] - first['update']) / first['update']:+.1f} %)")
+                    continue
                 base = None
                 if args.baseline == "bracket":
                     base = [one_run(group, BASELINE[group], data, args)]
@@ -845,7 +974,7 @@ def main(argv=None):
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)
                     emit_head(COLUMNS)  # the next rows' header
-        if "span" in args.groups and not (args.profile_only or args.count_ops):
+        if "span" in args.groups and not (args.profile_only or args.count_ops or args.host_time):
             bench_span(args, emit)
         rows = agreement_rows(args._losses)
         if rows:
