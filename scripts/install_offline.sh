@@ -24,8 +24,7 @@ done
 # libbleu are on the paths this plugin runs; the three built against torch's C++ API (libbase:
 # BASE layers, libnat: non-autoregressive models, examples/operators' alignment binding) are most
 # of the build's time (the script: 21 s without them, 1 min 58 s with, on 2 cores), so they are
-# left out unless
-# FAIRSEQ_TORCH_EXTENSIONS=1 (fairseq imports each one only when that model runs)
+# left out unless FAIRSEQ_TORCH_EXTENSIONS=1 (fairseq imports each one only when that model runs)
 SDIST="$WHL"/fairseq_fixed-0.12.3.1.tar.gz
 if [ "${FAIRSEQ_TORCH_EXTENSIONS:-0}" != 1 ]; then
   SRC=$(mktemp -d)
