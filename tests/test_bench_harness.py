@@ -368,6 +368,9 @@ def test_seeds_alternate_over_repeats_and_bf16_losses_are_judged_against_fp16_no
         "+0.100", "0.200", "yes |"]
     assert rows["transformer_aop", "bf16"][7:] == ["+0.400", "0.100", "no |"]
     assert ("transformer", "fp16") not in rows  # fp16 is what the others are judged against
+    # the reference is fp16 wherever it was run (the target), else the first precision (the CPU)
+    assert bps.reference_precision(["bf16", "fp16"]) == "fp16"
+    assert bps.reference_precision(["fp32", "bf16"]) == "fp32"
     bps.main(common + ["--repeats", "1", "--out", str(tmp_path / "b.md")])
     assert "| mt | transformer_aop | bf16 | 6.400 (seed 1) | 6.400 | 6.000 (seed 1) | 6.000 | " \
         "+0.400 |  | needs 2 seeds of each (--seeds) |" in (tmp_path / "b.md").read_text()

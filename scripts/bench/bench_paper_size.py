@@ -598,28 +598,37 @@ def repeat_seed(args, i: int) -> int:
 
 
 AGREEMENT_COLUMNS = ["group", "arch", "precision", "valid loss by seed", "mean",
-                     "fp16 valid loss by seed", "fp16 mean", "difference", "noise",
+                     "reference valid loss by seed", "reference mean", "difference", "noise",
                      "within the noise"]
 
 
-def agreement_rows(losses):
+def reference_precision(precisions) -> str:
+    """What the other precisions' losses are judged against: fp16 (the issue's target: bf16
+    within the noise of ``--fp16``), else the first one given (on the CPU, which has no fp16
+    training: fp32)."""
+    return "fp16" if "fp16" in precisions else precisions[0]
+
+
+def agreement_rows(losses, reference="fp16"):
     """The target "every family's loss within the run-to-run noise of ``--fp16``": for each arch
-    and precision other than fp16, the valid losses by seed against fp16's at the same updates.
-    The noise is the larger spread (max − min over the seeds) of the two precisions, so it needs
-    at least two seeds of each; the verdict is whether the means differ by no more."""
+    and precision other than ``reference``, the valid losses by seed against the reference's at
+    the same updates. The noise is the larger spread (max − min over the seeds) of the two
+    precisions, so it needs at least two seeds of each; the verdict is whether the means differ
+    by no more."""
     rows = []
     for (group, arch, precision), by_seed in losses.items():
-        fp16 = losses.get((group, arch, "fp16"))
-        if precision == "fp16" or fp16 is None:
+        ref = losses.get((group, arch, reference))
+        if precision == reference or ref is None:
             continue
         row = {"group": group, "arch": arch, "precision": precision,
                "valid loss by seed": _by_seed(by_seed), "mean": statistics.mean(by_seed.values()),
-               "fp16 valid loss by seed": _by_seed(fp16), "fp16 mean": statistics.mean(fp16.values())}
-        row["difference"] = row["mean"] - row["fp16 mean"]
-        if min(len(by_seed), len(fp16)) < 2:
+               "reference valid loss by seed": _by_seed(ref),
+               "reference mean": statistics.mean(ref.values())}
+        row["difference"] = row["mean"] - row["reference mean"]
+        if min(len(by_seed), len(ref)) < 2:
             row.update(noise="", **{"within the noise": "needs 2 seeds of each (--seeds)"})
         else:
-            row["noise"] = max(max(v.values()) - min(v.values()) for v in (by_seed, fp16))
+            row["noise"] = max(max(v.values()) - min(v.values()) for v in (by_seed, ref))
             row["within the noise"] = "yes" if abs(row["difference"]) <= row["noise"] else "no"
         rows.append(row)
     return rows
@@ -855,9 +864,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="one seed per repeat in turn (the baseline's and the arch's run of a "
-                   "repeat share it): with fp16 and another precision and two seeds or more, a "
-                   "last table says whether each arch's valid loss in that precision is within "
-                   "the run-to-run noise of fp16's (default: --seed for every repeat)")
+                   "repeat share it): with two precisions or more and two seeds or more, a last "
+                   "table says whether each arch's valid loss in each precision is within the "
+                   "run-to-run noise of fp16's (without fp16: the first precision's) (default: "
+                   "--seed for every repeat)")
     p.add_argument("--run-timeout", type=int, default=1800, help="seconds per training run")
     p.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="switch torch's cuDNN attention backend off in every run, baseline and "
@@ -976,9 +986,10 @@ def main(argv=None):
                     emit_head(COLUMNS)  # the next rows' header
         if "span" in args.groups and not (args.profile_only or args.count_ops or args.host_time):
             bench_span(args, emit)
-        rows = agreement_rows(args._losses)
+        reference = reference_precision(args.precisions)
+        rows = agreement_rows(args._losses, reference)
         if rows:
-            emit(f"\nValid loss after {args.updates} updates against --fp16's, by seed "
+            emit(f"\nValid loss after {args.updates} updates against {reference}'s, by seed "
                  "(noise: the larger spread over the seeds of the two precisions):")
             emit_head(AGREEMENT_COLUMNS)
             for row in rows:
