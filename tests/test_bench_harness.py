@@ -95,20 +95,26 @@ def test_host_syncs_are_counted_as_they_would_be_on_cuda():
     assert syncs == ["_local_scalar_dense", "index", "nonzero", "bincount", "_local_scalar_dense"]
 
 
+def _lm_pkm_harness_run(lm_data, tmp_path, *mode):
+    """``bench_paper_size`` in a child process at toy size on the CPU, the LM group with
+    ``transformer_lm_pkm`` in fp32, one update waited for, in ``mode``; returns the report path."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "report.md"
+    cmd = [sys.executable, "-m", "scripts.bench.bench_paper_size", "--size", "tiny", "--device",
+           "cpu", "--groups", "lm", "--archs", "transformer_lm_pkm", "--precisions", "fp32",
+           "--profile-wait", "1", "--data-lm", lm_data, "--out", str(out), *mode]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
 def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
     """``--count-ops``: a row per model with the aten ops one update dispatches (forward, backward,
     optimizer), its views and host reads; the memory layer dispatches more than the plain LM."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "counts.md"
-    cmd = [sys.executable, "-m", "scripts.bench.bench_paper_size", "--size", "tiny", "--device",
-           "cpu", "--groups", "lm", "--archs", "transformer_lm_pkm", "--precisions", "fp32",
-           "--count-ops", "--profile-wait", "1", "--profile-steps", "1", "--data-lm", lm_data,
-           "--out", str(out)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = _lm_pkm_harness_run(lm_data, tmp_path, "--count-ops", "--profile-steps", "1")
     rows = {line.split(" | ")[2]: line.split(" | ")[3:7] for line in out.read_text().splitlines()
             if line.startswith("| lm | fp32 | ")}
     assert set(rows) == {"transformer_lm", "transformer_lm_pkm"}, rows
@@ -151,17 +157,8 @@ def test_host_time_rows_time_each_arch_against_the_baseline_before_and_after(lm_
     """``--host-time``: the baseline, each arch, the baseline again (the drift), each row the
     median host milliseconds of an update and its phases, and the baseline's time over the
     arch's."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "host.md"
-    cmd = [sys.executable, "-m", "scripts.bench.bench_paper_size", "--size", "tiny", "--device",
-           "cpu", "--groups", "lm", "--archs", "transformer_lm_pkm", "--precisions", "fp32",
-           "--host-time", "--profile-wait", "1", "--profile-steps", "3", "--data-lm", lm_data,
-           "--out", str(out)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    text = out.read_text()
+    text = _lm_pkm_harness_run(lm_data, tmp_path, "--host-time", "--profile-steps", "3"
+                               ).read_text()
     rows = [line.split(" | ")[2:] for line in text.splitlines() if line.startswith("| lm | fp32 |")]
     assert [row[0] for row in rows] == ["transformer_lm", "transformer_lm_pkm"]
     for arch, total, fwd, bwd, rest, base, ratio in rows:
