@@ -2,6 +2,7 @@
 the timed rows and the torch.profiler tables are written (the GPU figures come from a GPU session;
 docs/gpu.md)."""
 
+import math
 import types
 
 import pytest
@@ -371,6 +372,23 @@ def test_seeds_alternate_over_repeats_and_bf16_losses_are_judged_against_fp16_no
     bps.main(common + ["--repeats", "1", "--out", str(tmp_path / "b.md")])
     assert "| mt | transformer_aop | bf16 | 6.400 (seed 1) | 6.400 | 6.000 (seed 1) | 6.000 | " \
         "+0.400 |  | needs 2 seeds of each (--seeds) |" in (tmp_path / "b.md").read_text()
+
+
+def test_peak_cuda_memory_is_the_largest_a_run_reports():
+    """Each training child prints its peak CUDA memory last (``PEAK_TAG``); a run trained in
+    segments (the adaptive-span comparison resumes its runs) prints one per segment, and its peak
+    is the largest. The comparison's fairseq commands print it too (the example's and ours), so
+    its table has the target's "peak memory <= the example's" column; the CPU prints none."""
+    from scripts.bench.bench_adaptive_span_vs_fairseq import fairseq_cli
+    from scripts.bench.benchlib import PEAK_TAG, peak_cuda_gib
+
+    text = f"log\n{PEAK_TAG} {2 ** 30}\nmore log\n{PEAK_TAG} {3 * 2 ** 29}\n"
+    assert peak_cuda_gib(text) == 1.5
+    assert math.isnan(peak_cuda_gib("a CPU run's log\n"))
+    for plugin_patches in (False, True):
+        code = fairseq_cli("train", plugin_patches)[-1]
+        assert f"print('{PEAK_TAG}', torch.cuda.max_memory_allocated()" in code
+        assert code.index("cli_main()") < code.index(PEAK_TAG)
 
 
 def test_train_logs_are_read_in_every_logging_format():

@@ -57,10 +57,15 @@ def fairseq_cli(name: str, plugin_patches: bool = False):
     ``plugin_patches``: import our plugin first, so that fairseq's example trains with the same
     fixes of fairseq as ours (fairseq_attnzoo/compat.py: --amp unscaled once, --bf16 without
     --tpu); only for commands that do not load our plugin through --user-dir themselves."""
+    from scripts.bench.benchlib import PEAK_TAG
+
     code = ("import argparse, sys, torch; "
             "torch.serialization.add_safe_globals([argparse.Namespace]); "
             + ("import fairseq_attnzoo; " if plugin_patches else "")
-            + f"from fairseq_cli.{name} import cli_main; sys.argv[0] = 'fairseq-{name}'; cli_main()")
+            + f"from fairseq_cli.{name} import cli_main; sys.argv[0] = 'fairseq-{name}'; cli_main()"
+            # the peak CUDA memory of the process (the segments of a run: the largest)
+            + f"; torch.cuda.is_available() and print('{PEAK_TAG}', "
+            "torch.cuda.max_memory_allocated(), flush=True)")
     return [sys.executable, "-c", code]
 
 
@@ -242,7 +247,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     runs = commands(a)
     shutil.rmtree(a.work, ignore_errors=True)
-    from scripts.bench.benchlib import format_table
+    from scripts.bench.benchlib import PEAK_TAG, format_table, peak_cuda_gib
 
     if a.step_timing:
         rows = step_timing(a, runs, env)
@@ -255,6 +260,7 @@ def main():
                 json.dump({"args": vars(a), "rows": rows, "commands": runs}, f, indent=1)
         return
     logs = {name: [] for name in runs}
+    peaks = {name: [] for name in runs}  # every segment's PEAK_TAG line
     names = list(runs)
     for seg in range(1, a.segments + 1):
         upto = a.updates * seg // a.segments
@@ -264,6 +270,7 @@ def main():
             print(f"[segment {seg}/{a.segments}] {name}: updates -> {upto}", flush=True)
             out, _ = run(runs[name] + ["--max-update", str(upto), "--save-dir", save], env)
             logs[name] += inner_logs(out)
+            peaks[name] += [line for line in out.splitlines() if line.startswith(PEAK_TAG)]
     rows = []
     for name in names:
         save = os.path.join(a.work, re.sub(r"\W+", "_", name))
@@ -279,10 +286,12 @@ def main():
                      f"{a.subset} bpc (eval-lm)": float(m.group(1)) if m else float("nan"),
                      "scored tokens": ntok.group(1) if ntok else "?",
                      "last train loss (logged)": float(last["loss"]),
-                     "avg span": float(last.get("avg_span", last.get("span_avg", "nan")))})
+                     "avg span": float(last.get("avg_span", last.get("span_avg", "nan"))),
+                     "peak GiB": peak_cuda_gib("\n".join(peaks[name]))})
     base = rows[0]
     for r in rows:
         r["speed ratio"] = r["train tokens/s"] / base["train tokens/s"]
+        r["memory ratio"] = r["peak GiB"] / base["peak GiB"]
         r["bpc diff"] = r[f"{a.subset} bpc (eval-lm)"] - base[f"{a.subset} bpc (eval-lm)"]
 
     print(f"\nconfig: {a.layers} layers, d {a.dim}, {a.heads} heads, ffn {a.ffn}, S {a.span}, "

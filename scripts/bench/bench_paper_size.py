@@ -47,7 +47,7 @@ import tempfile
 import time
 from typing import Optional
 
-from scripts.bench.benchlib import json_log_lines
+from scripts.bench.benchlib import PEAK_TAG, json_log_lines, peak_cuda_gib
 from scripts.demo.config import REPO, USER_DIR
 
 MODULE = "scripts.bench.bench_paper_size"  # runs itself (--run-train) as a child: python -m MODULE
@@ -98,7 +98,6 @@ SPAN_PAPER_SMALL = ["--layers", "12", "--dim", "512", "--heads", "8", "--ffn", "
 SPAN_TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128", "--span", "64",
              "--block", "32", "--batch", "4"]
 
-PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
 #: set by --profile for a child run: "PATH:WAIT:ACTIVE" (write the profile table to PATH)
 PROFILE_ENV = "ATTNZOO_BENCH_PROFILE"
 #: set by --count-ops for a child run: "PATH:WAIT:ACTIVE" (write the op counts to PATH as JSON)
@@ -584,9 +583,8 @@ def one_run(group, arch, data, args, env=None, seed=None):
     inner = json_log_lines(text, "train_inner")
     valid = json_log_lines(text, "valid")
     wps = [float(r["wps"]) for r in inner[1:]] or [float(r["wps"]) for r in inner]
-    peak = [int(l.split()[1]) for l in text.splitlines() if l.startswith(PEAK_TAG)]
     return {"tokens/s": statistics.median(wps) if wps else float("nan"),
-            "peak GiB": peak[-1] / 2**30 if peak else float("nan"),
+            "peak GiB": peak_cuda_gib(text),
             "valid loss": float(valid[-1]["valid_loss"]) if valid else float("nan"),
             "wall s": time.time() - t0, "seed": seed}
 
@@ -809,8 +807,9 @@ def bench_span(args, emit):
     """Our adaptive_span_lm vs fairseq's examples/adaptive_span at the paper-small config, in each
     precision (tokens/s over the train_inner intervals and valid bpc by fairseq-eval-lm)."""
     sizes = SPAN_PAPER_SMALL if args.size == "base" else SPAN_TINY
-    emit("\n| precision | model | updates | train tokens/s | speed ratio | valid bpc | bpc diff |")
-    emit("|---|---|---|---|---|---|---|")
+    emit("\n| precision | model | updates | train tokens/s | speed ratio | peak GiB | memory ratio "
+         "| valid bpc | bpc diff |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     for precision in args.precisions:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = os.path.join(tmp, "span.json")
@@ -835,7 +834,8 @@ def bench_span(args, emit):
         for r in rows:
             bpc = next(v for k, v in r.items() if k.endswith("bpc (eval-lm)"))
             emit(f"| {precision} | {r['model']} | {r['updates']} | {r['train tokens/s']:,.0f} | "
-                 f"{r['speed ratio']:.3f} | {bpc:.4f} | {r['bpc diff']:+.4f} |")
+                 f"{r['speed ratio']:.3f} | {r['peak GiB']:.2f} | {r['memory ratio']:.3f} | "
+                 f"{bpc:.4f} | {r['bpc diff']:+.4f} |")
 
 
 def main(argv=None):

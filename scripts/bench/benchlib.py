@@ -171,6 +171,17 @@ def with_user_dir(cmd: List[str], user_dir: str) -> List[str]:
     return cmd[:i] + [user_dir] + cmd[i + 1:]
 
 
+#: a training child's last line on CUDA: ``PEAK_TAG <torch.cuda.max_memory_allocated()>``
+PEAK_TAG = "ATTNZOO_PEAK_CUDA_BYTES"
+
+
+def peak_cuda_gib(text: str) -> float:
+    """The largest peak CUDA memory (GiB) the ``PEAK_TAG`` lines of a run's output report (a
+    run in several segments prints one each), NaN when there is none (the CPU)."""
+    peaks = [int(line.split()[1]) for line in text.splitlines() if line.startswith(PEAK_TAG)]
+    return max(peaks) / 2**30 if peaks else float("nan")
+
+
 def json_log_lines(text: str, tag: str) -> List[Dict[str, Any]]:
     """The JSON records of fairseq's ``--log-format json`` lines tagged ``tag`` (``train_inner``,
     ``valid``, ...) in a run's output, whichever logging format printed them: fairseq's CLI
