@@ -64,6 +64,7 @@ rows then need ``TRITON_INTERPRET=1`` (interpreted kernels, timings meaningless)
 """
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -515,6 +516,11 @@ def sdpa_shape_rows(args, device, dtype):
     return rows
 
 
+#: environment variables of torch's that the report's head line names when set: cuDNN's
+#: attention then builds one graph for a range of sequence lengths instead of one per shape
+#: (an opt-in of torch >= 2.9, pytorch/pytorch#155958; the sdpa_shapes stage run with and without)
+ENV_NOTED = ("TORCH_CUDNN_SDPA_AVOID_RECOMPILE",)
+
 STAGES = ("copy", "pkm_read", "pkm_tune", "pkm_layer", "aop", "span", "synth_gather",
           "synth_tables", "sdpa_shapes")
 
@@ -533,6 +539,9 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     head = (f"device {name}, torch {torch.__version__}, {args.dtype}, size {args.size}, "
             f"medians of {args.repeats}")
+    for var in ENV_NOTED:  # settings of torch's that change what a stage measures
+        if os.environ.get(var):
+            head += f", {var}={os.environ[var]}"
     print(head, flush=True)
     if args.out:
         with open(args.out, "a") as f:
