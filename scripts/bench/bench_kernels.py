@@ -49,10 +49,12 @@ off by a time limit keeps the tables of the stages it finished):
 ``sdpa_shapes``
     torch's fused attention (``scaled_dot_product_attention``) under each of its backends that
     this device has (torch's own choice, then cuDNN, flash, memory-efficient; the CPU: its choice
-    and math), forward + backward in ``--dtype``, at the two shapes a translation model gives it:
-    fairseq's self-attention of a ``--max-tokens 8192`` batch (8 heads × 64, the float
-    key-padding mask torch's ``multi_head_attention_forward`` makes, [B, H, 1, T]) and AOP₁'s
-    attention over 1,536 parameter slots (all the batch's tokens as one sequence). For each, the
+    and math), forward + backward in ``--dtype``, at the shapes and layouts a translation model
+    gives it: the self-attention of a ``--max-tokens 8192`` batch (8 heads × 64, with the
+    encoder's padding mask) as fairseq's attention hands it over (views of time-first
+    projections; the float [B, H, 1, T] mask torch's ``multi_head_attention_forward`` makes) and
+    as the zoo's does (views of batch-first copies; a [B, 1, 1, T] mask), and AOP₁'s attention
+    over 1,536 parameter slots (all the batch's tokens as one sequence). For each, the
     first call at each of several shapes the process has not seen (a new batch's) and the calls
     at a shape it has: cuDNN builds an execution graph per shape, so a run whose batches keep
     changing shape (fairseq's) pays the first-call column, a long run mostly the second.
@@ -444,11 +446,21 @@ def sdpa_backends(device):
         (name, lambda b=backend: sdpa_kernel(b)) for name, backend in names]
 
 
+#: sdpa_shapes' cases: (kind, row name)
+SDPA_CASES = (("fairseq", "self-attention, fairseq's layout (time-first), padding mask"),
+              ("zoo", "self-attention, the zoo's layout (batch-first), padding mask"),
+              ("aop", "attention over 1536 parameter slots (AOP₁)"))
+
+
 def _sdpa_call(shape, i, device, dtype):
-    """Inputs and a forward + backward of SDPA for case ``shape`` = (kind, b, t): fairseq's
-    self-attention (kind "self": [b, 8, t, 64] with the encoder's left-padding mask as torch's
-    MHA hands it over, an additive [b, 8, 1, t] view) or AOP₁ (kind "aop": [1, 8, t, 64] queries
-    over [1, 8, 1536, 64] keys and values that are parameters). ``i`` seeds the data."""
+    """Inputs and a forward + backward of SDPA for case ``shape`` = (kind, b, t), 8 heads of 64,
+    laid out as each caller hands them over (cuDNN's graphs depend on the strides too): fairseq's
+    self-attention (kind "fairseq": views of time-first [t, b, 512] projections and, for the
+    encoder's left padding, the additive [b, 8, 1, t] mask torch's ``multi_head_attention_forward``
+    makes), the zoo's (kind "zoo": views of batch-first [b, t, 512] copies, an additive [b, 1, 1,
+    t] mask of the dtype's finite minimum) or AOP₁'s (kind "aop": all t tokens as one batch-first
+    sequence of queries over [1, 8, 1536, 64] keys and values that are parameters). ``i`` seeds
+    the data."""
     kind, b, t = shape
     heads, dk = 8, 64
     g = torch.Generator(device="cpu").manual_seed(i)
@@ -457,15 +469,22 @@ def _sdpa_call(shape, i, device, dtype):
         return torch.randn(*size, generator=g).to(device, dtype).requires_grad_(True)
 
     mask = None
-    if kind == "self":
-        q, k, v = (leaf(b, heads, t, dk) for _ in range(3))
-        lead = torch.randint(0, t // 3 + 1, (b,), generator=g)
-        pad = torch.arange(t)[None, :] < lead[:, None]
-        mask = torch.zeros(b, 1, 1, t).masked_fill(pad[:, None, None, :], float("-inf"))
-        mask = mask.to(device, dtype).expand(b, heads, 1, t)
-    else:
-        q = leaf(1, heads, t, dk)
+    if kind == "aop":
+        q = leaf(1, t, heads, dk).transpose(1, 2)
         k, v = leaf(1, heads, 1536, dk), leaf(1, heads, 1536, dk)
+    else:
+        lead = torch.randint(0, t // 3 + 1, (b,), generator=g)
+        pad = (torch.arange(t)[None, :] < lead[:, None])[:, None, None, :]
+        if kind == "fairseq":
+            q, k, v = (leaf(t, b, heads * dk).view(t, b * heads, dk).transpose(0, 1)
+                       .view(b, heads, t, dk) for _ in range(3))
+            mask = torch.zeros(b, 1, 1, t).masked_fill(pad, float("-inf"))
+            mask = mask.expand(b, heads, 1, t).contiguous().to(device, dtype)
+        else:
+            q, k, v = (leaf(b, t, heads * dk).view(b, t, heads, dk).transpose(1, 2)
+                       for _ in range(3))
+            mask = torch.zeros(b, 1, 1, t).masked_fill(pad, torch.finfo(dtype).min)
+            mask = mask.to(device, dtype)
     grad = torch.randn(q.shape[:-1] + (v.size(-1),), generator=g).to(device, dtype)
 
     def call():
@@ -485,16 +504,17 @@ def sdpa_shape_rows(args, device, dtype):
 
     c = args.cfg["sdpa"]
     rows = []
-    for kind, sizes in (("self", c["lengths"]), ("aop", c["tokens"])):
+    for case, (kind, name) in enumerate(SDPA_CASES):
+        sizes = c["tokens"] if kind == "aop" else c["lengths"]
         for index, (backend, context) in enumerate(sdpa_backends(device)):
-            # shapes unseen by this process: each backend's lengths shifted by its index
-            shapes = [("self", c["batch_tokens"] // (t + index), t + index) if kind == "self"
-                      else ("aop", 1, t + 8 * index) for t in sizes]
+            # shapes unseen by this process: each case's and backend's lengths shifted apart
+            shift = 4 * case + index
+            shapes = [("aop", 1, t + 8 * shift) if kind == "aop" else
+                      (kind, c["batch_tokens"] // (t + shift), t + shift) for t in sizes]
             # and a warm-up at a shape of its own (libraries load, handles are made at the
             # first call of a backend)
-            warm_up = (kind, 1, 8 + index)
-            row = {"case": ("self-attention with a padding mask (fairseq)" if kind == "self"
-                            else "attention over 1536 parameter slots (AOP₁)"),
+            warm_up = (kind, 1, 8 + shift)
+            row = {"case": name,
                    "shapes": (f"{shapes[0][1]} x {shapes[0][2]} .. {shapes[-1][1]} x "
                               f"{shapes[-1][2]}"), "backend": backend}
             try:
