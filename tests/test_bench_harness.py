@@ -367,6 +367,14 @@ def test_seeds_alternate_over_repeats_and_bf16_losses_are_judged_against_fp16_no
         "+0.100", "0.200", "yes |"]
     assert rows["transformer_aop", "bf16"][7:] == ["+0.400", "0.100", "no |"]
     assert ("transformer", "fp16") not in rows  # fp16 is what the others are judged against
+    # --baseline bracket: the closing baseline run takes the next seed, so it is judged too
+    seeds.clear()
+    bps.main(common + ["--repeats", "2", "--seeds", "1", "2", "--baseline", "bracket",
+                       "--out", str(tmp_path / "c.md")])
+    assert seeds == [("transformer", 1), ("transformer_aop", 1), ("transformer_aop", 2),
+                     ("transformer", 2)] * 2
+    assert "| mt | transformer | bf16 | 5.100 (seed 1), 5.300 (seed 2) |" in (
+        tmp_path / "c.md").read_text()
     # the reference is fp16 wherever it was run (the target), else the first precision (the CPU)
     assert bps.reference_precision(["bf16", "fp16"]) == "fp16"
     assert bps.reference_precision(["fp32", "bf16"]) == "fp32"

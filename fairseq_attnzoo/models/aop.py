@@ -51,11 +51,11 @@ class AOPConfig(FairseqDataclass):
 
     aop_token_bucket: int = field(default=0, metadata={
         "help": "in training, pad the tokens the memory attention runs over (all of a batch's, "
-                "as one sequence) with zero queries to a multiple of this, dropping them after: the same "
-                "function and gradients, fewer distinct shapes for the attention kernel (on CUDA "
-                "cuDNN's builds an execution graph for each new shape, and a translation batch's "
-                "token count changes nearly every update; docs/aop.md, 'On the GPU'); costs up to "
-                "N-1 extra rows (default 0: no padding)"})
+                "as one sequence) with zero queries to a multiple of this, dropping them after: "
+                "the same function and gradients, fewer distinct shapes for the attention kernel "
+                "(on CUDA cuDNN's builds an execution graph for each new shape, and a translation "
+                "batch's token count changes nearly every update; docs/aop.md, 'On the GPU'); "
+                "costs up to N-1 extra rows (default 0: no padding)"})
 
     def validate(self):
         for name in ("aop_heads", "aop_key_dim", "aop_value_dim", "aop_slots"):

@@ -91,9 +91,10 @@ class AttentionOverParameters(ZooFeedForward):
         #: (scripts/bench/bench_kernels.py measures the choices)
         self.token_groups = 1
         #: in training the attention runs over the N tokens padded with zero queries to a
-        #: multiple of this (0: not padded). Same function and gradients (a padded row's output is dropped, so its
-        #: gradient is zero); what changes is how many shapes the attention kernel sees: cuDNN's
-        #: builds an execution graph for each new one, and fairseq's batches keep changing N
+        #: multiple of this (0: not padded). Same function and gradients (a padded row's output
+        #: is dropped, so its gradient is zero); what changes is how many shapes the attention
+        #: kernel sees: cuDNN's builds an execution graph for each new one, and fairseq's
+        #: batches keep changing N
         self.token_bucket = token_bucket
         self.reset_parameters()
 

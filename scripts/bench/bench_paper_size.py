@@ -641,6 +641,15 @@ def median_of(runs, key):
     return statistics.median(vals) if vals else float("nan")
 
 
+def note_losses(args, group, arch, runs):
+    """Keep the valid loss of each of ``arch``'s timed ``runs`` by seed, for the agreement
+    table (:func:`agreement_rows`)."""
+    for r in runs:
+        if not math.isnan(r.get("valid loss", math.nan)):
+            args._losses.setdefault((group, arch, args._precision), {})[
+                r.get("seed", args.seed)] = r["valid loss"]
+
+
 def bench_pair(group, arch, data, args, base=None):
     """Alternate baseline and arch ``--repeats`` times; one table row. ``base``: baseline runs
     already made (``--baseline bracket``): only the arch runs."""
@@ -655,11 +664,8 @@ def bench_pair(group, arch, data, args, base=None):
     else:
         cand = [one_run(group, arch, data, args, seed=repeat_seed(args, i))
                 for i in range(args.repeats)]
-    for name, runs in ((baseline, base), (arch, cand)):  # for the agreement table
-        for r in runs:
-            if not math.isnan(r.get("valid loss", math.nan)):
-                args._losses.setdefault((group, name, args._precision), {})[
-                    r.get("seed", args.seed)] = r["valid loss"]
+    note_losses(args, group, baseline, base)
+    note_losses(args, group, arch, cand)
     errors = [r["error"] for r in base + cand if "error" in r]
     row = {"group": group, "precision": args._precision, "arch": arch, "baseline": baseline}
     if errors:
@@ -679,7 +685,8 @@ COLUMNS = ["group", "precision", "arch", "tokens/s", "baseline tokens/s", "speed
 
 def bracket_note(group, first, last) -> str:
     """``--baseline bracket``: the closing baseline run against the opening one (the rows above
-    used the opening run; a drift beyond the run-to-run noise makes their ratios suspect)."""
+    used the opening run; a drift beyond the run-to-run noise makes their ratios suspect). With
+    ``--seeds`` the closing run takes the second seed: the same batches in another order."""
     if "error" in last or "error" in first[0]:
         return f"\n({group}: closing baseline run failed: {last.get('error', '')})\n"
     a, b = first[0]["tokens/s"], last["tokens/s"]
@@ -965,13 +972,14 @@ def main(argv=None):
                         emit(host_time_row(group, arch, ms, first).format(precision))
                     last = host_time(group, BASELINE[group], data, args)
                     if "error" not in first and "error" not in last:
-                        emit(f"\n({group}, {BASELINE[group]}: {first['update']:.2f} ms an update "
-                             f"before the rows above, {last['update']:.2f} after them: drift "
-                             f"{100 * (last['update'] - first['update']) / first['update']:+.1f} %)")
+                        a, b = first["update"], last["update"]
+                        emit(f"\n({group}, {BASELINE[group]}: {a:.2f} ms an update before the "
+                             f"rows above, {b:.2f} after them: drift {100 * (b - a) / a:+.1f} %)")
                     continue
                 base = None
                 if args.baseline == "bracket":
-                    base = [one_run(group, BASELINE[group], data, args)]
+                    base = [one_run(group, BASELINE[group], data, args,
+                                    seed=repeat_seed(args, 0))]
                     if "error" in base[0]:  # every row would fail the same way: say it once
                         emit(f"| {group} | {precision} | {BASELINE[group]} (baseline) | failed: "
                              f"{base[0]['error']} |")
@@ -979,7 +987,10 @@ def main(argv=None):
                 for arch in chosen:
                     emit(format_row(bench_pair(group, arch, data, args, base)))
                 if base is not None:
-                    emit(bracket_note(group, base, one_run(group, BASELINE[group], data, args)))
+                    # (with --seeds: the next seed, so that the baseline's loss has a noise)
+                    last = one_run(group, BASELINE[group], data, args, seed=repeat_seed(args, 1))
+                    note_losses(args, group, BASELINE[group], [last])
+                    emit(bracket_note(group, base, last))
                 if args.profile:
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)
