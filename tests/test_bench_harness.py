@@ -132,6 +132,36 @@ def test_count_ops_counts_what_each_update_dispatches(lm_data, tmp_path):
     assert float(sublayers["all"][4].replace(",", "")) > 0
 
 
+@pytest.mark.slow
+def test_a_runbook_call_runs_dry_on_the_cpu(mt_data, tmp_path):
+    """``DRY=1 bash scripts/bench/gpu_checks.sh paper OUT mt``: a GPU runbook call's flags and
+    stages run here at toy size (fp32 standing in for fp16), so a loan does not find a broken
+    call; a stage that prints no timed rows (a profile-only run) still succeeds, so that the
+    next command of the same call runs."""
+    import os
+    import subprocess
+
+    script = os.path.join(REPO, "scripts", "bench", "gpu_checks.sh")
+    env = {**os.environ, "DRY": "1", "PRECISIONS": "fp16", "BASELINE": "bracket",
+           "UPDATES": "4", "PROFILE": "", "ARCHS": "transformer_aop", "TIMEOUT": "300",
+           "BENCH_FLAGS": f"--data-mt {mt_data} --valid-steps 2 "
+                          "--variant transformer_aop:--aop-token-bucket=16"}
+    run = subprocess.run(["bash", script, "paper", str(tmp_path), "mt"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "paper rc 0" in run.stdout, run.stdout + run.stderr
+    rows = [line.split(" | ")[:3] for line in (tmp_path / "paper_size.md").read_text().splitlines()
+            if line.startswith("| mt | ")]
+    assert rows == [["| mt", "fp32", "transformer_aop"],
+                    ["| mt", "fp32", "transformer_aop:--aop-token-bucket=16"]]
+    env.update(PROFILE="--profile-only", BENCH_FLAGS=f"--data-mt {mt_data} --profile-wait 1 "
+               "--profile-steps 1")
+    out = tmp_path / "profiles"  # (a report of its own: no timed rows in it)
+    run = subprocess.run(["bash", script, "paper", str(out), "mt"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "#### Profile: mt, fp32, transformer_aop" in (
+        out / "paper_size.md").read_text(), run.stdout + run.stderr
+
+
 def test_step_phases_give_each_update_the_host_time_of_its_phases(monkeypatch):
     """``--host-time``: the time between two phase changes is the earlier phase's, summed per
     update; each update starts and ends in "rest" (the optimizer and the trainer)."""

@@ -21,9 +21,18 @@
 #                                                     BASELINE=pair|bracket PROFILE= to skip,
 #                                                     PROFILE=--profile-only, BENCH_FLAGS: more
 #                                                     flags, e.g. --no-cudnn-sdpa)
+#
+# DRY=1 (on the CPU machine, for a runbook call before a loan): the same commands with this
+# checkout's .venv, on the CPU at the benchmarks' toy sizes (setup and the CUDA tests skipped), so
+# that a call's flags and stages are known to run before device time is spent on them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root (scripts/bench/ -> ../..)
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+DEVICE=cuda PAPER_SIZE=base KERNEL_SIZE=paper
+if [ -n "${DRY:-}" ]; then  # (fairseq trains no fp16 on the CPU: fp32 stands in for it)
+    export PYTHONPATH=$PWD PATH=$PWD/.venv/bin:$PATH TESTS=0 TRITON_INTERPRET=1
+    DEVICE=cpu PAPER_SIZE=tiny KERNEL_SIZE=tiny PRECISIONS=${PRECISIONS:+${PRECISIONS//fp16/fp32}}
+fi
 stage=$1
 OUT=${2:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -41,7 +50,9 @@ wheels)  # Python 3.12 wheels for the lent machine + the fairseq-fixed sdist + t
     ls .whl
     ;;
 setup)  # once per machine: a later call on the same (still warm) machine skips it
-    if python3 -c "import fairseq, hydra" 2>/dev/null; then
+    if [ -n "${DRY:-}" ]; then
+        echo "setup: DRY, this checkout's .venv"
+    elif python3 -c "import fairseq, hydra" 2>/dev/null; then
         echo "setup: fairseq already in /tmp/site"
     elif ls .site/site.tgz.* >/dev/null 2>&1; then  # built by an earlier call (SAVE_SITE=1)
         cat .site/site.tgz.* | tar xzf - -C /tmp && echo "setup: /tmp/site unpacked from .site/"
@@ -49,8 +60,8 @@ setup)  # once per machine: a later call on the same (still warm) machine skips 
         bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
             tail -30 "$OUT/install.log"; exit 1; }
     fi
-    python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-    if [ -n "${SAVE_SITE:-}" ]; then  # bring the built site back (~27 MB, in parts under the
+    [ -n "${DRY:-}" ] || python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+    if [ -n "${SAVE_SITE:-}" ] && [ -z "${DRY:-}" ]; then  # bring the built site back (~27 MB, in parts under the
         # 16 MiB a returned file may have): copy OUT/site.tgz.* to .site/ and carry it next time
         tar czf - -C /tmp site | split -b 15m - "$OUT/site.tgz." && ls -l "$OUT"/site.tgz.*
     fi
@@ -109,8 +120,9 @@ kernels)
         echo "synthesizer kernel tests rc $?"; tail -3 "$OUT/synth_tests.log"
     fi
     for dtype in ${DTYPES:-bf16 fp16}; do
-        timeout "${TIMEOUT:-240}" python3 -m scripts.bench.bench_kernels --device cuda \
-            --dtype "$dtype" ${STAGES:+--stages $STAGES} --out "$OUT/kernels.md" \
+        timeout "${TIMEOUT:-240}" python3 -m scripts.bench.bench_kernels --device "$DEVICE" \
+            --size "$KERNEL_SIZE" --dtype "$dtype" ${STAGES:+--stages $STAGES} \
+            --out "$OUT/kernels.md" \
             > "$OUT/kernels_$dtype.log" 2>&1
         echo "bench_kernels $dtype rc $?"
     done
@@ -118,12 +130,14 @@ kernels)
     ;;
 paper)
     shift 2
-    timeout "${TIMEOUT:-540}" python -m scripts.bench.bench_paper_size --size base --device cuda \
+    timeout "${TIMEOUT:-540}" python -m scripts.bench.bench_paper_size --size "$PAPER_SIZE" \
+        --device "$DEVICE" \
         --precisions ${PRECISIONS:-fp16 bf16} --groups ${@:-mt lm span} --updates "${UPDATES:-300}" \
         --repeats "${REPEATS:-1}" --baseline "${BASELINE:-pair}" ${ARCHS:+--archs $ARCHS} \
         ${SEEDS:+--seeds $SEEDS} \
         ${PROFILE---profile} ${BENCH_FLAGS:-} --out "$OUT/paper_size.md" > "$OUT/paper.log" 2>&1
-    echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300
+    # (a profile-only run has no such rows: the stage still succeeds, so a call can go on)
+    echo "paper rc $?"; grep -E "^\| (mt|lm|fp16|bf16) " "$OUT/paper_size.md" | cut -c1-300 || true
     ;;
 *)
     echo "unknown stage $stage: wheels | setup | sweep | runs | bench | nccl | kernels | paper" >&2; exit 2 ;;
