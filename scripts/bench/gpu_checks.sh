@@ -31,7 +31,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 DEVICE=cuda PAPER_SIZE=base KERNEL_SIZE=paper
 if [ -n "${DRY:-}" ]; then  # (fairseq trains no fp16 on the CPU: fp32 stands in for it)
     export PYTHONPATH=$PWD PATH=$PWD/.venv/bin:$PATH TESTS=0 TRITON_INTERPRET=1
-    DEVICE=cpu PAPER_SIZE=tiny KERNEL_SIZE=tiny PRECISIONS=${PRECISIONS:+${PRECISIONS//fp16/fp32}}
+    DEVICE=cpu PAPER_SIZE=tiny KERNEL_SIZE=tiny PRECISIONS=${PRECISIONS:-fp16 bf16}
+    PRECISIONS=${PRECISIONS//fp16/fp32}
 fi
 stage=$1
 OUT=${2:-/tmp/gpu_out}
