@@ -204,9 +204,9 @@ def pkm_tune_rows(args, device, dtype, bandwidth, d):
     return rows
 
 
-def _tokens(args, d, device, dtype, batch_first=False):
+def _tokens(args, d, device, dtype, batch_first=False, length=128):
     n = args.cfg["tokens"]
-    t = 128 if n % 128 == 0 else n
+    t = length if n % length == 0 else n
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(t, n // t, d, generator=g)
     x = x.transpose(0, 1).contiguous() if batch_first else x
@@ -228,7 +228,10 @@ def peer_mode_ms(args, d, use_layernorm, sparse, device, dtype, x_dtype, autocas
     try:
         torch.manual_seed(0)
         peer = peer_memory(args, d, use_layernorm, sparse).to(device, dtype)
-        x = _tokens(args, d, device, x_dtype, batch_first=True)
+        # sequences of dim_head tokens: without a mask the peer's BatchNorm1d(dim_head) gets its
+        # queries as [sequences·2·heads, time, dim_head] and takes the time axis for its channels,
+        # so that mode runs only when the two are equal (128 = 256 / 2 at the paper's config)
+        x = _tokens(args, d, device, x_dtype, batch_first=True, length=args.cfg["k_dim"] // 2)
         return median_runs(module_timer(peer, (x,), False, device, autocast), args.repeats)
     except ImportError:
         return "not installed"
