@@ -305,11 +305,13 @@ def test_kernel_benchmark_dry_run_writes_every_stage(tmp_path):
                       for padding in ("none", "left")]
     # each case in its caller's layout, each backend the CPU has, at shapes of its own, timed
     shapes = [line.split(" | ") for line in text.splitlines()
-              if line.startswith(("| self-attention, ", "| attention over 1536"))]
+              if line.startswith(("| self-attention, ", "| attention over 1536",
+                                  "| decoder self-attention, "))]
     assert [row[1:3] for row in shapes] == [
         ["12 x 5 .. 9 x 7", "torch's choice"], ["10 x 6 .. 8 x 8", "math"],  # fairseq's
         ["7 x 9 .. 5 x 11", "torch's choice"], ["6 x 10 .. 5 x 12", "math"],  # the zoo's
-        ["1 x 80 .. 1 x 88", "torch's choice"], ["1 x 88 .. 1 x 96", "math"]]  # AOP's
+        ["1 x 80 .. 1 x 88", "torch's choice"], ["1 x 88 .. 1 x 96", "math"],  # AOP's
+        ["3 x 17 .. 3 x 19", "torch's choice"], ["3 x 18 .. 3 x 20", "math"]]  # the decoder's
     assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in shapes)
 
 

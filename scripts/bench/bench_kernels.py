@@ -53,8 +53,9 @@ off by a time limit keeps the tables of the stages it finished):
     gives it: the self-attention of a ``--max-tokens 8192`` batch (8 heads × 64, with the
     encoder's padding mask) as fairseq's attention hands it over (views of time-first
     projections; the float [B, H, 1, T] mask torch's ``multi_head_attention_forward`` makes) and
-    as the zoo's does (views of batch-first copies; a [B, 1, 1, T] mask), and AOP₁'s attention
-    over 1,536 parameter slots (all the batch's tokens as one sequence). For each, the
+    as the zoo's does (views of batch-first copies; a [B, 1, 1, T] mask), AOP₁'s attention over
+    1,536 parameter slots (all the batch's tokens as one sequence), and fairseq's decoder
+    self-attention (its future mask merged with the padding: [B, H, T, T]). For each, the
     first call at each of several shapes the process has not seen (a new batch's) and the calls
     at a shape it has: cuDNN builds an execution graph per shape, so a run whose batches keep
     changing shape (fairseq's) pays the first-call column, a long run mostly the second.
@@ -452,7 +453,8 @@ def sdpa_backends(device):
 #: sdpa_shapes' cases: (kind, row name)
 SDPA_CASES = (("fairseq", "self-attention, fairseq's layout (time-first), padding mask"),
               ("zoo", "self-attention, the zoo's layout (batch-first), padding mask"),
-              ("aop", "attention over 1536 parameter slots (AOP₁)"))
+              ("aop", "attention over 1536 parameter slots (AOP₁)"),
+              ("causal", "decoder self-attention, fairseq's layout, causal + padding mask"))
 
 
 def _sdpa_call(shape, i, device, dtype):
@@ -478,11 +480,15 @@ def _sdpa_call(shape, i, device, dtype):
     else:
         lead = torch.randint(0, t // 3 + 1, (b,), generator=g)
         pad = (torch.arange(t)[None, :] < lead[:, None])[:, None, None, :]
-        if kind == "fairseq":
+        if kind in ("fairseq", "causal"):
             q, k, v = (leaf(t, b, heads * dk).view(t, b * heads, dk).transpose(0, 1)
                        .view(b, heads, t, dk) for _ in range(3))
+            if kind == "causal":  # right-padded targets, fairseq's future mask merged in
+                pad = pad.flip(-1)
             mask = torch.zeros(b, 1, 1, t).masked_fill(pad, float("-inf"))
-            mask = mask.expand(b, heads, 1, t).contiguous().to(device, dtype)
+            if kind == "causal":
+                mask = mask + torch.triu(torch.full((t, t), float("-inf")), 1)
+            mask = mask.expand(b, heads, -1, t).contiguous().to(device, dtype)
         else:
             q, k, v = (leaf(b, t, heads * dk).view(b, t, heads, dk).transpose(1, 2)
                        for _ in range(3))
