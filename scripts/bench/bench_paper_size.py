@@ -852,7 +852,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=["base", "tiny", "host"], default="base",
                    help="base: the sizes people train; tiny: every model shrunk (a dry run); "
-                   "host: base depth and heads at width 64 and 256-token batches (--host-time)")
+                   "host: base depth and heads at width 32 and 96-token batches (--host-time)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--groups", nargs="+", default=["mt", "lm", "span"],
                    choices=["mt", "lm", "span"])
