@@ -12,6 +12,10 @@ the runs for a short GPU loan: the baseline runs once before a group's archs and
 the rows use the first run, and a note gives the drift between the two. ``--seeds A B`` gives
 the repeats seeds in turn; with ``--precisions fp16 bf16`` a last table then says whether each
 arch's valid loss in bf16 is within the run-to-run noise of its fp16 loss (the issue's target).
+Instead of timed rows, ``--count-ops`` counts the aten ops (kernel launches, host syncs) an update
+dispatches and ``--host-time`` times the host's share of an update (forward, backward, optimizer
+and trainer); ``--size host`` is the base models' depth at a width where a CPU's arithmetic is
+small, the CPU's proxy of a GPU step that waits for the host.
 
 Groups (``--size base``; ``--size tiny`` shrinks every model for a CPU dry run of the harness):
 
