@@ -292,23 +292,29 @@ def test_the_memory_costs_one_multiply_each_way():
         assert backward.count("mul") == 1 and "sum" not in backward, backward
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bucket", [5, 16])  # 12 tokens: padded to 15 and to 16
-def test_token_bucket_pads_the_attention_and_keeps_the_function_and_gradients(bucket, monkeypatch):
+def test_token_bucket_pads_the_attention_and_keeps_the_function_and_gradients(bucket, dtype,
+                                                                             monkeypatch):
     """``--aop-token-bucket``: in training the attention sees the tokens padded with zero queries
     to a multiple of the bucket (fewer shapes for cuDNN's per-shape graphs); the outputs and every
-    gradient are those of the unpadded module. Decoding and evaluation are not padded."""
+    gradient are those of the unpadded module, in each precision. Decoding and evaluation are not
+    padded."""
     calls = record_sdpa(monkeypatch)
     results = []
     for b in (0, bucket):
         torch.manual_seed(0)
         m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=9,
-                                    token_bucket=b).train()
-        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+                                    token_bucket=b).to(dtype).train()
+        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        x.requires_grad_(True)
         y = m(x)
         y.square().sum().backward()
         results.append([y.detach()] + [p.grad for p in m.parameters()] + [x.grad])
         m.eval()
         m(x.detach())
     assert [c[0][0].shape[-2] for c in calls] == [12, 12, 12 + (-12) % bucket, 12]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}  # (the dtype's defaults)
     for a, b in zip(results[1], results[0]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
