@@ -61,9 +61,10 @@ setup)  # once per machine: a later call on the same (still warm) machine skips 
         bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
             tail -30 "$OUT/install.log"; exit 1; }
     fi
-    [ -n "${DRY:-}" ] || python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-    if [ -n "${SAVE_SITE:-}" ] && [ -z "${DRY:-}" ]; then  # bring the built site back (~27 MB, in parts under the
-        # 16 MiB a returned file may have): copy OUT/site.tgz.* to .site/ and carry it next time
+    [ -n "${DRY:-}" ] && exit 0  # (no GPU to name, no site to bring back)
+    python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+    if [ -n "${SAVE_SITE:-}" ]; then  # bring the built site back (in parts under the 16 MiB a
+        # returned file may have): copy OUT/site.tgz.* to .site/ and carry it next time
         tar czf - -C /tmp site | split -b 15m - "$OUT/site.tgz." && ls -l "$OUT"/site.tgz.*
     fi
     ;;
