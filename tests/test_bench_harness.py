@@ -183,6 +183,16 @@ def test_step_phases_give_each_update_the_host_time_of_its_phases(monkeypatch):
     assert phases.updates[1] == {"rest": 0.5, "forward": 1.0}
 
 
+def test_a_failed_host_time_run_is_reported_with_its_error_as_it_is():
+    """A run's error text (a traceback's last lines, often holding a dict or a set) goes into its
+    row verbatim: it used to be formatted again with the precision, where a brace in it raised."""
+    from scripts.bench.bench_paper_size import host_time_row
+
+    error = "KeyError: {'update': 1}"
+    row = host_time_row("mt", "bf16", "transformer_pkm", {"error": error}, {"update": 2.0})
+    assert row == f"| mt | bf16 | transformer_pkm | failed: {error} |"
+
+
 @pytest.mark.slow
 def test_host_time_rows_time_each_arch_against_the_baseline_before_and_after(lm_data, tmp_path):
     """``--host-time``: the baseline, each arch, the baseline again (the drift), each row the

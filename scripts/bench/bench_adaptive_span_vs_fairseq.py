@@ -71,11 +71,13 @@ def fairseq_cli(name: str, plugin_patches: bool = False):
 
 def commands(a):
     """The two (three) training commands, without --max-update / --save-dir."""
+    # every segment logs at least one train_inner record (its tokens/s), also a short one
+    interval = max(1, min(10, a.updates // a.segments))
     common = [a.data] + (["--cpu"] if a.device == "cpu" else []) + list(a.extra) + [
               "--tokens-per-sample", str(a.block), "--batch-size", str(a.batch),
               "--lr", str(a.lr), "--lr-scheduler", "fixed", "--warmup-updates", str(a.warmup),
               "--seed", "1", "--num-workers", "0", "--disable-validation",
-              "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "10"]
+              "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", str(interval)]
     baseline = fairseq_cli("train", plugin_patches=True) + common + [
         "--user-dir", fairseq_example_dir(), "--task", "truncated_bptt_lm",
         "--arch", "adaptive_span",
@@ -247,7 +249,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     runs = commands(a)
     shutil.rmtree(a.work, ignore_errors=True)
-    from scripts.bench.benchlib import PEAK_TAG, format_table, peak_cuda_gib
+    from scripts.bench.benchlib import format_table, peak_cuda_gib
 
     if a.step_timing:
         rows = step_timing(a, runs, env)
@@ -260,7 +262,7 @@ def main():
                 json.dump({"args": vars(a), "rows": rows, "commands": runs}, f, indent=1)
         return
     logs = {name: [] for name in runs}
-    peaks = {name: [] for name in runs}  # every segment's PEAK_TAG line
+    outputs = {name: [] for name in runs}  # every segment's output (its PEAK_TAG line)
     names = list(runs)
     for seg in range(1, a.segments + 1):
         upto = a.updates * seg // a.segments
@@ -270,7 +272,7 @@ def main():
             print(f"[segment {seg}/{a.segments}] {name}: updates -> {upto}", flush=True)
             out, _ = run(runs[name] + ["--max-update", str(upto), "--save-dir", save], env)
             logs[name] += inner_logs(out)
-            peaks[name] += [line for line in out.splitlines() if line.startswith(PEAK_TAG)]
+            outputs[name].append(out)
     rows = []
     for name in names:
         save = os.path.join(a.work, re.sub(r"\W+", "_", name))
@@ -287,7 +289,7 @@ def main():
                      "scored tokens": ntok.group(1) if ntok else "?",
                      "last train loss (logged)": float(last["loss"]),
                      "avg span": float(last.get("avg_span", last.get("span_avg", "nan"))),
-                     "peak GiB": peak_cuda_gib("\n".join(peaks[name]))})
+                     "peak GiB": peak_cuda_gib("\n".join(outputs[name]))})
     base = rows[0]
     for r in rows:
         r["speed ratio"] = r["train tokens/s"] / base["train tokens/s"]

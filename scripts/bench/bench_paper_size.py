@@ -755,13 +755,14 @@ def host_time(group, arch, data, args):
         return {"error": text[:300]}
 
 
-def host_time_row(group, arch, ms, base) -> str:
+def host_time_row(group, precision, arch, ms, base) -> str:
     """A table row of :data:`HOST_COLUMNS`: ``arch``'s host times ``ms`` against the baseline's
     ``base`` (the baseline's time over the arch's: the speed ratio of a step that waits for the
     host)."""
     if "error" in ms or "error" in base:
-        return f"| {group} | {{}} | {arch} | failed: {ms.get('error') or base.get('error')} |"
-    return (f"| {group} | {{}} | {arch} | {ms['update']:.2f} | {ms['forward']:.2f} | "
+        why = ms.get("error") or base.get("error")
+        return f"| {group} | {precision} | {arch} | failed: {why} |"
+    return (f"| {group} | {precision} | {arch} | {ms['update']:.2f} | {ms['forward']:.2f} | "
             f"{ms['backward']:.2f} | {ms['rest']:.2f} | {base['update']:.2f} | "
             f"{base['update'] / ms['update']:.3f} |")
 
@@ -935,7 +936,8 @@ def main(argv=None):
             emit("|" + "---|" * len(columns))
 
         emit(f"\n`{' '.join(shlex.quote(a) for a in ['python', '-m', MODULE] + argv)}`")
-        if not (args.profile_only or args.count_ops or args.host_time):  # the timed rows' table
+        timed = not (args.profile_only or args.count_ops or args.host_time)  # timed rows
+        if timed:  # their table
             emit_head(COLUMNS)
         for precision in args.precisions:
             args._precision = precision
@@ -970,10 +972,10 @@ def main(argv=None):
                 if args.host_time:
                     emit_head(HOST_COLUMNS)
                     first = host_time(group, BASELINE[group], data, args)
-                    emit(host_time_row(group, BASELINE[group], first, first).format(precision))
+                    emit(host_time_row(group, precision, BASELINE[group], first, first))
                     for arch in chosen:
                         ms = host_time(group, arch, data, args)
-                        emit(host_time_row(group, arch, ms, first).format(precision))
+                        emit(host_time_row(group, precision, arch, ms, first))
                     last = host_time(group, BASELINE[group], data, args)
                     if "error" not in first and "error" not in last:
                         a, b = first["update"], last["update"]
@@ -999,7 +1001,7 @@ def main(argv=None):
                     for arch in [BASELINE[group]] + chosen:
                         profile_run(group, arch, data, args, emit)
                     emit_head(COLUMNS)  # the next rows' header
-        if "span" in args.groups and not (args.profile_only or args.count_ops or args.host_time):
+        if "span" in args.groups and timed:
             bench_span(args, emit)
         reference = reference_precision(args.precisions)
         rows = agreement_rows(args._losses, reference)

@@ -51,9 +51,10 @@ wheels)  # Python 3.12 wheels for the lent machine + the fairseq-fixed sdist + t
     ls .whl
     ;;
 setup)  # once per machine: a later call on the same (still warm) machine skips it
-    if [ -n "${DRY:-}" ]; then
-        echo "setup: DRY, this checkout's .venv"
-    elif python3 -c "import fairseq, hydra" 2>/dev/null; then
+    if [ -n "${DRY:-}" ]; then  # (no site to build, no GPU to name, no site to bring back)
+        echo "setup: DRY, this checkout's .venv"; exit 0
+    fi
+    if python3 -c "import fairseq, hydra" 2>/dev/null; then
         echo "setup: fairseq already in /tmp/site"
     elif ls .site/site.tgz.* >/dev/null 2>&1; then  # built by an earlier call (SAVE_SITE=1)
         cat .site/site.tgz.* | tar xzf - -C /tmp && echo "setup: /tmp/site unpacked from .site/"
@@ -61,7 +62,6 @@ setup)  # once per machine: a later call on the same (still warm) machine skips 
         bash scripts/install_offline.sh .whl /tmp/site > "$OUT/install.log" 2>&1 || {
             tail -30 "$OUT/install.log"; exit 1; }
     fi
-    [ -n "${DRY:-}" ] && exit 0  # (no GPU to name, no site to bring back)
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
     if [ -n "${SAVE_SITE:-}" ]; then  # bring the built site back (in parts under the 16 MiB a
         # returned file may have): copy OUT/site.tgz.* to .site/ and carry it next time
