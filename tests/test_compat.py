@@ -59,3 +59,33 @@ def test_old_default_sizes_rebuild_the_same_parameters(arch):
     model = task.build_model(cfg.model)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     assert shapes == state["shapes"]
+
+
+@pytest.mark.parametrize("arch", ["transformer_lm_pkm", "transformer_lm_memplus"])
+def test_old_memory_checkpoints_keep_the_residual_dropout(arch):
+    """Memory checkpoints written before --pkm-residual-dropout (fairseq's --dropout then always
+    dropped the memory output) store no value for it: they load with it on, and a training step
+    drops the memory output exactly as that code did."""
+    import torch.nn.functional as F
+
+    from fairseq_attnzoo.modules.pkm import ProductKeyMemory
+
+    path = os.path.join(FIXTURES, arch + ".ckpt")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    assert "pkm_residual_dropout" not in vars(state["cfg"]["model"])  # written before the flag
+    models, cfg, _ = checkpoint_utils.load_model_ensemble_and_task([path],
+                                                                  arg_overrides={"data": FIXTURES})
+    assert cfg.model.pkm_residual_dropout is True
+    layers = [layer for layer in models[0].decoder.layers if isinstance(layer.ffn, ProductKeyMemory)]
+    assert layers and all(layer.ffn.residual_dropout for layer in layers)
+    layer = layers[0].train()
+    p = layer.dropout_module.p
+    assert p > 0  # the stored --dropout 0.1
+    x = torch.randn(6, 2, layer.ffn.input_dim)
+    torch.manual_seed(0)
+    out = layer._ffn_block(x, None)
+    torch.manual_seed(0)  # the old computation: the memory (its own dropouts), then --dropout
+    h = layer.final_layer_norm(x) if layer.normalize_before else x
+    y = x + F.dropout(layer.ffn(h, None), p, training=True)
+    ref = y if layer.normalize_before else layer.final_layer_norm(y)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -937,3 +937,97 @@ def test_plot_script_reports_the_shared_pool(lm_data):
                                + counts["decoder.layers.1.ffn"])
     usage_pool = usage_stats(counts["shared pool"])[0]
     assert usage_pool >= max(usage_stats(counts[n])[0] for n in mems if n != "shared pool")
+
+
+# ---- the memory in its host layer: residual dropout, the optimizer notice ----------------------
+
+def _ffn_block_twice(layer, x):
+    """The layer's FFN half (train mode) under two RNG seeds: equal iff nothing in it is random."""
+    torch.manual_seed(1)
+    a = layer._ffn_block(x, None)
+    torch.manual_seed(2)
+    return a, layer._ffn_block(x, None)
+
+
+def test_memory_output_gets_no_residual_dropout_by_default(mt_data):
+    """XLM adds the memory's output to the residual undropped (xlm/model/transformer.py drops
+    only the FFN's), the memory code's Llama block has no dropout: a fresh transformer_pkm in
+    train mode drops the FFN output (--dropout 0.5) but not the memory's, whose own dropouts are
+    0, so the memory layer's FFN half is deterministic; --pkm-residual-dropout drops it again."""
+    from zoo_testlib import build
+
+    args, _, model, _ = build("transformer_pkm", mt_data, ["--dropout", "0.5"])
+    model.train()
+    x = torch.randn(5, 3, 32)
+    for stack in (model.encoder, model.decoder):  # the memory is in layer 1 of 2, an FFN in 0
+        ffn_layer, memory_layer = stack.layers
+        assert isinstance(memory_layer.ffn, ProductKeyMemory) and ffn_layer.ffn is None
+        a, b = _ffn_block_twice(memory_layer, x)
+        assert torch.equal(a, b), "the memory output was dropped"
+        a, b = _ffn_block_twice(ffn_layer, x)
+        assert not torch.equal(a, b), "--dropout 0.5 should drop the FFN output"
+        assert not memory_layer.ffn.residual_dropout
+    assert args.pkm_residual_dropout is False
+
+    args, _, model, _ = build("transformer_pkm", mt_data,
+                              ["--dropout", "0.5", "--pkm-residual-dropout"])
+    layer = model.encoder.layers[1].train()
+    assert args.pkm_residual_dropout is True and layer.ffn.residual_dropout
+    a, b = _ffn_block_twice(layer, x)
+    assert not torch.equal(a, b)
+    torch.manual_seed(3)  # exactly fairseq's dropout of the memory output, then the residual
+    out = layer._ffn_block(x, None)
+    torch.manual_seed(3)
+    ref = layer.final_layer_norm(x + layer.dropout_module(layer.ffn(x, None)))
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_stored_configs_without_the_residual_flag_keep_the_dropout():
+    """A checkpoint's stored config written before --pkm-residual-dropout has every original
+    PKM flag and no key for the new one: it comes back on (the dropout its model trained with).
+    A new config keeps the default: on the command line the key exists unset, a hydra config
+    does not give all the original flags."""
+    from omegaconf import OmegaConf
+
+    from fairseq_attnzoo.models.pkm import PKMConfig, _ORIGINAL_FLAGS
+
+    stored = argparse.Namespace(**{k: 1 for k in _ORIGINAL_FLAGS})
+    PKMConfig.upgrade_stored(stored)
+    assert stored.pkm_residual_dropout is True
+    for new in (argparse.Namespace(pkm_residual_dropout=None, **{k: 1 for k in _ORIGINAL_FLAGS}),
+                OmegaConf.create({"pkm_n_keys": 512, "pkm_heads": 4, "pkm_knn": 32}),
+                argparse.Namespace(pkm_residual_dropout=False, **{k: 1 for k in _ORIGINAL_FLAGS})):
+        before = getattr(new, "pkm_residual_dropout", "absent")
+        PKMConfig.upgrade_stored(new)
+        assert getattr(new, "pkm_residual_dropout", "absent") == before
+    args = _args("transformer_lm_pkm", ["--task", "language_modeling"])  # through the arch
+    assert args.pkm_residual_dropout is False
+
+
+def _notices(caplog, arch, data, extra):
+    from zoo_testlib import build
+
+    _, _, model, _ = build(arch, data, extra)
+    tokens = torch.randint(4, 20, (2, 6))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fairseq_attnzoo.models.pkm"):
+        model.eval()
+        model(tokens)  # evaluating: no notice
+        model.train()
+        model(tokens)
+        model(tokens)
+    return [r.getMessage() for r in caplog.records if "pkm_adam" in r.getMessage()]
+
+
+def test_one_warning_when_memory_values_train_without_their_own_rate(lm_data, caplog):
+    """A model with memory layers trained by an optimizer that gives the values no rate of their
+    own warns once, at its first training step, naming pkm_adam and its flags; pkm_adam and
+    models without a memory stay quiet."""
+    lines = _notices(caplog, "transformer_lm_memplus", lm_data, ["--optimizer", "adam"])
+    assert len(lines) == 1 and "\n" not in lines[0], lines  # three memories, one line
+    for flag in ("--optimizer adam", "--optimizer pkm_adam", "--pkm-values-lr",
+                 "--pkm-values-lr-schedule", "--pkm-values-betas"):
+        assert flag in lines[0]
+    assert _notices(caplog, "transformer_lm_pkm", lm_data, ["--optimizer", "adagrad"])
+    assert _notices(caplog, "transformer_lm_pkm", lm_data, ["--optimizer", "pkm_adam"]) == []
+    assert _notices(caplog, "attnzoo_lm", lm_data, ["--optimizer", "adam"]) == []

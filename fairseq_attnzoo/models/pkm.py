@@ -26,6 +26,7 @@ received any weight over the whole validation set) and ``pkm_<side><layer>_kl`` 
 the slot-weight distribution from uniform) appear in fairseq-train's valid log line.
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -39,6 +40,8 @@ from ..modules.pkm_triton import KERNELS
 from .registry import Derived
 from .sublayers import register_sublayer, require, to_bool
 from .transformer import register_arch
+
+logger = logging.getLogger(__name__)
 
 _FP_FLAGS = ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16")
 
@@ -97,6 +100,13 @@ class PKMConfig(FairseqDataclass):
         metadata={"help": "qk-norm of the key search, OUR form (the Memory Layers paper uses "
                   "qk-norm 'when needed' without giving one; its code has none): half-queries "
                   "RMS-normalised with a learned gain g, sub-keys c/||c||; default off"})
+    pkm_residual_dropout: bool = field(
+        default=False,
+        metadata={"help": "apply fairseq's --dropout to the memory layer's output before the "
+                  "residual sum, as fairseq does to an FFN's output; default off, as in XLM "
+                  "(xlm/model/transformer.py adds the memory's output undropped) and the memory "
+                  "code (its Llama block has no dropout). Checkpoints written before this flag "
+                  "existed store no value for it and keep it on"})
     pkm_kernel: ChoiceEnum(list(KERNELS)) = field(  # type: ignore
         default="auto",
         metadata={"help": "PKM value read and its gradients: auto = fused Triton kernels on CUDA "
@@ -129,6 +139,37 @@ class PKMConfig(FairseqDataclass):
         if self.pkm_gated_output and self.pkm_swilu_output:
             raise ValueError("--pkm-gated-output (the old gated form, no biases) and "
                              "--pkm-swilu-output contradict: give only --pkm-swilu-output")
+
+    @staticmethod
+    def upgrade_stored(args):
+        """Before the defaults are filled (:func:`fill_sublayer_defaults`): a checkpoint's stored
+        config written before --pkm-residual-dropout existed has a value for every original PKM
+        flag and no key for this one; its model was trained with fairseq's --dropout on the
+        memory output, so the flag is set on. A new config (command line: the key is there,
+        unset; a hydra config: these flags are not all given) is left to the default."""
+        if _has_key(args, "pkm_residual_dropout") or not all(
+                getattr(args, k, None) is not None for k in _ORIGINAL_FLAGS):
+            return
+        setattr(args, "pkm_residual_dropout", True)
+        if any("pkm" in str(getattr(args, a, None) or "") for a in ("encoder_ffn", "decoder_ffn")):
+            logger.info("PKM: a config stored before --pkm-residual-dropout existed: fairseq's "
+                        "--dropout stays on the memory output, as the model was trained")
+
+
+#: the PKM flags every checkpoint has stored since the method was added (tests/fixtures/compat):
+#: a stored config holds them all, a new one does not
+_ORIGINAL_FLAGS = ("pkm_n_keys", "pkm_heads", "pkm_knn", "pkm_k_dim", "pkm_value_dim",
+                   "pkm_query_batchnorm", "pkm_input_dropout", "pkm_query_dropout",
+                   "pkm_value_dropout", "pkm_sparse")
+
+
+def _has_key(args, key: str) -> bool:
+    """Whether ``args`` (a Namespace, an omegaconf DictConfig, a dataclass) has ``key`` at all,
+    set or not."""
+    try:
+        return key in args
+    except TypeError:
+        return hasattr(args, key)
 
 
 def _optimizer_name(args) -> Optional[str]:
@@ -280,12 +321,41 @@ def build_pkm(spec):
         input_dropout=o.pkm_input_dropout, query_dropout=o.pkm_query_dropout,
         value_dropout=o.pkm_value_dropout, sparse=sparse_values(spec.args, o.pkm_sparse),
         values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm,
-        kernel=str(o.pkm_kernel))
+        kernel=str(o.pkm_kernel), residual_dropout=o.pkm_residual_dropout)
     if o.pkm_shared_values and pool is None:
         spec.shared[POOL] = memory.values
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,
                                         POOL if o.pkm_shared_values else None)
+    optimizer = _optimizer_name(spec.args)
+    if optimizer is not None and optimizer not in OWN_VALUE_RATE:
+        # one line per model, at its first training step (not when a checkpoint is loaded to
+        # evaluate: that model never trains)
+        notice = spec.shared.setdefault("pkm_optimizer_notice", OptimizerNotice(optimizer))
+        memory.register_forward_pre_hook(notice)
     return memory
+
+
+#: optimizers that give the memory values a rate of their own: pkm_adam (--pkm-values-lr), and
+#: fairseq's composite, whose groups are the parameters' ``param_group`` tags ("pkm_values")
+OWN_VALUE_RATE = ("pkm_adam", "composite")
+
+
+class OptimizerNotice:
+    """Forward pre-hook of a model's memories: at the first forward in training mode, one
+    warning line that ``--optimizer NAME`` trains the values at the model's learning rate."""
+
+    def __init__(self, optimizer: str):
+        self.optimizer, self.done = optimizer, False
+
+    def __call__(self, module, inputs):
+        if self.done or not module.training:
+            return
+        self.done = True
+        logger.warning(
+            f"PKM: --optimizer {self.optimizer} trains the memory values at the model's --lr; "
+            "XLM and the memory code give them their own rate (1e-3): use --optimizer pkm_adam "
+            "with --pkm-values-lr (and --pkm-values-lr-schedule, --pkm-values-betas, "
+            "--pkm-values-weight-decay, --pkm-values-clip-norm)")
 
 
 # ---- archs: memory in the selected layers -------------------------------------------------------

@@ -296,7 +296,13 @@ def options_for(name: str, args) -> Any:
 
 
 def fill_sublayer_defaults(args, decoder_only: bool = False):
-    """Called at the end of every zoo arch function: stock slots, then method defaults."""
+    """Called at the end of every zoo arch function: stock slots, then method defaults. First,
+    an options dataclass's ``upgrade_stored(args)`` (if it defines one) may give a checkpoint's
+    stored config that predates one of its flags the value that keeps the old behaviour."""
+    for cls in dict.fromkeys(e.options for e in SUBLAYER_REGISTRY.values() if e.options):
+        upgrade = getattr(cls, "upgrade_stored", None)
+        if upgrade is not None:
+            upgrade(args)
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):
             continue

@@ -135,7 +135,11 @@ class _ZooLayerMixin:
         residual = x
         if self.normalize_before:
             x = self.final_layer_norm(x)
-        x = self.dropout_module(self.feed_forward(x, padding_mask))
+        x = self.feed_forward(x, padding_mask)
+        # fairseq's residual dropout (--dropout), unless a replacement's ``residual_dropout`` is
+        # False (product-key memory by default: XLM and the memory code add it undropped)
+        if self.ffn is None or getattr(self.ffn, "residual_dropout", True):
+            x = self.dropout_module(x)
         x = residual + x
         if not self.normalize_before:
             x = self.final_layer_norm(x)

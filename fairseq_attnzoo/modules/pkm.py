@@ -330,8 +330,13 @@ class ProductKeyMemory(ZooFeedForward):
                  query_dropout: float = 0.0, value_dropout: float = 0.0, sparse: bool = False,
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
                  qk_norm: bool = False, swilu: str = "off", init: str = "xlm",
-                 kernel: str = "auto"):
+                 kernel: str = "auto", residual_dropout: bool = False):
         super().__init__()
+        #: whether a host layer applies its residual dropout to this layer's output (read by
+        #: the fairseq layers); off, as in both references: XLM adds the memory's output to the
+        #: residual undropped (``xlm/model/transformer.py``, where only the FFN's output is
+        #: dropped), the memory code's Llama block has no dropout (``lingua/transformer.py``)
+        self.residual_dropout = bool(residual_dropout)
         #: value read and its gradients: "auto" = the Triton kernels (pkm_triton) on CUDA when
         #: Triton is importable, else the PyTorch reference; "triton" / "torch" force one
         self.kernel = pkm_triton.check_kernel(kernel)
@@ -519,4 +524,5 @@ class ProductKeyMemory(ZooFeedForward):
                 + (f", swilu={self.swilu}" if self.gated else "")
                 + (f", init={self.init}" if self.init != "xlm" else "")
                 + (", qk_norm" if self.qk_norm else "")
-                + (f", kernel={self.kernel}" if self.kernel != "auto" else ""))
+                + (f", kernel={self.kernel}" if self.kernel != "auto" else "")
+                + (", residual_dropout" if self.residual_dropout else ""))
