@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Product-key memory language model on WikiText-103 with the stock fairseq tools
-# (Lample et al. 2019 memory settings; see README.md in this folder).
+# (XLM's memory and value optimiser for transformer_lm_pkm, the memory code's optimiser for
+# transformer_lm_memplus; README.md in this folder says where each setting comes from).
 #
 #   examples/pkm_lm/run.sh prepare                 # download + fairseq-preprocess (needs internet)
 #   examples/pkm_lm/run.sh train [fairseq-train flags...]
@@ -72,21 +73,34 @@ train)
         DEVICE=(--cpu)
         WORLD=1
     fi
-    # memory: 512² = 262,144 slots, 4 heads, knn 32, k_dim 256, batch-normalised queries, in layer
-    # 6 (0-based, the middle); optimizer: Adam lr 2.5e-4 for the model, 1e-3 for the memory values
-    # (sparse rows on 1 GPU)
-    METHOD=(--optimizer adam)
+    # METHOD: the arch's own flags; OPTIM, BETAS, CLIP: the optimiser (every arch: the model at
+    # lr 2.5e-4, inverse-sqrt schedule, 4000 warm-up updates)
+    METHOD=()
+    OPTIM=(--optimizer adam)
+    BETAS="(0.9, 0.98)"
+    CLIP=0.0
     case "$ARCH" in
     transformer_lm_pkm)
+        # XLM's memory (xlm/model/memory/memory.py defaults: 512² = 262,144 slots, 4 heads,
+        # knn 32, k_dim 256) with batch-normalised queries (XLM's PKM-layer.ipynb), in layer 6
+        # of 12 (0-based, the middle); the values with XLM's own Adam (--mem_values_optimizer
+        # adam,lr=0.001: lr 1e-3 with no schedule, betas (0.9, 0.999), no weight decay),
+        # sparse rows on one GPU (XLM's --mem_sparse true)
         METHOD=(--pkm-decoder-layers 6 --pkm-n-keys 512 --pkm-heads 4 --pkm-knn 32 --pkm-k-dim 256
-                --pkm-query-batchnorm --optimizer pkm_adam --pkm-values-lr 1e-3) ;;
-    transformer_lm_memplus)  # Memory+ preset (shared pool, swilu output, 1024² slots, d_q = d/2,
-        # 3 spread layers) with the memory code's value recipe: lr 1e-3 following the schedule,
-        # weight decay 0.1 on the values too, values clipped separately (docs/pkm.md)
-        METHOD=(--optimizer pkm_adam --pkm-values-lr 1e-3 --pkm-values-lr-schedule follow
-                --pkm-values-weight-decay 0.1) ;;
+                --pkm-query-batchnorm)
+        OPTIM=(--optimizer pkm_adam --pkm-values-lr 1e-3 --pkm-values-lr-schedule constant
+               --pkm-values-betas "(0.9, 0.999)" --pkm-values-weight-decay 0) ;;
+    transformer_lm_memplus)
+        # Memory+ preset (shared pool, swilu output, 1024² slots, d_q = d/2, 3 spread layers)
+        # with the memory code's optimiser (lingua/optim.py, apps/main/configs/
+        # pkplus_373m_1024k.yaml): one AdamW, betas (0.9, 0.95), weight decay 0.1 on every
+        # parameter, the values dense at lr 1e-3 following the schedule, clip 1.0 (values apart)
+        OPTIM=(--optimizer pkm_adam --weight-decay 0.1 --pkm-sparse false --pkm-values-lr 1e-3
+               --pkm-values-lr-schedule follow --pkm-values-weight-decay 0.1)
+        BETAS="(0.9, 0.95)"
+        CLIP=1.0 ;;
     transformer_lm_synth_*)  # N = the 512-token block (the synthesised tables cover every position)
-        METHOD+=(--synth-max-len 512) ;;
+        METHOD=(--synth-max-len 512) ;;
     *)  # any other registered LM arch (attnzoo-archs --list --task language_modeling): as it is
         KNOWN="$(cd "$ROOT" && "$PYTHON" -m fairseq_attnzoo.cli.archs --list --task language_modeling 2>/dev/null)" || {
             echo "run.sh: '$PYTHON' cannot list the plugin's archs: set PYTHON to the interpreter with fairseq and this plugin" >&2
@@ -105,19 +119,16 @@ train)
     fi
     UPDATE_FREQ="${UPDATE_FREQ:-$(( (8 + WORLD - 1) / WORLD ))}"
     run mkdir -p "$SAVE"
-    # model: 12 layers, d 1024, 16 heads, FFN 4096; memory in layer 6 (0-based, the middle)
-    # memory: 512² = 262,144 slots, 4 heads, knn 32, k_dim 256, batch-normalised queries
-    # optimizer: Adam lr 2.5e-4 for the model, 1e-3 for the memory values (sparse rows in fp32,
-    # exchanged across GPUs by pkm_adam)
+    # model: 12 layers, d 1024, 16 heads, FFN 4096, dropout 0.1 (not on a memory's output)
     run "$PYTHON" -m fairseq_cli.train "$DATA/bin" --user-dir "$USER_DIR" \
         --task language_modeling --arch "$ARCH" \
         --decoder-layers 12 --decoder-embed-dim 1024 --decoder-ffn-embed-dim 4096 \
         --decoder-attention-heads 16 --share-decoder-input-output-embed --dropout 0.1 \
-        "${METHOD[@]}" \
+        "${METHOD[@]}" "${OPTIM[@]}" \
         --tokens-per-sample 512 --sample-break-mode none \
-        --adam-betas "(0.9, 0.98)" \
+        --adam-betas "$BETAS" \
         --lr 2.5e-4 --lr-scheduler inverse_sqrt \
-        --warmup-updates 4000 --warmup-init-lr 1e-07 --clip-norm 0.0 \
+        --warmup-updates 4000 --warmup-init-lr 1e-07 --clip-norm "$CLIP" \
         --max-tokens "${MAX_TOKENS:-4096}" --update-freq "$UPDATE_FREQ" \
         --max-update "${MAX_UPDATE:-200000}" \
         --distributed-world-size "$WORLD" "${DEVICE[@]}" "${PRECISION[@]}" \
