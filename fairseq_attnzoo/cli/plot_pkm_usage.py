@@ -2,7 +2,7 @@
 """Key usage of the product-key memories of a trained checkpoint.
 
 Runs the model over a data split and accumulates, for every memory layer, the softmax weight Z_i
-each of the |K| = n_keys² slots received. Prints the paper's two diagnostics per layer -- memory
+each of the |K| = n_keys² slots received. Prints XLM's two diagnostics per layer -- memory
 usage (fraction of slots with Z_i > 0) and KL(z ‖ uniform) -- and writes a PNG with, per layer, a
 histogram of the slot weights and a heatmap of Z over the n_keys × n_keys product-key grid
 (slot a·n_keys + b at row a, column b; bright rows/columns = sub-keys that dominate).

@@ -1,8 +1,7 @@
 """``pkm``: product-key memory in the FFN slot of chosen layers (Lample et al., 2019; see
 :mod:`fairseq_attnzoo.modules.pkm`).
 
-Archs: ``transformer_pkm`` (encoder-decoder) and ``transformer_lm_pkm`` (decoder-only LM, the
-paper's setting). ``--pkm-encoder-layers`` / ``--pkm-decoder-layers`` pick the layers whose FFN
+Archs: ``transformer_pkm`` (encoder-decoder) and ``transformer_lm_pkm`` (decoder-only LM). ``--pkm-encoder-layers`` / ``--pkm-decoder-layers`` pick the layers whose FFN
 becomes a memory (default: the middle layer, index L//2); the arch turns them into the per-layer
 ``--encoder-ffn`` / ``--decoder-ffn`` lists of the generic machinery, so ``--decoder-ffn
 ffn,ffn,pkm,...`` works too (and so does ``--decoder-ffn pkm`` on any zoo arch).
@@ -10,9 +9,13 @@ ffn,ffn,pkm,...`` works too (and so does ``--decoder-ffn pkm`` on any zoo arch).
 Memory+ (Berges et al., 2024): ``--pkm-shared-values`` (one value pool read by every memory layer
 of the model), ``--pkm-swilu-output`` (W₂(m(x) ⊙ SiLU(W₁x)) with the reference's biases, init and
 dropout order), ``--pkm-init memplus`` and (ours, off in the preset) ``--pkm-qk-norm``. The preset
-``transformer_lm_memplus`` is the paper's Memory+: shared pool, swilu output, no query batch
-norm, 1024 half-keys, k_dim = d/2, value dim = d, three memory layers spread through the stack
-(``--pkm-decoder-layers spread``: 4, 12, 20 of 24, Table 3).
+``transformer_lm_memplus`` is the Memory+ layer as facebookresearch/memory configures it
+(``apps/main/configs/pkplus_373m_1024k.yaml``: ``mem_share_values``, ``swilu_projection``,
+``mem_n_keys: 1024``, ``mem_k_dim: 512`` at ``dim: 1024``, ``layers: "4,12,20"`` of 24; no query
+batch norm, the ``HashingMemory`` default): shared pool, swilu output, 1024 half-keys,
+k_dim = d/2, value dim = d, three memory layers spread through the stack
+(``--pkm-decoder-layers spread``: 4, 12, 20 of 24). Its host is fairseq's transformer, not the
+memory code's Llama.
 
 Sparse value updates: ``--pkm-sparse auto`` (default) makes the value gradients sparse exactly when
 they can be consumed -- ``--optimizer pkm_adam`` without --fp16/--bf16/--amp, on one process or
@@ -21,7 +24,8 @@ the rows read across processes, see :mod:`fairseq_attnzoo.optim.pkm_optimizer`) 
 otherwise, so every fairseq optimizer works with the defaults. ``--pkm-sparse true`` forces sparse
 and refuses, at build time and in one line, the combinations that cannot work.
 
-Validation diagnostics (the paper's): ``pkm_<side><layer>_usage`` (fraction of the |K| slots that
+Validation diagnostics (XLM's ``mem_used`` and ``mem_kl_w``, ``xlm/evaluation/evaluator.py``):
+``pkm_<side><layer>_usage`` (fraction of the |K| slots that
 received any weight over the whole validation set) and ``pkm_<side><layer>_kl`` (KL divergence of
 the slot-weight distribution from uniform) appear in fairseq-train's valid log line.
 """
@@ -97,8 +101,8 @@ class PKMConfig(FairseqDataclass):
                   "in both; default xlm, transformer_lm_memplus: memplus"})
     pkm_qk_norm: bool = field(
         default=False,
-        metadata={"help": "qk-norm of the key search, OUR form (the Memory Layers paper uses "
-                  "qk-norm 'when needed' without giving one; its code has none): half-queries "
+        metadata={"help": "qk-norm of the key search, OUR form (facebookresearch/memory has "
+                  "none; the Memory Layers paper's wording on it was not verified): half-queries "
                   "RMS-normalised with a learned gain g, sub-keys c/||c||; default off"})
     pkm_residual_dropout: bool = field(
         default=False,
@@ -367,7 +371,8 @@ def memory_layers(value: Optional[str], n_layers: int, flag: str) -> List[int]:
     if value in ("none", ""):
         return []
     if value == "spread" or value.startswith("spread:"):
-        # N evenly spaced layers, the i-th at ⌊(2i+1)·L / 2N⌋: the paper's 4, 12, 20 of 24
+        # N evenly spaced layers, the i-th at ⌊(2i+1)·L / 2N⌋: 4, 12, 20 of 24, the layers of
+        # facebookresearch/memory's configs (pkplus_373m_1024k.yaml)
         try:
             n = int(value.split(":", 1)[1]) if ":" in value else 3
         except ValueError:
@@ -419,7 +424,7 @@ def _check_selection(*sides: str):
 
 
 # transformer_pkm: encoder-decoder, a memory in the middle encoder and decoder layer;
-# transformer_lm_pkm: decoder-only LM, a memory in the middle layer (the paper's setting)
+# transformer_lm_pkm: decoder-only LM, a memory in the middle layer
 register_arch("attnzoo_transformer", "transformer_pkm",
               post=_check_selection("encoder", "decoder"), encoder_ffn=_memory_slots("encoder"),
               decoder_ffn=_memory_slots("decoder"))
@@ -433,10 +438,12 @@ def _gated(args) -> bool:
     return value is not None and to_bool(value, "--pkm-gated-output")
 
 
-#: transformer_lm_memplus, the Memory+ layer of Berges et al. (2024), relative to
-#: transformer_lm_pkm: one value pool shared by three memory layers spread through the stack,
-#: swilu output, the reference's inits, no query batch norm, 1024² slots, values d and k_dim =
-#: d/2 (Table 4). A checkpoint of the old preset stores --pkm-gated-output: its output form wins.
+#: transformer_lm_memplus, the Memory+ layer of Berges et al. (2024) as facebookresearch/memory
+#: configures it, relative to transformer_lm_pkm: one value pool shared by three memory layers
+#: spread through the stack, swilu output, the reference's inits, no query batch norm, 1024²
+#: slots, values d and k_dim = d/2 (``mem_k_dim: 512`` at ``dim: 1024`` in
+#: pkplus_373m_1024k.yaml; pk_7b.yaml keeps 512 at dim 4096, d/8). A checkpoint of the old
+#: preset stores --pkm-gated-output: its output form wins.
 MEMPLUS = {"pkm_shared_values": True, "pkm_init": "memplus", "pkm_qk_norm": False,
            "pkm_query_batchnorm": False, "pkm_n_keys": 1024, "pkm_decoder_layers": "spread",
            "pkm_swilu_output": Derived(lambda args: not _gated(args),

@@ -28,8 +28,9 @@ Choices (XLM's ``pq_fast`` memory is the reference; this is an independent imple
 
 Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent implementation):
 
-* ``values=<another memory's table>``: several memories read ONE value table (the paper's memory
-  pool shared by all memory layers), each with its own query network and sub-keys. The first memory
+* ``values=<another memory's table>``: several memories read ONE value table (the memory code's
+  ``mem_share_values``, on in ``apps/main/configs/pkplus_373m_1024k.yaml``), each with its own
+  query network and sub-keys. The first memory
   owns (registers, initialises, checkpoints) the table; the others hold a plain reference.
 * ``swilu="reference"``: the SiLU-gated ("swilu") output of facebookresearch/memory,
   ``out = Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃)))`` with x̃ = Drop_in(x) the input after input dropout, W₁:
@@ -39,8 +40,8 @@ Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent impl
   value dropout on m(x) before W₂.
 * ``init="memplus"``: the reference code's other inits -- sub-keys uniform(±1/√k_dim), query
   weight Xavier-uniform (``init="xlm"``: uniform(±1/√(k_dim/2)) and nn.Linear's init).
-* ``qk_norm=True`` (ours: the paper uses qk-norm "when needed" and gives no form; the reference
-  code has none): each half-query RMS-normalised with a learned gain g (init 1), each sub-key
+* ``qk_norm=True`` (ours: the reference code has none, and what the paper says about qk-norm was
+  not verified here): each half-query RMS-normalised with a learned gain g (init 1), each sub-key
   scaled to unit L2 norm, so a half score is ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (computed in fp32).
 """
 
@@ -277,8 +278,9 @@ def slot_counts(indices: Tensor, weights: Tensor, size: int) -> Tensor:
 
 
 def usage_stats(counts: Tensor) -> Tuple[float, float]:
-    """The paper's diagnostics from slot weights Z: memory usage (fraction of slots with Z_i > 0)
-    and KL(z ‖ uniform) with z = Z / ΣZ (0 = perfectly uniform; log N = a single slot)."""
+    """XLM's diagnostics (``eval_memory_usage`` in ``xlm/evaluation/evaluator.py``: ``mem_used``,
+    ``mem_kl_w``) from slot weights Z: memory usage (fraction of slots with Z_i > 0) and
+    KL(z ‖ uniform) with z = Z / ΣZ (0 = perfectly uniform; log N = a single slot)."""
     counts = counts.double()
     n = counts.numel()
     total = counts.sum()

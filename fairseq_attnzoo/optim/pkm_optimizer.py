@@ -1,8 +1,9 @@
 """``--optimizer pkm_adam``: Adam for the model, Adam with its own learning rate for product-key
 memory values, sparse row updates when the value gradients are sparse.
 
-Lample et al. (2019) learn the memory values "with a higher Adam learning rate of 10⁻³" and, in
-XLM, with SparseAdam when the values get sparse gradients. fairseq has one optimizer and one
+XLM trains the memory values with an optimiser of their own, by default Adam at lr 1e-3
+(``--mem_values_optimizer adam,lr=0.001`` in ``xlm/model/memory/memory.py``), SparseAdam with
+``--mem_sparse true``. fairseq has one optimizer and one
 learning rate, so this optimizer keeps two parameter groups:
 
 * everything else: Adam with decoupled weight decay, exactly fairseq's ``adam`` (AdamW update);
