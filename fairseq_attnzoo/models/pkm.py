@@ -1,8 +1,9 @@
 """``pkm``: product-key memory in the FFN slot of chosen layers (Lample et al., 2019; see
 :mod:`fairseq_attnzoo.modules.pkm`).
 
-Archs: ``transformer_pkm`` (encoder-decoder) and ``transformer_lm_pkm`` (decoder-only LM). ``--pkm-encoder-layers`` / ``--pkm-decoder-layers`` pick the layers whose FFN
-becomes a memory (default: the middle layer, index L//2); the arch turns them into the per-layer
+Archs: ``transformer_pkm`` (encoder-decoder) and ``transformer_lm_pkm`` (decoder-only LM).
+``--pkm-encoder-layers`` / ``--pkm-decoder-layers`` pick the layers whose FFN becomes a memory
+(default: the middle layer, index L//2); the arch turns them into the per-layer
 ``--encoder-ffn`` / ``--decoder-ffn`` lists of the generic machinery, so ``--decoder-ffn
 ffn,ffn,pkm,...`` works too (and so does ``--decoder-ffn pkm`` on any zoo arch).
 
@@ -25,9 +26,9 @@ otherwise, so every fairseq optimizer works with the defaults. ``--pkm-sparse tr
 and refuses, at build time and in one line, the combinations that cannot work.
 
 Validation diagnostics (XLM's ``mem_used`` and ``mem_kl_w``, ``xlm/evaluation/evaluator.py``):
-``pkm_<side><layer>_usage`` (fraction of the |K| slots that
-received any weight over the whole validation set) and ``pkm_<side><layer>_kl`` (KL divergence of
-the slot-weight distribution from uniform) appear in fairseq-train's valid log line.
+``pkm_<side><layer>_usage`` (fraction of the |K| slots that received any weight over the whole
+validation set) and ``pkm_<side><layer>_kl`` (KL divergence of the slot-weight distribution from
+uniform) appear in fairseq-train's valid log line.
 """
 
 import logging

@@ -30,8 +30,8 @@ Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent impl
 
 * ``values=<another memory's table>``: several memories read ONE value table (the memory code's
   ``mem_share_values``, on in ``apps/main/configs/pkplus_373m_1024k.yaml``), each with its own
-  query network and sub-keys. The first memory
-  owns (registers, initialises, checkpoints) the table; the others hold a plain reference.
+  query network and sub-keys. The first memory owns (registers, initialises, checkpoints) the
+  table; the others hold a plain reference.
 * ``swilu="reference"``: the SiLU-gated ("swilu") output of facebookresearch/memory,
   ``out = Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃)))`` with x̃ = Drop_in(x) the input after input dropout, W₁:
   d -> v_dim and W₂: v_dim -> d_out both with biases, weights N(0, d_out^-½).

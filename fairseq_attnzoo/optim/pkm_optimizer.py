@@ -3,8 +3,8 @@ memory values, sparse row updates when the value gradients are sparse.
 
 XLM trains the memory values with an optimiser of their own, by default Adam at lr 1e-3
 (``--mem_values_optimizer adam,lr=0.001`` in ``xlm/model/memory/memory.py``), SparseAdam with
-``--mem_sparse true``. fairseq has one optimizer and one
-learning rate, so this optimizer keeps two parameter groups:
+``--mem_sparse true``. fairseq has one optimizer and one learning rate, so this optimizer keeps
+two parameter groups:
 
 * everything else: Adam with decoupled weight decay, exactly fairseq's ``adam`` (AdamW update);
 * the value tables (parameters tagged ``param_group = "pkm_values"`` by the memory): Adam at
