@@ -469,7 +469,8 @@ def test_value_weight_decay_and_betas():
 XLM_RECIPE = ["--pkm-values-lr", "1e-3", "--pkm-values-lr-schedule", "constant",
               "--pkm-values-betas", "(0.9, 0.999)", "--pkm-values-weight-decay", "0"]
 MEMPLUS_RECIPE = ["--adam-betas", "(0.9, 0.95)", "--weight-decay", "0.1", "--pkm-values-lr",
-                  "1e-3", "--pkm-values-lr-schedule", "follow", "--pkm-values-weight-decay", "0.1"]
+                  "1e-3", "--pkm-values-lr-schedule", "follow", "--pkm-values-weight-decay", "0.1",
+                  "--pkm-sparse", "false"]
 
 
 @pytest.mark.parametrize("arch,recipe", [("transformer_lm_pkm", XLM_RECIPE),
