@@ -600,3 +600,101 @@ def _parser_one_line():
 
     add_dataset_args_one_line.__doc__ = add_dataset_args.__doc__
     options.add_dataset_args = add_dataset_args_one_line
+
+
+# ---- fairseq: models built from a checkpoint (newcomer entries, self-contained) ------------------
+
+_FROM_CHECKPOINT: List[bool] = []
+
+
+def building_from_checkpoint() -> bool:
+    """Whether the model being built is a stored checkpoint's (``load_model_ensemble_and_task``,
+    fairseq-generate, -eval-lm, our commands): its config is not the user's command line, so
+    checks of the flags a user gave (:func:`fairseq_attnzoo.models.registry.check_flag_owners`)
+    do not apply. False when the entry ``fairseq_model_from_checkpoint`` is not applied."""
+    return bool(_FROM_CHECKPOINT and _FROM_CHECKPOINT[-1])
+
+
+def _models_build_model():
+    from fairseq import models
+
+    return models.build_model
+
+
+@patch("fairseq_model_from_checkpoint", "fairseq.models:build_model",
+       "fairseq knows whether it builds a model from a checkpoint (from_checkpoint) but does not "
+       "hand it to the arch function: note it, so that a stored config is never refused as if the "
+       "user had typed it (e.g. flags of a sublayer the model does not use)",
+       known_source(_models_build_model, "616b10d14de9810d"))
+def _model_from_checkpoint():
+    from fairseq import models
+
+    build_model = models.build_model
+
+    def build_model_noting_origin(cfg, task, from_checkpoint=False):
+        _FROM_CHECKPOINT.append(bool(from_checkpoint))
+        try:
+            return build_model(cfg, task, from_checkpoint)
+        finally:
+            _FROM_CHECKPOINT.pop()
+
+    build_model_noting_origin.__doc__ = build_model.__doc__
+    models.build_model = build_model_noting_origin
+
+
+# ---- hydra's deprecation warnings in fairseq's config loading -------------------------------------
+
+#: what hydra 1.1-1.3 warns about fairseq 0.12's use of its API and config files (UserWarning)
+HYDRA_DEPRECATIONS = (
+    r"hydra\.experimental\.(initialize|compose)\(\) is no longer experimental",
+    r"\s*The version_base parameter is not specified",
+    r"In '[^']*': Usage of deprecated keyword in package header",
+    r"\s*'[^']*' is validated against ConfigStore schema with the same name",
+    r"\s*The strict flag in the compose API is deprecated",
+)
+
+
+def quiet_hydra_deprecations(fn, finds_caller: bool = False):
+    """``fn`` (hydra's initialize or compose, as fairseq calls them) without hydra's deprecation
+    warnings about fairseq's use of hydra: about 20 lines on stderr before every command's
+    output, none of them actionable by a user. Only those messages, only while ``fn`` runs.
+    ``finds_caller``: ``fn`` resolves a relative config path from its caller's file
+    (``caller_stack_depth``): this wrapper's frame is skipped."""
+    import functools
+    import warnings
+
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        if finds_caller:
+            kwargs["caller_stack_depth"] = kwargs.get("caller_stack_depth", 1) + 1
+        with warnings.catch_warnings():
+            for message in HYDRA_DEPRECATIONS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+def _hydra_in_fairseq() -> Optional[str]:
+    try:
+        import hydra.experimental as experimental
+        from fairseq.dataclass import utils
+    except ImportError as e:
+        return f"target not found ({e})"
+    if utils.initialize is experimental.initialize and utils.compose is experimental.compose:
+        return None
+    return ("fairseq.dataclass.utils does not call hydra.experimental's initialize/compose (another "
+            "fairseq version)")
+
+
+@patch("hydra_deprecation_warnings", "fairseq.dataclass.utils:initialize, compose (hydra's)",
+       "fairseq 0.12 loads every config through hydra.experimental's initialize/compose, and "
+       "hydra 1.3 answers with about 20 lines of deprecation warnings on every command: silence "
+       "exactly those messages, only inside these two calls (fairseq-hydra-train's own @hydra.main "
+       "runs before the plugin is loaded and keeps its warnings)",
+       _hydra_in_fairseq)
+def _quiet_hydra_deprecations():
+    from fairseq.dataclass import utils
+
+    utils.initialize = quiet_hydra_deprecations(utils.initialize, finds_caller=True)
+    utils.compose = quiet_hydra_deprecations(utils.compose)

@@ -295,6 +295,59 @@ def options_for(name: str, args) -> Any:
     return cache[cls]
 
 
+def option_owners() -> Dict[str, List[str]]:
+    """Every method flag (attribute name) -> the sublayers whose options dataclass holds it
+    (several for a dataclass shared by a family, e.g. the synth_* sublayers)."""
+    owners: Dict[str, List[str]] = {}
+    for entry in SUBLAYER_REGISTRY.values():
+        if entry.options is not None:
+            for f in option_fields(entry.options):
+                owners.setdefault(f.name, []).append(entry.name)
+    return owners
+
+
+def given_options(args) -> List[str]:
+    """The method flags a user set in ``args`` when it is a config nobody has filled yet: on the
+    command line (our flags have no argparse default, so a flag not given is None) or as keys of
+    a hydra model config. Empty for a config the arch function has already filled (every flag
+    with a default holds it: a model built from parsed arguments, a stored checkpoint's config),
+    where a value cannot tell the user's choice from a default."""
+    defaults = option_defaults()
+    if all(getattr(args, name, None) is not None for name, value in defaults.items()
+           if value is not None):
+        return []
+    return [name for name in defaults if getattr(args, name, None) is not None]
+
+
+def used_sublayers(args) -> List[str]:
+    """The sublayer names of a filled config's slots, in slot order, each once."""
+    out: List[str] = []
+    for attr, (slot, _, layers_attr) in SLOT_FLAGS.items():
+        if getattr(args, attr, None) is None or getattr(args, layers_attr, None) is None:
+            continue
+        for name in layer_names(args, attr):
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def owner_label(names: List[str]) -> str:
+    """``["pkm"]`` -> "the pkm sublayer"; a family -> "the synth* sublayers"."""
+    if len(names) == 1:
+        return f"the {names[0]} sublayer"
+    prefix = names[0]
+    for n in names[1:]:
+        while not n.startswith(prefix):
+            prefix = prefix[:-1]
+    prefix = prefix.rstrip("_")
+    return f"the {prefix}* sublayers" if prefix else f"the {', '.join(names)} sublayers"
+
+
+def and_list(items: List[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def fill_sublayer_defaults(args, decoder_only: bool = False):
     """Called at the end of every zoo arch function: stock slots, then method defaults."""
     for attr, (slot, side, _) in SLOT_FLAGS.items():
