@@ -50,6 +50,13 @@ def test_our_flag_error_is_one_line(mt_data):
     assert_one_line(code, lines, "--pkm-knn", "--pkm-n-keys")
 
 
+def test_flag_of_a_sublayer_the_model_does_not_build(mt_data):
+    """Used to train without a memory, exit 0 (tests/test_flag_owners.py: the rules)."""
+    code, lines = train(mt_data, "--arch", "transformer_synth_random", "--pkm-knn", "8")
+    assert_one_line(code, lines, "--pkm-knn is a flag of the pkm sublayer",
+                    "transformer_synth_random has synth_random, mha and ffn")
+
+
 def test_traceback_on_request(mt_data):
     code, lines = train(mt_data, "--arch", "transformer_pkm", "--pkm-knn", "32",
                         "--pkm-n-keys", "16", env={"ATTNZOO_TRACEBACK": "1"})

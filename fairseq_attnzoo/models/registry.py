@@ -160,7 +160,7 @@ def check_flag_owners(args, arch: str, given):
     (:func:`fairseq_attnzoo.compat.building_from_checkpoint`)."""
     from ..compat import building_from_checkpoint
     from ..errors import ZooConfigError
-    from .sublayers import and_list, flag_name, option_owners, owner_label, used_sublayers
+    from .sublayers import and_list, family, flag_name, option_owners, owner_label, used_sublayers
 
     if not given or building_from_checkpoint():
         return
@@ -175,16 +175,13 @@ def check_flag_owners(args, arch: str, given):
             unused.setdefault(tuple(owners[name]), []).append(flag_name(name))
     if not unused:
         return
-    parts = []
-    for names, flags in unused.items():
-        what = f"{owner_label(list(names))}"
-        parts.append(f"{and_list(flags)} {'is a flag' if len(flags) == 1 else 'are flags'} of "
-                     f"{what}")
+    parts = [f"{and_list(flags)} {'is a flag' if len(flags) == 1 else 'are flags'} of "
+             f"{owner_label(list(names))}" for names, flags in unused.items()]
     names = next(iter(unused))
     examples = _archs_with(names, arch)[:2]
     fix = "drop " + ("it" if sum(map(len, unused.values())) == 1 else "them")
     if examples:
-        fix += f", or train an arch with {owner_label(list(names))[4:]} ({' or '.join(examples)})"
+        fix += f", or use an arch with {family(list(names))} (e.g. {' or '.join(examples)})"
     raise ZooConfigError(f"{'; '.join(parts)}; {arch} has {and_list(used)}: {fix}")
 
 

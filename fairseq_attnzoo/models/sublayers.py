@@ -311,7 +311,12 @@ def given_options(args) -> List[str]:
     command line (our flags have no argparse default, so a flag not given is None) or as keys of
     a hydra model config. Empty for a config the arch function has already filled (every flag
     with a default holds it: a model built from parsed arguments, a stored checkpoint's config),
-    where a value cannot tell the user's choice from a default."""
+    where a value cannot tell the user's choice from a default. A namespace that carries
+    ``_name`` is fairseq's copy of a parsed command line (``convert_namespace_to_omegaconf``:
+    the model config a run builds from and stores in its checkpoints) and is never fresh, even
+    from a checkpoint written before a flag existed."""
+    if isinstance(args, argparse.Namespace) and getattr(args, "_name", None) is not None:
+        return []
     defaults = option_defaults()
     if all(getattr(args, name, None) is not None for name, value in defaults.items()
            if value is not None):
@@ -331,16 +336,21 @@ def used_sublayers(args) -> List[str]:
     return out
 
 
-def owner_label(names: List[str]) -> str:
-    """``["pkm"]`` -> "the pkm sublayer"; a family -> "the synth* sublayers"."""
+def family(names: List[str]) -> str:
+    """``["pkm"]`` -> "pkm"; sublayers sharing one options dataclass -> "synth*"."""
     if len(names) == 1:
-        return f"the {names[0]} sublayer"
+        return names[0]
     prefix = names[0]
     for n in names[1:]:
         while not n.startswith(prefix):
             prefix = prefix[:-1]
     prefix = prefix.rstrip("_")
-    return f"the {prefix}* sublayers" if prefix else f"the {', '.join(names)} sublayers"
+    return f"{prefix}*" if prefix else "/".join(names)
+
+
+def owner_label(names: List[str]) -> str:
+    """``["pkm"]`` -> "the pkm sublayer"; a family -> "the synth* sublayers"."""
+    return f"the {family(names)} sublayer{'s' if len(names) > 1 else ''}"
 
 
 def and_list(items: List[str]) -> str:
