@@ -139,6 +139,10 @@ def hint_for(exc: BaseException, cuda=None):
                 "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
                 "with the flags it was trained with (for such a bf16 checkpoint add "
                 "--fp16-no-flatten-grads), or pass --reset-optimizer")
+    if text.startswith("--finetune-from-model ") and text.endswith(" does not exist"):
+        path = text[len("--finetune-from-model "):-len(" does not exist")]
+        return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
+                "fine-tune (for a conversion, the OUT file attnzoo-collab-reparametrize wrote)")
     if "Could not infer language pair" in text:
         return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
                 "fairseq-preprocess first, or pass --source-lang/--target-lang")

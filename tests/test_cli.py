@@ -113,3 +113,35 @@ def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp
                     "attnzoo-collab-reparametrize", "attnzoo-plot"):
         out = run(str(site / "bin" / command), "--help")
         assert out.returncode == 0 and "usage" in out.stdout.lower(), (command, out.stderr[-1000:])
+
+
+@pytest.mark.slow
+def test_collab_finetune_command_refuses_a_missing_checkpoint(mt_data, tmp_path):
+    """The converter's printed fine-tune command used --restore-file, which fairseq answers with
+    an INFO line and a randomly initialised model when the file is not there: a typo in the path
+    fine-tuned nothing. It now passes --finetune-from-model, which fairseq checks; the error is
+    one line naming the flag."""
+    import shlex
+
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_attnzoo.cli.collab_reparametrize import finetune_command
+    from zoo_testlib import quiet, tiny_flags
+
+    with quiet():
+        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+            options.get_training_parser(), tiny_flags("attnzoo_transformer", mt_data)))
+    missing = str(tmp_path / "converted.pt")  # never written
+    argv = shlex.split(finetune_command(cfg, missing, str(tmp_path / "ft")))
+    assert "--restore-file" not in argv and argv[argv.index("--finetune-from-model") + 1] == missing
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ATTNZOO_TRACEBACK", None)
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:], "--cpu",
+                        "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1",
+                        "--max-tokens", "400"], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=str(tmp_path))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and not (tmp_path / "ft" / "checkpoint_last.pt").exists()
+    assert last.startswith("fairseq-attnzoo: --finetune-from-model") and missing in last, last
+    assert "Traceback" not in r.stderr
