@@ -83,6 +83,17 @@ def test_sample_word_and_bpe_vocabularies(tmp_path, capsys):
     assert "--bpe" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_sample_from_the_data_dir_of_another_dictionary(tmp_path, lm_data):
+    """Used to end in torch's "size mismatch for decoder.embed_tokens.weight" traceback."""
+    _, ckpt = _bpe_lm(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        sample_cli.main([lm_data, "--path", ckpt, "--cpu", "--len", "2"])
+    message = str(e.value)
+    assert "was trained with a dictionary of" in message and f"{lm_data}'s has" in message
+    assert "pass the data directory the checkpoint was trained on" in message
+    assert "\n" not in message
+
+
 @pytest.mark.slow
 def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp_path):
     """``pip install .`` (not editable) of a copy of the package: every console command runs from
