@@ -156,3 +156,38 @@ def test_collab_finetune_command_refuses_a_missing_checkpoint(mt_data, tmp_path)
     assert r.returncode != 0 and not (tmp_path / "ft" / "checkpoint_last.pt").exists()
     assert last.startswith("fairseq-attnzoo: --finetune-from-model") and missing in last, last
     assert "Traceback" not in r.stderr
+
+
+def test_plot_spans_defaults_its_output_and_title(tmp_path, capsys):
+    """``attnzoo-plot spans CKPT`` (as the README and examples/enwik8 write it) used to end in
+    ``NameError: name 'os' is not defined`` unless both --out and --title were given."""
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    from fairseq_attnzoo.cli import plot
+
+    ckpt = tmp_path / "run" / "checkpoint_best.pt"
+    ckpt.parent.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "compat", "adaptive_span_lm.ckpt"), ckpt)
+    assert plot.main(["spans", str(ckpt)]) == 0
+    assert (tmp_path / "run" / "spans.png").stat().st_size > 0
+    assert f"wrote {tmp_path / 'run' / 'spans.png'}" in capsys.readouterr().out
+    out = tmp_path / "no" / "such" / "dir" / "spans.png"
+    assert plot.main(["spans", str(ckpt), "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+
+
+def test_plot_pkm_usage_creates_the_output_folder(tmp_path):
+    """``attnzoo-plot pkm-usage --out DIR/x.png`` with a missing DIR ended in a traceback."""
+    from types import SimpleNamespace
+
+    import torch
+
+    pytest.importorskip("matplotlib")
+    from fairseq_attnzoo.cli import plot_pkm_usage
+
+    out = tmp_path / "missing" / "x.png"
+    z = torch.rand(16, dtype=torch.float64)
+    plot_pkm_usage.plot({"decoder.layers.0.ffn": z}, {"decoder.layers.0.ffn":
+                                                      SimpleNamespace(n_keys=4)}, str(out))
+    assert out.stat().st_size > 0

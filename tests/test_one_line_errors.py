@@ -180,6 +180,8 @@ def test_lm_task_on_translation_data(mt_data):
                            "--tokens-per-sample", "16")
     assert_one_line(code, lines, "is translation data (dict.src.txt, dict.tgt.txt)",
                     "--only-source", "--task translation")
+    # (the run loaded its config first: no hydra deprecation warning on stderr)
+    assert not any("hydra" in line or "Warning" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("flags,words", [
