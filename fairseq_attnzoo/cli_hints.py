@@ -122,6 +122,10 @@ _EMBED_MISMATCH = re.compile(
     r"torch\.Size\(\[(\d+), \d+\]\)")
 
 
+_TOO_LONG = re.compile(r"Size of sample #(\d+) is invalid \(=(.*)\) since max_positions=(.*), "
+                      r"skip this example with --skip-invalid-size-inputs-valid-test")
+
+
 def dictionary_mismatch(text: str):
     """(symbols in the checkpoint's dictionary, symbols in the data's) from torch's
     ``load_state_dict`` message when the embedding tables differ in rows, else None."""
@@ -267,6 +271,17 @@ def hint_for(exc: BaseException, cuda=None, data=None):
         return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
                 "resume with the flags it was trained with, or start a new run in another "
                 "--save-dir")
+    m = _TOO_LONG.search(text)
+    if m:
+        from .models.sublayers import length_flags
+
+        size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
+        bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
+        flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
+        return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
+                f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
+                "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "
+                "then covers a subset, and says so)")
     if "Must specify batch size either with --max-tokens or --batch-size" in text:
         if hydra:
             return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"

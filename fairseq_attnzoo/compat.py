@@ -698,3 +698,99 @@ def _quiet_hydra_deprecations():
 
     utils.initialize = quiet_hydra_deprecations(utils.initialize, finds_caller=True)
     utils.compose = quiet_hydra_deprecations(utils.compose)
+
+
+# ---- fairseq: examples skipped for their length ----------------------------------------------------
+
+#: the last split fairseq filtered by size: {"split", "total", "skipped", "max_positions"}
+LAST_FILTER: Dict[str, object] = {}
+
+
+def _split_name(task, dataset) -> str:
+    datasets = getattr(task, "datasets", {}) or {}
+    return next((name for name, d in datasets.items() if d is dataset), "")
+
+
+def skipped_line(skipped: int, total: int, split: str, max_positions) -> str:
+    """The one line for examples fairseq skipped: how many, and the flag that keeps them."""
+    from .models.sublayers import length_flags
+
+    where = f"'{split}' examples" if split else "examples"
+    return (f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped: "
+            f"longer than the {max_positions} positions the model accepts; raise "
+            f"{length_flags(max_positions)} to keep them")
+
+
+def _filter_indices_by_size():
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    return FairseqTask.filter_indices_by_size
+
+
+@patch("fairseq_skipped_examples", "fairseq.tasks.fairseq_task:FairseqTask.filter_indices_by_size",
+       "fairseq skips examples longer than the model accepts (always in training, with "
+       "--skip-invalid-size-inputs-valid-test in validation and generation) with a warning that "
+       "names no flag; a length-bounded arch (--synth-max-len) can drop a third of the data. Say "
+       "how many, of which split, and which flag keeps them, and remember it for the score line",
+       known_source(_filter_indices_by_size, "064d9e381d9a3db6"))
+def _skipped_examples():
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    original = FairseqTask.filter_indices_by_size
+
+    def filter_indices_by_size(self, indices, dataset, max_positions=None,
+                               ignore_invalid_inputs=False):
+        total = len(indices)
+        kept = original(self, indices, dataset, max_positions, ignore_invalid_inputs)
+        skipped = total - len(kept)
+        split = _split_name(self, dataset)
+        LAST_FILTER.clear()
+        LAST_FILTER.update(split=split, total=total, skipped=skipped, max_positions=max_positions)
+        if skipped:
+            logger.warning(skipped_line(skipped, total, split, max_positions))
+        return kept
+
+    filter_indices_by_size.__doc__ = original.__doc__
+    FairseqTask.filter_indices_by_size = filter_indices_by_size
+
+
+def subset_note() -> str:
+    """`` (scored N of M sentences: ...)`` when the split generated last lost examples to the size
+    filter, else ""."""
+    from .models.sublayers import length_flags
+
+    if not LAST_FILTER.get("skipped"):
+        return ""
+    total, skipped = int(LAST_FILTER["total"]), int(LAST_FILTER["skipped"])
+    return (f" [a subset: scored {total - skipped:,} of {total:,} sentences, {skipped:,} longer "
+            f"than the model accepts were skipped; raise "
+            f"{length_flags(LAST_FILTER['max_positions'])}]")
+
+
+def _build_scorer():
+    from fairseq import scoring
+
+    return scoring.build_scorer
+
+
+@patch("fairseq_subset_score", "fairseq.scoring:build_scorer",
+       "fairseq-generate prints BLEU over the sentences it kept, and says nothing when "
+       "--skip-invalid-size-inputs-valid-test left some out: the score line says it is a subset",
+       known_source(_build_scorer, "bfcb5472301b0cfd"))
+def _subset_score():
+    from fairseq import scoring
+
+    build_scorer = scoring.build_scorer
+
+    def build_scorer_noting_subset(choice, tgt_dict):
+        scorer = build_scorer(choice, tgt_dict)
+        result_string = scorer.result_string
+
+        def result_string_noting_subset(*args, **kwargs):
+            return result_string(*args, **kwargs) + subset_note()
+
+        scorer.result_string = result_string_noting_subset
+        return scorer
+
+    build_scorer_noting_subset.__doc__ = build_scorer.__doc__
+    scoring.build_scorer = build_scorer_noting_subset

@@ -392,9 +392,39 @@ def layer_names(args, attr: str) -> List[str]:
     return names
 
 
+#: flags that bound the length the model built last accepts (flag -> value), noted by its
+#: sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's --synth-max-len): the
+#: flag to raise when fairseq skips longer examples
+LENGTH_LIMITS: Dict[str, int] = {}
+
+
+def note_length_limit(flag: str, value: int):
+    """For a builder whose module accepts at most ``value`` positions because of ``flag``."""
+    LENGTH_LIMITS[flag] = int(value)
+
+
+def length_flags(max_positions) -> str:
+    """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
+    of them): one of ours when it is the bound, else fairseq's position flags."""
+    def numbers(x):
+        if isinstance(x, (tuple, list)):
+            return [n for v in x for n in numbers(v)]
+        if isinstance(x, dict):
+            return [n for v in x.values() for n in numbers(v)]
+        return [x] if isinstance(x, (int, float)) else []
+
+    bound = min(numbers(max_positions), default=None)
+    ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
+    if ours:
+        return " and ".join(ours)
+    return ("--max-source-positions/--max-target-positions (--tokens-per-sample for a language "
+            "model)")
+
+
 def validate_sublayer_args(args, decoder_only: bool = False) -> Dict[str, List[str]]:
     """Every slot flag resolved to its per-layer names, and the options of every method used
     built (inside a :func:`sharing_scope`: once for the model) -- all errors before any module."""
+    LENGTH_LIMITS.clear()  # a new model: its builders note their own
     out = {}
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):
