@@ -18,6 +18,7 @@ import argparse
 import difflib
 import linecache
 import os
+import re
 import sys
 
 ENV_TRACEBACK = "ATTNZOO_TRACEBACK"
@@ -92,16 +93,114 @@ def _cuda_available() -> bool:
         return False
 
 
+def _frame_local(exc: BaseException, function: str, name: str):
+    """The local ``name`` of the innermost frame of ``exc``'s traceback running ``function``."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == function and name in frame.f_locals:
+            found = frame.f_locals[name]
+        tb = tb.tb_next
+    return found
+
+
+def _argv_value(*flags: str):
+    """The value of the last of ``flags`` on the command line (``--flag V`` or ``--flag=V``)."""
+    argv, value = sys.argv[1:], None
+    for i, a in enumerate(argv):
+        for flag in flags:
+            if a == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif a.startswith(flag + "="):
+                value = a[len(flag) + 1:]
+    return value
+
+
+_EMBED_MISMATCH = re.compile(
+    r"size mismatch for (\S*embed_tokens\.weight): copying a param with shape "
+    r"torch\.Size\(\[(\d+), \d+\]\) from checkpoint, the shape in current model is "
+    r"torch\.Size\(\[(\d+), \d+\]\)")
+
+
+_TOO_LONG = re.compile(r"Size of sample #(\d+) is invalid \(=(.*)\) since max_positions=(.*), "
+                      r"skip this example with --skip-invalid-size-inputs-valid-test")
+
+
+def dictionary_mismatch(text: str):
+    """(symbols in the checkpoint's dictionary, symbols in the data's) from torch's
+    ``load_state_dict`` message when the embedding tables differ in rows, else None."""
+    m = _EMBED_MISMATCH.search(text)
+    return (int(m.group(2)), int(m.group(3))) if m else None
+
+
+def dictionary_mismatch_line(rows, data, checkpoint: str = "the checkpoint") -> str:
+    stored, here = rows
+    return (f"{checkpoint} was trained with a dictionary of {stored:,} symbols but {data}'s has "
+            f"{here:,}: pass the data directory the checkpoint was trained on (its "
+            "dict*.txt)")
+
+
+def stored_arch(path: str):
+    """The ``--arch`` a fairseq checkpoint was trained with, or None."""
+    try:
+        import torch
+
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # not a zip file: no mmap
+            state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:  # unreadable: say nothing about it
+        return None
+    cfg = state.get("cfg") or {}
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    model = model if model is not None else state.get("args")
+    if model is None:
+        return None
+    get = model.get if hasattr(model, "get") else lambda k, d=None: getattr(model, k, d)
+    return get("arch", None) or get("_name", None)
+
+
+def _ignore_half_built_mmap_dataset():
+    """fairseq's MMapIndexedDataset whose ``np.memmap`` failed raises again in ``__del__``
+    (AttributeError, "Exception ignored in ..." and a traceback after our line): not that one."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, AttributeError)
+                and "_bin_buffer_mmap" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+SPLIT_FIX = {
+    "train": "binarise a non-empty --trainpref file",
+    "valid": "binarise a non-empty --validpref file, or train without validation "
+             "(--disable-validation)",
+    "test": "binarise a non-empty --testpref file, or score another split (--gen-subset valid)",
+}
+
+
 NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
            "No CUDA GPUs are available")
 
 
-def hint_for(exc: BaseException, cuda=None):
+def hint_for(exc: BaseException, cuda=None, data=None):
     """One line naming the problem and the fix for a fairseq/torch error a user causes with flags or
-    data, or None. ``cuda``: whether a GPU is usable (default: ask torch)."""
+    data, or None. ``cuda``: whether a GPU is usable (default: ask torch); ``data``: the data
+    directory (default: the command line's first positional argument)."""
     hydra = program() == "fairseq-hydra-train"
-    data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
+    if data is None:
+        data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
     text = str(exc)
+    if "Could not infer language pair" in text or (
+            isinstance(exc, FileNotFoundError) and re.fullmatch(
+                r"dict\.[^.]+\.txt", os.path.basename(str(exc.filename or "")))):
+        arch = _argv_value("--arch", "-a")
+        wanted = _zoo_task(arch)
+        if wanted and wanted != "translation" and (_argv_value("--task") or "translation") != wanted:
+            return (f"--arch {arch} is a language model and this run's task is translation: add "
+                    f"--task {wanted}")
     if isinstance(exc, FileNotFoundError):
         missing = exc.filename or ""
         if data and os.path.abspath(str(missing)) == os.path.abspath(data):
@@ -109,6 +208,13 @@ def hint_for(exc: BaseException, cuda=None):
                     "fairseq-preprocess (for the demo corpus run `make data`)")
         if os.path.basename(str(missing)).startswith("dict."):
             where = data or os.path.dirname(str(missing))
+            folder = os.path.dirname(str(missing)) or "."
+            pair = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                          if re.fullmatch(r"dict\.[^.]+\.txt", f))
+            if os.path.basename(str(missing)) == "dict.txt" and pair:
+                return (f"{where} is translation data ({', '.join(pair)}), not language-model data "
+                        "(dict.txt): binarise the text with fairseq-preprocess --only-source for a "
+                        "language model, or train a translation arch (--task translation)")
             return (f"{missing} is missing: {where} is not a binarised fairseq data directory; run "
                     "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
     if any(m in text for m in NO_CUDA):
@@ -139,6 +245,50 @@ def hint_for(exc: BaseException, cuda=None):
                 "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
                 "with the flags it was trained with (for such a bf16 checkpoint add "
                 "--fp16-no-flatten-grads), or pass --reset-optimizer")
+    if text.startswith("--finetune-from-model ") and text.endswith(" does not exist"):
+        path = text[len("--finetune-from-model "):-len(" does not exist")]
+        return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
+                "fine-tune (for a conversion, the OUT file attnzoo-collab-reparametrize wrote)")
+    if isinstance(exc, ValueError) and "cannot mmap an empty file" in text:
+        path = _frame_local(exc, "_do_init", "path")
+        if path:
+            _ignore_half_built_mmap_dataset()
+            split = os.path.basename(str(path)).split(".")[0]
+            fix = SPLIT_FIX.get(split, "binarise a non-empty text file for it, or leave the "
+                                       "split out")
+            return (f"{path}.bin is empty: the '{split}' split has no examples "
+                    f"(fairseq-preprocess was given an empty file): {fix}")
+    if "please ensure that the architectures match" in text:
+        path = text.split("Cannot load model parameters from checkpoint ", 1)[-1].split(";")[0]
+        trained, now = stored_arch(path), _argv_value("--arch", "-a")
+        if trained and now and trained != now:
+            return (f"{path} was trained with --arch {trained}, this run has --arch {now}: resume "
+                    f"with --arch {trained} (and the flags it was trained with), or start a new "
+                    "run in another --save-dir")
+        rows = dictionary_mismatch(str(exc.__context__ or ""))
+        if rows:
+            return dictionary_mismatch_line(rows, data, path)
+        return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
+                "resume with the flags it was trained with, or start a new run in another "
+                "--save-dir")
+    m = _TOO_LONG.search(text)
+    if m:
+        from .models.sublayers import length_flags
+
+        size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
+        bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
+        flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
+        return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
+                f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
+                "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "
+                "then covers a subset, and says so)")
+    if "Must specify batch size either with --max-tokens or --batch-size" in text:
+        if hydra:
+            return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"
+        return "no batch size: pass --max-tokens N (tokens per batch) or --batch-size N (sentences)"
+    rows = dictionary_mismatch(text)
+    if rows:
+        return dictionary_mismatch_line(rows, data, _argv_value("--path") or "the checkpoint")
     if "Could not infer language pair" in text:
         return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
                 "fairseq-preprocess first, or pass --source-lang/--target-lang")
@@ -175,6 +325,37 @@ def arch_type(value: str) -> str:
     raise argparse.ArgumentTypeError(arch_error(value))
 
 
+def _zoo_task(arch):
+    """The task our arch ``arch`` trains with (its model's ``zoo_task``), or None."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    return getattr(ARCH_MODEL_REGISTRY.get(arch), "zoo_task", None)
+
+
+def task_hint(message: str, parser=None):
+    """For argparse's "unrecognized arguments: ..." in a run of one of our archs under another
+    task than the one it trains with: which task has those flags (an adaptive-span arch without
+    --task attnzoo_stream_lm does not know --tokens-per-sample). None otherwise."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return None
+    from fairseq.models import ARCH_MODEL_REGISTRY
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
+
+    arch = _argv_value("--arch", "-a")
+    wanted = getattr(ARCH_MODEL_REGISTRY.get(arch), "zoo_task", None)
+    task = _argv_value("--task") or (parser.get_default("task") if parser else None)
+    if not wanted or task == wanted or task is None or wanted not in TASK_DATACLASS_REGISTRY:
+        return None
+    fields = TASK_DATACLASS_REGISTRY[wanted].__dataclass_fields__
+    flags = [a for a in message[len(prefix):].split() if a.startswith("--")]
+    known = [f for f in flags if f[2:].split("=")[0].replace("-", "_") in fields]
+    if not known:
+        return None
+    return (f"{message}: --arch {arch} trains with --task {wanted}, which has "
+            f"{', '.join(known)} (this run's task is {task}): add --task {wanted}")
+
+
 def one_line_parser_errors(parser: argparse.ArgumentParser):
     """In a console script, ``parser.error`` prints ``fairseq-attnzoo: <argparse's message>`` and
     exits 2, without the usage (thousands of flags in fairseq-train); ``--help`` still lists them."""
@@ -185,7 +366,11 @@ def one_line_parser_errors(parser: argparse.ArgumentParser):
     def one_line_error(message):
         if traceback_wanted():
             error(message)
-        more = "" if "did you mean" in message else f" ({program()} --help lists the flags)"
+        hint = task_hint(message, parser)
+        if hint:
+            message, more = hint, ""
+        else:
+            more = "" if "did you mean" in message else f" ({program()} --help lists the flags)"
         print(f"{PREFIX}{message}{more}", file=sys.stderr)
         raise SystemExit(2)
 

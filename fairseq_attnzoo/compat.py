@@ -600,3 +600,197 @@ def _parser_one_line():
 
     add_dataset_args_one_line.__doc__ = add_dataset_args.__doc__
     options.add_dataset_args = add_dataset_args_one_line
+
+
+# ---- fairseq: models built from a checkpoint (newcomer entries, self-contained) ------------------
+
+_FROM_CHECKPOINT: List[bool] = []
+
+
+def building_from_checkpoint() -> bool:
+    """Whether the model being built is a stored checkpoint's (``load_model_ensemble_and_task``,
+    fairseq-generate, -eval-lm, our commands): its config is not the user's command line, so
+    checks of the flags a user gave (:func:`fairseq_attnzoo.models.registry.check_flag_owners`)
+    do not apply. False when the entry ``fairseq_model_from_checkpoint`` is not applied."""
+    return bool(_FROM_CHECKPOINT and _FROM_CHECKPOINT[-1])
+
+
+def _models_build_model():
+    from fairseq import models
+
+    return models.build_model
+
+
+@patch("fairseq_model_from_checkpoint", "fairseq.models:build_model",
+       "fairseq knows whether it builds a model from a checkpoint (from_checkpoint) but does not "
+       "hand it to the arch function: note it, so that a stored config is never refused as if the "
+       "user had typed it (e.g. flags of a sublayer the model does not use)",
+       known_source(_models_build_model, "616b10d14de9810d"))
+def _model_from_checkpoint():
+    from fairseq import models
+
+    build_model = models.build_model
+
+    def build_model_noting_origin(cfg, task, from_checkpoint=False):
+        _FROM_CHECKPOINT.append(bool(from_checkpoint))
+        try:
+            return build_model(cfg, task, from_checkpoint)
+        finally:
+            _FROM_CHECKPOINT.pop()
+
+    build_model_noting_origin.__doc__ = build_model.__doc__
+    models.build_model = build_model_noting_origin
+
+
+# ---- hydra's deprecation warnings in fairseq's config loading -------------------------------------
+
+#: what hydra 1.1-1.3 warns about fairseq 0.12's use of its API and config files (UserWarning)
+HYDRA_DEPRECATIONS = (
+    r"hydra\.experimental\.(initialize|compose)\(\) is no longer experimental",
+    r"\s*The version_base parameter is not specified",
+    r"In '[^']*': Usage of deprecated keyword in package header",
+    r"\s*'[^']*' is validated against ConfigStore schema with the same name",
+    r"\s*The strict flag in the compose API is deprecated",
+)
+
+
+def quiet_hydra_deprecations(fn, finds_caller: bool = False):
+    """``fn`` (hydra's initialize or compose, as fairseq calls them) without hydra's deprecation
+    warnings about fairseq's use of hydra: about 20 lines on stderr before every command's
+    output, none of them actionable by a user. Only those messages, only while ``fn`` runs.
+    ``finds_caller``: ``fn`` resolves a relative config path from its caller's file
+    (``caller_stack_depth``): this wrapper's frame is skipped."""
+    import functools
+    import warnings
+
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        if finds_caller:
+            kwargs["caller_stack_depth"] = kwargs.get("caller_stack_depth", 1) + 1
+        with warnings.catch_warnings():
+            for message in HYDRA_DEPRECATIONS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+def _hydra_in_fairseq() -> Optional[str]:
+    try:
+        import hydra.experimental as experimental
+        from fairseq.dataclass import utils
+    except ImportError as e:
+        return f"target not found ({e})"
+    if utils.initialize is experimental.initialize and utils.compose is experimental.compose:
+        return None
+    return ("fairseq.dataclass.utils does not call hydra.experimental's initialize/compose (another "
+            "fairseq version)")
+
+
+@patch("hydra_deprecation_warnings", "fairseq.dataclass.utils:initialize, compose (hydra's)",
+       "fairseq 0.12 loads every config through hydra.experimental's initialize/compose, and "
+       "hydra 1.3 answers with about 20 lines of deprecation warnings on every command: silence "
+       "exactly those messages, only inside these two calls (fairseq-hydra-train's own @hydra.main "
+       "runs before the plugin is loaded and keeps its warnings)",
+       _hydra_in_fairseq)
+def _quiet_hydra_deprecations():
+    from fairseq.dataclass import utils
+
+    utils.initialize = quiet_hydra_deprecations(utils.initialize, finds_caller=True)
+    utils.compose = quiet_hydra_deprecations(utils.compose)
+
+
+# ---- fairseq: examples skipped for their length ----------------------------------------------------
+
+#: the last split fairseq filtered by size: {"split", "total", "skipped", "max_positions"}
+LAST_FILTER: Dict[str, object] = {}
+
+
+def _split_name(task, dataset) -> str:
+    datasets = getattr(task, "datasets", {}) or {}
+    return next((name for name, d in datasets.items() if d is dataset), "")
+
+
+def skipped_line(skipped: int, total: int, split: str, max_positions) -> str:
+    """The one line for examples fairseq skipped: how many, and the flag that keeps them."""
+    from .models.sublayers import length_flags
+
+    where = f"'{split}' examples" if split else "examples"
+    return (f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped: "
+            f"longer than the {max_positions} positions the model accepts; raise "
+            f"{length_flags(max_positions)} to keep them")
+
+
+def _filter_indices_by_size():
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    return FairseqTask.filter_indices_by_size
+
+
+@patch("fairseq_skipped_examples", "fairseq.tasks.fairseq_task:FairseqTask.filter_indices_by_size",
+       "fairseq skips examples longer than the model accepts (always in training, with "
+       "--skip-invalid-size-inputs-valid-test in validation and generation) with a warning that "
+       "names no flag; a length-bounded arch (--synth-max-len) can drop a third of the data. Say "
+       "how many, of which split, and which flag keeps them, and remember it for the score line",
+       known_source(_filter_indices_by_size, "064d9e381d9a3db6"))
+def _skipped_examples():
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    original = FairseqTask.filter_indices_by_size
+
+    def filter_indices_by_size(self, indices, dataset, max_positions=None,
+                               ignore_invalid_inputs=False):
+        total = len(indices)
+        kept = original(self, indices, dataset, max_positions, ignore_invalid_inputs)
+        skipped = total - len(kept)
+        split = _split_name(self, dataset)
+        LAST_FILTER.clear()
+        LAST_FILTER.update(split=split, total=total, skipped=skipped, max_positions=max_positions)
+        if skipped:
+            logger.warning(skipped_line(skipped, total, split, max_positions))
+        return kept
+
+    filter_indices_by_size.__doc__ = original.__doc__
+    FairseqTask.filter_indices_by_size = filter_indices_by_size
+
+
+def subset_note() -> str:
+    """`` (scored N of M sentences: ...)`` when the split generated last lost examples to the size
+    filter, else ""."""
+    from .models.sublayers import length_flags
+
+    if not LAST_FILTER.get("skipped"):
+        return ""
+    total, skipped = int(LAST_FILTER["total"]), int(LAST_FILTER["skipped"])
+    return (f" [a subset: scored {total - skipped:,} of {total:,} sentences, {skipped:,} longer "
+            f"than the model accepts were skipped; raise "
+            f"{length_flags(LAST_FILTER['max_positions'])}]")
+
+
+def _build_scorer():
+    from fairseq import scoring
+
+    return scoring.build_scorer
+
+
+@patch("fairseq_subset_score", "fairseq.scoring:build_scorer",
+       "fairseq-generate prints BLEU over the sentences it kept, and says nothing when "
+       "--skip-invalid-size-inputs-valid-test left some out: the score line says it is a subset",
+       known_source(_build_scorer, "bfcb5472301b0cfd"))
+def _subset_score():
+    from fairseq import scoring
+
+    build_scorer = scoring.build_scorer
+
+    def build_scorer_noting_subset(choice, tgt_dict):
+        scorer = build_scorer(choice, tgt_dict)
+        result_string = scorer.result_string
+
+        def result_string_noting_subset(*args, **kwargs):
+            return result_string(*args, **kwargs) + subset_note()
+
+        scorer.result_string = result_string_noting_subset
+        return scorer
+
+    build_scorer_noting_subset.__doc__ = build_scorer.__doc__
+    scoring.build_scorer = build_scorer_noting_subset

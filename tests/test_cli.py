@@ -83,6 +83,17 @@ def test_sample_word_and_bpe_vocabularies(tmp_path, capsys):
     assert "--bpe" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_sample_from_the_data_dir_of_another_dictionary(tmp_path, lm_data):
+    """Used to end in torch's "size mismatch for decoder.embed_tokens.weight" traceback."""
+    _, ckpt = _bpe_lm(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        sample_cli.main([lm_data, "--path", ckpt, "--cpu", "--len", "2"])
+    message = str(e.value)
+    assert "was trained with a dictionary of" in message and f"{lm_data}'s has" in message
+    assert "pass the data directory the checkpoint was trained on" in message
+    assert "\n" not in message
+
+
 @pytest.mark.slow
 def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp_path):
     """``pip install .`` (not editable) of a copy of the package: every console command runs from
@@ -113,3 +124,70 @@ def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp
                     "attnzoo-collab-reparametrize", "attnzoo-plot"):
         out = run(str(site / "bin" / command), "--help")
         assert out.returncode == 0 and "usage" in out.stdout.lower(), (command, out.stderr[-1000:])
+
+
+@pytest.mark.slow
+def test_collab_finetune_command_refuses_a_missing_checkpoint(mt_data, tmp_path):
+    """The converter's printed fine-tune command used --restore-file, which fairseq answers with
+    an INFO line and a randomly initialised model when the file is not there: a typo in the path
+    fine-tuned nothing. It now passes --finetune-from-model, which fairseq checks; the error is
+    one line naming the flag."""
+    import shlex
+
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_attnzoo.cli.collab_reparametrize import finetune_command
+    from zoo_testlib import quiet, tiny_flags
+
+    with quiet():
+        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+            options.get_training_parser(), tiny_flags("attnzoo_transformer", mt_data)))
+    missing = str(tmp_path / "converted.pt")  # never written
+    argv = shlex.split(finetune_command(cfg, missing, str(tmp_path / "ft")))
+    assert "--restore-file" not in argv and argv[argv.index("--finetune-from-model") + 1] == missing
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ATTNZOO_TRACEBACK", None)
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:], "--cpu",
+                        "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1",
+                        "--max-tokens", "400"], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=str(tmp_path))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and not (tmp_path / "ft" / "checkpoint_last.pt").exists()
+    assert last.startswith("fairseq-attnzoo: --finetune-from-model") and missing in last, last
+    assert "Traceback" not in r.stderr
+
+
+def test_plot_spans_defaults_its_output_and_title(tmp_path, capsys):
+    """``attnzoo-plot spans CKPT`` (as the README and examples/enwik8 write it) used to end in
+    ``NameError: name 'os' is not defined`` unless both --out and --title were given."""
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    from fairseq_attnzoo.cli import plot
+
+    ckpt = tmp_path / "run" / "checkpoint_best.pt"
+    ckpt.parent.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "compat", "adaptive_span_lm.ckpt"), ckpt)
+    assert plot.main(["spans", str(ckpt)]) == 0
+    assert (tmp_path / "run" / "spans.png").stat().st_size > 0
+    assert f"wrote {tmp_path / 'run' / 'spans.png'}" in capsys.readouterr().out
+    out = tmp_path / "no" / "such" / "dir" / "spans.png"
+    assert plot.main(["spans", str(ckpt), "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+
+
+def test_plot_pkm_usage_creates_the_output_folder(tmp_path):
+    """``attnzoo-plot pkm-usage --out DIR/x.png`` with a missing DIR ended in a traceback."""
+    from types import SimpleNamespace
+
+    import torch
+
+    pytest.importorskip("matplotlib")
+    from fairseq_attnzoo.cli import plot_pkm_usage
+
+    out = tmp_path / "missing" / "x.png"
+    z = torch.rand(16, dtype=torch.float64)
+    plot_pkm_usage.plot({"decoder.layers.0.ffn": z}, {"decoder.layers.0.ffn":
+                                                      SimpleNamespace(n_keys=4)}, str(out))
+    assert out.stat().st_size > 0

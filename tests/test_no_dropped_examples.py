@@ -108,3 +108,60 @@ def test_lm_validation_and_eval_lm_score_every_token(lm20, tmp_path, monkeypatch
                               str(tmp_path / "checkpoint_last.pt"), "--cpu", "--max-tokens", "4096",
                               "--sample-break-mode", "eos", "--tokens-per-sample", "24"])
     assert any(f"Evaluated {tokens:,} tokens" in line for line in out), out[-5:]
+
+
+def _too_long(data, split, bound):
+    """Examples of ``split`` whose source or target (with EOS) is longer than ``bound``."""
+    from fairseq.data import data_utils
+
+    with quiet():
+        src = data_utils.load_indexed_dataset(f"{data}/{split}.src-tgt.src", None)
+        tgt = data_utils.load_indexed_dataset(f"{data}/{split}.src-tgt.tgt", None)
+        return int(((np.asarray(src.sizes) > bound) | (np.asarray(tgt.sizes) > bound)).sum())
+
+
+def test_examples_skipped_for_a_length_bound_are_counted_and_the_score_says_subset(mt20, tmp_path):
+    """A --synth-max-len shorter than the data: fairseq skipped the longer examples in training
+    (always) and in fairseq-generate (--skip-invalid-size-inputs-valid-test) with a warning naming
+    no flag, and the BLEU line did not say it scored a subset."""
+    data, bound = f"{mt20}/bin", 8
+    n_train, n_test = _too_long(data, "train", bound), _too_long(data, "test", bound)
+    assert 0 < n_train < 64 and 0 < n_test < N_TEST
+    flags = tiny_flags("transformer_synth_dense", data) + [
+        "--synth-max-len", str(bound), "--save-dir", str(tmp_path), "--optimizer", "adam",
+        "--lr", "0.001", "--max-update", "1", "--max-tokens", "4096", "--num-workers", "0",
+        "--no-epoch-checkpoints", "--disable-validation"]
+    with quiet():
+        lines = run_cli("train", flags)
+    said = [x for x in lines if "'train' examples" in x]
+    assert said == [f"[fairseq_attnzoo.compat] {n_train} of 64 'train' examples ({n_train / 64:.1%}) are skipped: longer "
+                    f"than the ({bound}, {bound}) positions the model accepts; raise "
+                    f"--synth-max-len (now {bound}) to keep them"], said
+    out = run_cli("generate", [data, "--user-dir", USER_DIR, "--path",
+                               str(tmp_path / "checkpoint_last.pt"), "--gen-subset", "test",
+                               "--beam", "2", "--max-len-b", "5", "--cpu", "--max-tokens", "4096",
+                               "--skip-invalid-size-inputs-valid-test"])
+    assert any(f"{n_test} of {N_TEST} 'test' examples" in x and "--synth-max-len" in x
+               for x in out), out[-10:]
+    score = next(x for x in out if x.startswith("Generate test with beam=2: BLEU4 = "))
+    assert score.endswith(f"[a subset: scored {N_TEST - n_test} of {N_TEST} sentences, {n_test} "
+                          f"longer than the model accepts were skipped; raise --synth-max-len "
+                          f"(now {bound})]"), score
+
+
+def test_unskipped_long_example_names_both_fixes():
+    """Without --skip-invalid-size-inputs-valid-test fairseq raises a bare Exception whose only
+    advice is that flag: the hint adds the length flag to raise."""
+    from fairseq_attnzoo.cli_hints import hint_for
+    from fairseq_attnzoo.models import sublayers
+
+    sublayers.LENGTH_LIMITS.clear()
+    sublayers.note_length_limit("--synth-max-len", 10)
+    line = hint_for(Exception("Size of sample #1 is invalid (=(np.int32(12), np.int32(12))) since "
+                              "max_positions=(10, 10), skip this example with "
+                              "--skip-invalid-size-inputs-valid-test"))
+    assert line.startswith("example #1 of the evaluated split is longer ((12, 12)) than the "
+                           "(10, 10) positions")
+    assert "raise --synth-max-len (now 10)" in line
+    assert "--skip-invalid-size-inputs-valid-test" in line
+    sublayers.LENGTH_LIMITS.clear()

@@ -50,6 +50,13 @@ def test_our_flag_error_is_one_line(mt_data):
     assert_one_line(code, lines, "--pkm-knn", "--pkm-n-keys")
 
 
+def test_flag_of_a_sublayer_the_model_does_not_build(mt_data):
+    """Used to train without a memory, exit 0 (tests/test_flag_owners.py: the rules)."""
+    code, lines = train(mt_data, "--arch", "transformer_synth_random", "--pkm-knn", "8")
+    assert_one_line(code, lines, "--pkm-knn is a flag of the pkm sublayer",
+                    "transformer_synth_random has synth_random, mha and ffn")
+
+
 def test_traceback_on_request(mt_data):
     code, lines = train(mt_data, "--arch", "transformer_pkm", "--pkm-knn", "32",
                         "--pkm-n-keys", "16", env={"ATTNZOO_TRACEBACK": "1"})
@@ -145,6 +152,67 @@ def test_eval_lm_within_the_bound_scores(lm_data, synth_lm):
     assert any("Evaluated" in line for line in out)
 
 
+def lm_train(data, *flags, **kw):
+    return cli("fairseq-train", data, "--user-dir", USER_DIR, "--cpu", "--max-tokens", "200",
+               "--max-update", "1", "--optimizer", "adam", "--lr", "1e-3", "--no-save",
+               "--decoder-layers", "1", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim",
+               "32", "--decoder-attention-heads", "2", *flags, **kw)
+
+
+@pytest.mark.slow
+def test_resume_with_another_arch(mt_data, tmp_path):
+    """Used to print two tracebacks, then fairseq's "please ensure that the architectures
+    match"."""
+    flags = ["--save-dir", str(tmp_path), "--disable-validation", "--no-epoch-checkpoints"]
+    code, lines = cli("fairseq-train", mt_data, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--max-update", "1", "--optimizer", "adam", "--lr", "1e-3", *TINY_MT,
+                      "--arch", "transformer_aop", *flags)
+    assert code == 0, lines[-5:]
+    code, lines = train(mt_data, "--arch", "transformer_synth_dense", *flags[:2])
+    assert_one_line(code, lines, "trained with --arch transformer_aop",
+                    "this run has --arch transformer_synth_dense", "resume with --arch "
+                    "transformer_aop", "another --save-dir")
+
+
+def test_lm_task_on_translation_data(mt_data):
+    """Used to say "dict.txt is missing ... run fairseq-preprocess" of data that is binarised."""
+    code, lines = lm_train(mt_data, "--arch", "transformer_lm_aop", "--task", "language_modeling",
+                           "--tokens-per-sample", "16")
+    assert_one_line(code, lines, "is translation data (dict.src.txt, dict.tgt.txt)",
+                    "--only-source", "--task translation")
+    # (the run loaded its config first: no hydra deprecation warning on stderr)
+    assert not any("hydra" in line or "Warning" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("flags,words", [
+    # the task's own flag: argparse's "unrecognized arguments: --tokens-per-sample 24" before
+    (["--tokens-per-sample", "24"],
+     ["unrecognized arguments: --tokens-per-sample 24", "--arch adaptive_span_lm trains with "
+      "--task attnzoo_stream_lm", "add --task attnzoo_stream_lm"]),
+    # no task flag: the translation task looked for a language pair in LM data
+    ([], ["--arch adaptive_span_lm is a language model", "add --task attnzoo_stream_lm"]),
+])
+def test_lm_arch_without_its_task(lm_data, flags, words):
+    code, lines = lm_train(lm_data, "--arch", "adaptive_span_lm", *flags)
+    assert_one_line(code, lines, *words)
+
+
+def test_empty_split(tmp_path):
+    """An empty valid file binarises to an empty .bin: numpy's "cannot mmap an empty file"
+    traceback (and a second one from fairseq's dataset destructor) before."""
+    from zoo_testlib import make_mono_text, preprocess
+
+    make_mono_text(str(tmp_path))
+    (tmp_path / "valid.txt").write_text("")
+    preprocess(["--only-source", "--trainpref", f"{tmp_path}/train.txt", "--validpref",
+                f"{tmp_path}/valid.txt", "--destdir", f"{tmp_path}/bin", "--workers", "1"])
+    code, lines = lm_train(f"{tmp_path}/bin", "--arch", "transformer_lm_aop", "--task",
+                           "language_modeling", "--tokens-per-sample", "16")
+    assert_one_line(code, lines, "valid.bin is empty", "'valid' split has no examples",
+                    "--validpref", "--disable-validation")
+    assert not any("Exception ignored" in line for line in lines)
+
+
 def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
     from fairseq_attnzoo.cli_hints import hint_for, one_line
 
@@ -162,3 +230,12 @@ def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
     assert one_line(err.value).startswith("--synth-mix 'nosuch'")
     assert one_line(ValueError("from somewhere else")) is None
     assert one_line(ZooConfigError("--x 1: pass --x 2")) == "--x 1: pass --x 2"
+    # a checkpoint of another dictionary (fairseq-generate/-eval-lm/-validate on the wrong data)
+    mismatch = RuntimeError(
+        "Error(s) in loading state_dict for TransformerLanguageModel:\n\tsize mismatch for "
+        "decoder.embed_tokens.weight: copying a param with shape torch.Size([1204, 16]) from "
+        "checkpoint, the shape in current model is torch.Size([96, 16]).")
+    line = hint_for(mismatch, data="data-bin/other")
+    assert "dictionary of 1,204 symbols" in line and "data-bin/other's has 96" in line
+    assert hint_for(AssertionError("Must specify batch size either with --max-tokens or "
+                                   "--batch-size")).startswith("no batch size: pass --max-tokens")

@@ -16,6 +16,7 @@ registers the archs) when it runs.
 """
 
 import importlib
+import os
 
 ANALYSIS_HINT = "pip install 'fairseq-attnzoo[analysis]'"
 
@@ -27,3 +28,11 @@ def require(module: str, extra: str = "analysis"):
     except ImportError:
         raise SystemExit(f"error: this command needs {module.split('.')[0]}, which is not "
                          f"installed: run `pip install 'fairseq-attnzoo[{extra}]'`") from None
+
+
+def output_file(path: str) -> str:
+    """``path`` with its folder created (the plot commands write into folders that need not
+    exist yet)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    return path

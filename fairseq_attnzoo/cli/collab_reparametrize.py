@@ -19,7 +19,7 @@ T_i = W_Q,i W_K,iᵀ, and decomposed at rank D̃k (``--key-dim``):
 Biases: b_Q enters the logits of head i as b_Q,i W_K,iᵀ x_k, a key-only term: it becomes the
 content bias (Linear d -> H). b_K only adds x_q-dependent constants over the keys, which cancel
 in the softmax: it is dropped. Values and output projections are copied. The optimizer state is
-dropped (its shapes no longer match); fine-tune with ``--restore-file OUT --reset-optimizer``.
+dropped (its shapes no longer match); fine-tune with ``--finetune-from-model OUT``.
 
 Example::
 
@@ -29,8 +29,9 @@ Example::
 
 It prints the ``fairseq-train`` command that fine-tunes the converted model: the checkpoint's own
 data, task, model sizes, criterion, optimizer and schedule (every stored setting that differs from
-the defaults), ``--arch transformer_collab``, ``--restore-file OUT`` and the resets, with
-``--save-dir`` next to OUT (``--finetune-save-dir`` to change it). Add e.g. ``--max-update N
+the defaults), ``--arch transformer_collab`` and ``--finetune-from-model OUT`` (fairseq refuses
+a missing OUT, where ``--restore-file`` would train from scratch), with ``--save-dir`` next to OUT
+(``--finetune-save-dir`` to change it). Add e.g. ``--max-update N
 --lr X`` to shorten the schedule (later flags win).
 """
 
@@ -274,8 +275,10 @@ def finetune_command(cfg, output: str, save_dir=None) -> str:
 
     output = os.path.abspath(output)
     save_dir = save_dir or os.path.join(os.path.dirname(output), "finetune")
-    extra = ["--save-dir", save_dir, "--restore-file", output, "--reset-optimizer",
-             "--reset-lr-scheduler", "--reset-dataloader", "--reset-meters"]
+    # --finetune-from-model (not --restore-file): fairseq refuses a path that does not exist
+    # instead of training a randomly initialised model, resets optimizer, schedule, meters and
+    # data iterator itself, and a restarted run resumes from the save dir's checkpoint_last.pt
+    extra = ["--save-dir", save_dir, "--finetune-from-model", output]
     return format_command("fairseq-train", training_command(cfg, "transformer_collab", extra))
 
 

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from fairseq_attnzoo.cli import require
+from fairseq_attnzoo.cli import output_file, require
 
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the plugin package
 
@@ -118,7 +118,7 @@ def plot(counts, mems, out):
         ax.set_title("log10(Z + 1e-6) over the product-key grid")
         fig.colorbar(im, ax=ax, fraction=0.046).set_label("log10(Z + 1e-6)")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(output_file(out), dpi=110)
 
 
 def main(argv=None):
@@ -129,7 +129,8 @@ def main(argv=None):
     p.add_argument("--user-dir", default=USER_DIR)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--max-batches", type=int, default=None, help="stop early (default: all)")
-    p.add_argument("--out", default="pkm_usage.png")
+    p.add_argument("--out", default="pkm_usage.png",
+                   help="PNG path; missing folders are created (default: %(default)s)")
     p.add_argument("--cpu", action="store_true")
     a = p.parse_args(argv)
     require("matplotlib")

@@ -22,7 +22,7 @@ import argparse
 import os
 import re
 
-from fairseq_attnzoo.cli import require
+from fairseq_attnzoo.cli import output_file, require
 
 ATTN = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
 THRESHOLDS = (0.9, 0.95, 0.99)
@@ -152,8 +152,7 @@ def plot_panels(panels, out: str, with_projections: bool = False) -> str:
     for ax, (title, curves) in zip(axes[0], panels):
         draw_curves(ax, curves, with_projections, title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(output_file(out), dpi=120)
     plt.close(fig)
     return out
 

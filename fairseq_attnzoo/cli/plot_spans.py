@@ -11,11 +11,12 @@ S * sigmoid(b), the span of an input the predictor maps to zero.
 """
 
 import argparse
+import os
 import re
 
 import torch
 
-from fairseq_attnzoo.cli import require
+from fairseq_attnzoo.cli import output_file, require
 
 
 def load_spans(path: str):
@@ -76,7 +77,7 @@ def plot_spans(s: int, r: int, spans, out: str, title: str) -> str:
     ax.set_title(title)
     ax.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(output_file(out), dpi=120)
     plt.close(fig)
     return out
 
@@ -86,7 +87,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
     p.add_argument("--out", default=None, help="PNG path (default: <checkpoint dir>/spans.png)")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="default: Adaptive attention spans: <checkpoint file>")
     a = p.parse_args(argv)
     require("matplotlib")
     s, r, spans = load_spans(a.checkpoint)

@@ -22,7 +22,7 @@ from fairseq import checkpoint_utils
 from fairseq.modules import MultiheadAttention
 
 import fairseq_attnzoo  # noqa: F401  (registers the archs)
-from fairseq_attnzoo.cli import require
+from fairseq_attnzoo.cli import output_file, require
 from fairseq_attnzoo.models.synthesizer import format_mixture_weights
 from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
@@ -129,7 +129,7 @@ def plot_grid(maps: List[torch.Tensor], labels_q, labels_k, title: str, path: st
                 ax.set_xlabel("key position", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(output_file(path), dpi=100)
     plt.close(fig)
 
 
@@ -158,7 +158,7 @@ def plot_compare(synth: List[torch.Tensor], vanilla: List[torch.Tensor], labels_
                 ax.set_xticks(range(len(labels_k)), labels_k, rotation=90, fontsize=7)
                 ax.set_yticks(range(len(labels_q)), labels_q, fontsize=7)
     fig.tight_layout(w_pad=3)
-    fig.savefig(path, dpi=100)
+    fig.savefig(output_file(path), dpi=100)
     plt.close(fig)
 
 
@@ -198,7 +198,7 @@ def plot_mixture_log(curves: Dict[str, List[Tuple[int, float]]], out: str, title
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, title="layer", title_fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(output_file(out), dpi=120)
     plt.close(fig)
     return out
 

@@ -88,8 +88,18 @@ def main(argv: List[str] = None) -> int:
         _fail(f"--len {args.len} and --num {args.num} must be positive")
     cfg = convert_namespace_to_omegaconf(args)
     utils.set_torch_seed(cfg.common.seed)
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [args.path], arg_overrides={"data": args.data})
+    try:
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [args.path], arg_overrides={"data": args.data})
+    except (RuntimeError, FileNotFoundError) as e:  # e.g. the data dir of another dictionary
+        from fairseq_attnzoo.cli_hints import dictionary_mismatch, dictionary_mismatch_line, hint_for
+
+        rows = dictionary_mismatch(str(e))
+        line = (dictionary_mismatch_line(rows, args.data, args.path) if rows
+                else hint_for(e, data=args.data))
+        if line is None:
+            raise
+        _fail(line)
     if isinstance(models[0], FairseqEncoderDecoderModel):
         _fail(f"{args.path} is a translation model: attnzoo-sample continues language models; "
               "translate with fairseq-interactive")

@@ -14,8 +14,9 @@ extra flags, fairseq-eval-lm flags, tolerances). The generic tests read them wit
 :func:`arch_tests`; sublayers add their own tiny sizes through ``register_sublayer(tiny=...)``.
 """
 
+from argparse import Namespace
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY, register_model_architecture
 
@@ -76,7 +77,7 @@ def register_base_arch(model: str, base: Callable, tiny: Optional[Mapping[str, A
         raise ValueError(f"model {model!r} already has a base arch ({BASE_ARCHS[model].__name__})")
     BASE_ARCHS[model] = base
     ARCH_TESTS[model] = _hooks(model, tiny, test)
-    register_model_architecture(model, model)(base)
+    register_model_architecture(model, model)(_refusing_unused_flags(model, base))
     return base
 
 
@@ -121,8 +122,104 @@ def register_arch(model: str, name: str, post: Optional[Callable] = None,
     arch.__name__ = name
     arch.__doc__ = f"{name}: {preset or 'the model defaults'}"
     ARCH_TESTS[name] = _hooks(name, tiny, test).over(ARCH_TESTS[model])
-    register_model_architecture(model, name)(arch)
+    register_model_architecture(model, name)(_refusing_unused_flags(name, arch))
     return arch
+
+
+# ---- flags of sublayers the model does not use ---------------------------------------------------
+
+_ARCH_SUBLAYERS: Dict[str, Tuple[str, ...]] = {}
+
+
+def arch_sublayers(arch: str) -> Tuple[str, ...]:
+    """The sublayers ``arch`` builds when the user sets no flag (cached)."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from .sublayers import used_sublayers
+
+    if arch not in _ARCH_SUBLAYERS:
+        args = Namespace()
+        ARCH_CONFIG_REGISTRY[arch](args)
+        _ARCH_SUBLAYERS[arch] = tuple(used_sublayers(args))
+    return _ARCH_SUBLAYERS[arch]
+
+
+def _archs_with(sublayers, like: str):
+    """Archs of ``like``'s model whose default sublayers include one of ``sublayers``."""
+    model = ARCH_MODEL_REGISTRY[like]
+    return [a for a, cls in ARCH_MODEL_REGISTRY.items()
+            if cls is model and a in ARCH_TESTS and set(arch_sublayers(a)) & set(sublayers)]
+
+
+def check_flag_owners(args, arch: str, given):
+    """Refuse, in one line, the method flags in ``given`` (set by the user, see
+    :func:`~.sublayers.given_options`) that belong to a sublayer this model does not build: not
+    one of its slots' sublayers (after the user's slot flags) nor one the arch builds by default
+    (a flag that selects layers, e.g. ``--pkm-decoder-layers none``, keeps its sublayer's flags).
+    Stock fairseq flags are not looked at. A model built from a checkpoint is never refused
+    (:func:`fairseq_attnzoo.compat.building_from_checkpoint`)."""
+    from ..compat import building_from_checkpoint
+    from ..errors import ZooConfigError
+    from .sublayers import and_list, family, flag_name, option_owners, owner_label, used_sublayers
+
+    if not given or building_from_checkpoint():
+        return
+    used = used_sublayers(args)
+    if not used:  # a model without sublayer slots (it has none of these flags)
+        return
+    allowed = set(used) | set(arch_sublayers(arch))
+    owners = option_owners()
+    unused: Dict[Tuple[str, ...], List[str]] = {}
+    for name in given:
+        if not allowed & set(owners[name]):
+            unused.setdefault(tuple(owners[name]), []).append(flag_name(name))
+    if not unused:
+        return
+    parts = [f"{and_list(flags)} {'is a flag' if len(flags) == 1 else 'are flags'} of "
+             f"{owner_label(list(names))}" for names, flags in unused.items()]
+    names = next(iter(unused))
+    examples = _archs_with(names, arch)[:2]
+    fix = "drop " + ("it" if sum(map(len, unused.values())) == 1 else "them")
+    if examples:
+        fix += f", or use an arch with {family(list(names))} (e.g. {' or '.join(examples)})"
+    raise ZooConfigError(f"{'; '.join(parts)}; {arch} has {and_list(used)}: {fix}")
+
+
+def own_flags(arch: str, argv):
+    """``argv`` without the method flags (and their values) of sublayers ``arch`` does not build
+    by default: for scripts that give one set of method flags to many archs."""
+    from .sublayers import option_owners
+
+    owners, mine = option_owners(), set(arch_sublayers(arch))
+    out, drop_value = [], False
+    for a in argv:
+        if drop_value:
+            drop_value = False
+            if not a.startswith("--"):
+                continue
+        name = a[2:].split("=", 1)[0].replace("-", "_") if a.startswith("--") else ""
+        if name not in owners and name.startswith("no_"):
+            name = name[3:]
+        if name in owners and not mine & set(owners[name]):
+            drop_value = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _refusing_unused_flags(arch: str, fn: Callable) -> Callable:
+    """The arch function ``fn`` registered for ``arch``: after it has filled the config, the flags
+    of sublayers the model does not use are refused (:func:`check_flag_owners`)."""
+    from .sublayers import given_options
+
+    def arch_function(args):
+        given = given_options(args)
+        fn(args)
+        check_flag_owners(args, arch, given)
+
+    arch_function.__name__ = getattr(fn, "__name__", arch)
+    arch_function.__doc__ = fn.__doc__
+    return arch_function
 
 
 def apply_base_arch(model_class: type, args):

@@ -295,6 +295,69 @@ def options_for(name: str, args) -> Any:
     return cache[cls]
 
 
+def option_owners() -> Dict[str, List[str]]:
+    """Every method flag (attribute name) -> the sublayers whose options dataclass holds it
+    (several for a dataclass shared by a family, e.g. the synth_* sublayers)."""
+    owners: Dict[str, List[str]] = {}
+    for entry in SUBLAYER_REGISTRY.values():
+        if entry.options is not None:
+            for f in option_fields(entry.options):
+                owners.setdefault(f.name, []).append(entry.name)
+    return owners
+
+
+def given_options(args) -> List[str]:
+    """The method flags a user set in ``args`` when it is a config nobody has filled yet: on the
+    command line (our flags have no argparse default, so a flag not given is None) or as keys of
+    a hydra model config. Empty for a config the arch function has already filled (every flag
+    with a default holds it: a model built from parsed arguments, a stored checkpoint's config),
+    where a value cannot tell the user's choice from a default. A namespace that carries
+    ``_name`` is fairseq's copy of a parsed command line (``convert_namespace_to_omegaconf``:
+    the model config a run builds from and stores in its checkpoints) and is never fresh, even
+    from a checkpoint written before a flag existed."""
+    if isinstance(args, argparse.Namespace) and getattr(args, "_name", None) is not None:
+        return []
+    defaults = option_defaults()
+    if all(getattr(args, name, None) is not None for name, value in defaults.items()
+           if value is not None):
+        return []
+    return [name for name in defaults if getattr(args, name, None) is not None]
+
+
+def used_sublayers(args) -> List[str]:
+    """The sublayer names of a filled config's slots, in slot order, each once."""
+    out: List[str] = []
+    for attr, (slot, _, layers_attr) in SLOT_FLAGS.items():
+        if getattr(args, attr, None) is None or getattr(args, layers_attr, None) is None:
+            continue
+        for name in layer_names(args, attr):
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def family(names: List[str]) -> str:
+    """``["pkm"]`` -> "pkm"; sublayers sharing one options dataclass -> "synth*"."""
+    if len(names) == 1:
+        return names[0]
+    prefix = names[0]
+    for n in names[1:]:
+        while not n.startswith(prefix):
+            prefix = prefix[:-1]
+    prefix = prefix.rstrip("_")
+    return f"{prefix}*" if prefix else "/".join(names)
+
+
+def owner_label(names: List[str]) -> str:
+    """``["pkm"]`` -> "the pkm sublayer"; a family -> "the synth* sublayers"."""
+    return f"the {family(names)} sublayer{'s' if len(names) > 1 else ''}"
+
+
+def and_list(items: List[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def fill_sublayer_defaults(args, decoder_only: bool = False):
     """Called at the end of every zoo arch function: stock slots, then method defaults. First,
     an options dataclass's ``upgrade_stored(args)`` (if it defines one) may give a checkpoint's
@@ -335,9 +398,39 @@ def layer_names(args, attr: str) -> List[str]:
     return names
 
 
+#: flags that bound the length the model built last accepts (flag -> value), noted by its
+#: sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's --synth-max-len): the
+#: flag to raise when fairseq skips longer examples
+LENGTH_LIMITS: Dict[str, int] = {}
+
+
+def note_length_limit(flag: str, value: int):
+    """For a builder whose module accepts at most ``value`` positions because of ``flag``."""
+    LENGTH_LIMITS[flag] = int(value)
+
+
+def length_flags(max_positions) -> str:
+    """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
+    of them): one of ours when it is the bound, else fairseq's position flags."""
+    def numbers(x):
+        if isinstance(x, (tuple, list)):
+            return [n for v in x for n in numbers(v)]
+        if isinstance(x, dict):
+            return [n for v in x.values() for n in numbers(v)]
+        return [x] if isinstance(x, (int, float)) else []
+
+    bound = min(numbers(max_positions), default=None)
+    ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
+    if ours:
+        return " and ".join(ours)
+    return ("--max-source-positions/--max-target-positions (--tokens-per-sample for a language "
+            "model)")
+
+
 def validate_sublayer_args(args, decoder_only: bool = False) -> Dict[str, List[str]]:
     """Every slot flag resolved to its per-layer names, and the options of every method used
     built (inside a :func:`sharing_scope`: once for the model) -- all errors before any module."""
+    LENGTH_LIMITS.clear()  # a new model: its builders note their own
     out = {}
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):

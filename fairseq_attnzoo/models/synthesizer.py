@@ -33,7 +33,8 @@ from ..modules.synthesizer import (
     SynthesizerAttention,
     factorized_dense_sizes,
 )
-from .sublayers import SublayerSpec, build_options, register_sublayer, require
+from .sublayers import (SublayerSpec, build_options, note_length_limit, register_sublayer,
+                        require)
 from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def _log_mixture(module: SynthesizerAttention, name: str):
 def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> SynthesizerAttention:
     o: SynthesizerConfig = spec.options
     _check_positions(spec, o.synth_max_len)
+    note_length_limit("--synth-max-len", o.synth_max_len)  # named when fairseq skips examples
     module = SynthesizerAttention(
         spec.embed_dim, spec.num_heads, components=components, max_len=o.synth_max_len,
         dropout=spec.attention_dropout, freeze_random=freeze or o.synth_freeze_random,

@@ -551,14 +551,16 @@ def split_variant(spec: str):
 def train_command(group, spec, data, args, save_dir, seed=None):
     arch, variant_flags = split_variant(spec)
     flags = shlex.split(MT_BASE if group == "mt" else LM_BASE)
+    from fairseq_attnzoo.models.registry import own_flags  # (the arch's methods' flags only)
+
     if arch != BASELINE[group]:
-        flags += shlex.split(METHOD[group]) + variant_flags
+        flags += own_flags(arch, shlex.split(METHOD[group])) + variant_flags
     if args.size != "base":
         shrunk = {"tiny": (TINY_MT, TINY_LM, TINY_METHOD), "host": (HOST_MT, HOST_LM, HOST_METHOD)}
         mt, lm, method = shrunk[args.size]
         flags += shlex.split(mt if group == "mt" else lm)
         if arch != BASELINE[group]:
-            flags += shlex.split(method)
+            flags += own_flags(arch, shlex.split(method))
     interval = max(1, args.updates // 5)
     cmd = [sys.executable, "-m", MODULE, "--run-train", data, "--user-dir", USER_DIR,
            "--arch", arch, "--max-update", str(args.updates), "--seed",
