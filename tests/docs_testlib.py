@@ -223,7 +223,7 @@ def make_toy_wrappers(bin_dir: str, real_bin: str) -> str:
 
 
 #: run in front of every README PyTorch example: fairseq cannot be imported, and at exit no
-#: fairseq module may have been loaded
+#: fairseq module may have been loaded and no process-wide torch.optim hook installed
 BLOCK_FAIRSEQ = '''
 import atexit, importlib.abc, os, sys
 
@@ -241,6 +241,12 @@ def _check():
     if loaded:
         sys.stderr.write(f"fairseq modules loaded: {loaded[:5]}\\n")
         os._exit(3)
+    optim = sys.modules.get("torch.optim.optimizer")
+    hooks = [n for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+             if optim is not None and getattr(optim, n, None)]
+    if hooks:
+        sys.stderr.write(f"global torch.optim hooks installed: {hooks}\\n")
+        os._exit(4)
 
 atexit.register(_check)
 '''

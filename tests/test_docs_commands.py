@@ -53,7 +53,7 @@ def _env(tmp_path):
     wrappers = make_toy_wrappers(str(tmp_path / "toybin"), real_bin)
     return dict(os.environ, PATH=f"{wrappers}:{real_bin}:{os.environ.get('PATH', '')}",
                 PYTHONPATH=REPO, OMP_NUM_THREADS="1", ATTNZOO_TRACEBACK="1",
-                MPLBACKEND="Agg", PYTHONWARNINGS="ignore")
+                MPLBACKEND="Agg")
 
 
 def _run(cmd, cwd, env, where, **kwargs):
