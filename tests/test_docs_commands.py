@@ -37,6 +37,9 @@ def test_every_shell_block_runs_or_says_why_not():
             if b.not_run is not None:
                 assert b.not_run.strip(), f"{b.where}: a not-run marker needs a reason"
                 assert is_shell(b), f"{b.where}: only shell blocks may be marked not-run"
+        for b in _runnable(path):  # the toy-size wrappers must see every training
+            assert "fairseq_cli.train" not in b.text and "fairseq_cli.hydra_train" not in b.text, \
+                f"{b.where}: call fairseq-train / fairseq-hydra-train, not fairseq_cli (toy sizes)"
     examples = [b for b in blocks("README.md") if is_pytorch_example(b)]
     for name in FAMILIES:
         assert any(name in b.text for b in examples), f"README's PyTorch section lacks {name}"
