@@ -25,6 +25,7 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 
+from .. import compat
 from ..modules.adaptive_span import layer_spans, span_penalty
 
 
@@ -39,6 +40,7 @@ class SpanLossConfig(FairseqDataclass):
 @register_criterion("attnzoo_span_loss", dataclass=SpanLossConfig)
 class AdaptiveSpanLoss(FairseqCriterion):
     def __init__(self, task, sentence_avg: bool, no_layer_spans: bool = False):
+        compat.apply_all()  # fairseq builds our criterion: it uses the plugin
         super().__init__(task)
         self.sentence_avg = sentence_avg
         self.log_layer_spans = not no_layer_spans
