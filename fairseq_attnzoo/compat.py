@@ -548,8 +548,9 @@ def check_block_length(sizes, tokens_per_sample: int, max_positions,
         given += f" --sample-break-mode {break_mode}"
     if n_long == len(sizes):
         raise ZooConfigError(
-            f"fairseq-eval-lm would evaluate nothing: with {given} all {counts} are longer than "
-            f"the {fit} positions this model accepts: pass {fix}")
+            f"fairseq-eval-lm would evaluate nothing: every block of {given} ({len(sizes):,} "
+            f"blocks, {int(sizes.sum()):,} tokens) is longer than the {fit} positions this model "
+            f"accepts: pass {fix}")
     return (f"fairseq-eval-lm skips {counts}: with {given} they are longer than the {fit} "
             f"positions this model accepts; pass {fix} to evaluate every token")
 
