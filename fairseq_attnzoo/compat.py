@@ -518,14 +518,21 @@ def _position_limit(max_positions) -> Optional[float]:
     return None if max_positions is None else float(max_positions)
 
 
-def check_block_length(sizes, tokens_per_sample: int, max_positions,
-                       break_mode: str = "none") -> Optional[str]:
+def _blocks(n: int) -> str:
+    return f"{n:,} block{'' if n == 1 else 's'}"
+
+
+def check_block_length(sizes, tokens_per_sample: int, max_positions, break_mode: str = "none",
+                       context_window: int = 0) -> Optional[str]:
     """What fairseq-eval-lm will skip. fairseq drops, with a warning of sample ids, every block
     longer than the model's positions (``ignore_invalid_inputs=True``). When that is every block
     it reports "Evaluated 0 tokens ... Perplexity: 1.00" and exits 0 (e.g. a Synthesizer LM with
     --synth-max-len below eval-lm's default --tokens-per-sample 1024): refuse in one line. When
     some blocks fit, fairseq's behaviour stands and this returns one warning line with the counts
-    and the flag that evaluates every token; None when nothing is skipped."""
+    and the flag that evaluates every token; also when ``--context-window`` makes blocks it
+    evaluates longer than the positions (fairseq does not count the context when it filters; a
+    model with learned or bounded positions then fails, sinusoidal ones read on). None when
+    neither happens."""
     import numpy as np
 
     from .errors import ZooConfigError
@@ -534,25 +541,36 @@ def check_block_length(sizes, tokens_per_sample: int, max_positions,
     if limit is None or sizes is None or not np.isfinite(limit):
         return None
     sizes = np.asarray(sizes)
+    cw = int(context_window or 0)
     long = sizes > limit
-    n_long = int(long.sum())
-    if n_long == 0:
+    over = ~long & (sizes + cw > limit)  # evaluated, but longer than the positions with context
+    n_long, n_over = int(long.sum()), int(over.sum())
+    if n_long == 0 and n_over == 0:
         return None
     fit = int(limit)
-    fix = (f"--tokens-per-sample {fit}" if break_mode in (None, "none")
-           else f"--sample-break-mode none --tokens-per-sample {fit}")
-    counts = (f"{n_long:,} of {len(sizes):,} blocks ({int(sizes[long].sum()):,} of "
-              f"{int(sizes.sum()):,} tokens)")
     given = f"--tokens-per-sample {tokens_per_sample}"
     if break_mode not in (None, "none"):
         given += f" --sample-break-mode {break_mode}"
+    if cw:
+        given += f" --context-window {cw}"
+    fix = "" if break_mode in (None, "none") else "--sample-break-mode none "
+    fix += (f"--tokens-per-sample {fit - cw} --context-window {cw}" if cw and fit > cw
+            else f"--tokens-per-sample {fit}" + (" and a --context-window below it" if cw else ""))
     if n_long == len(sizes):
         raise ZooConfigError(
-            f"fairseq-eval-lm would evaluate nothing: every block of {given} ({len(sizes):,} "
-            f"blocks, {int(sizes.sum()):,} tokens) is longer than the {fit} positions this model "
-            f"accepts: pass {fix}")
-    return (f"fairseq-eval-lm skips {counts}: with {given} they are longer than the {fit} "
-            f"positions this model accepts; pass {fix} to evaluate every token")
+            f"fairseq-eval-lm would evaluate nothing: every block of {given} ({_blocks(n_long)}, "
+            f"{int(sizes.sum()):,} tokens) is longer than the {fit} positions this model accepts: "
+            f"pass {fix}")
+    what = []
+    if n_long:
+        what.append(f"skips {n_long:,} of {_blocks(len(sizes))} ({int(sizes[long].sum()):,} of "
+                    f"{int(sizes.sum()):,} tokens): with {given} they are longer than the {fit} "
+                    "positions this model accepts")
+    if n_over:
+        what.append(f"{'' if n_long else f'with {given} '}gives the model {_blocks(n_over)} of "
+                    f"up to {int(sizes[over].max()) + cw} tokens with their context, beyond the "
+                    f"{fit} positions it accepts")
+    return f"fairseq-eval-lm {', and '.join(what)}; pass {fix} to evaluate every token"
 
 
 @patch("fairseq_eval_lm_block_length",
@@ -571,7 +589,7 @@ def _eval_lm_block_length():
                            num_shards=1, shard_id=0, num_workers=1, data_buffer_size=10,
                            context_window=0):
         warning = check_block_length(getattr(dataset, "sizes", None), self.args.tokens_per_sample,
-                                     max_positions, self.args.sample_break_mode)
+                                     max_positions, self.args.sample_break_mode, context_window)
         if warning:
             logger.warning(f"{warning} (compat entry fairseq_eval_lm_block_length)")
         return original(self, dataset, max_tokens=max_tokens, batch_size=batch_size,

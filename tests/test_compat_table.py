@@ -263,6 +263,21 @@ def test_eval_lm_block_check_warns_with_counts_when_some_blocks_fit(positions):
                         "token")
 
 
+def test_eval_lm_block_check_warns_when_the_context_window_overflows():
+    """fairseq filters blocks by their own length; --context-window adds up to that many tokens of
+    context: a block that fits alone but not with its context gets the warning too."""
+    warning = compat.check_block_length([32, 32, 16], 32, 24, context_window=16)
+    assert warning == ("fairseq-eval-lm skips 2 of 3 blocks (64 of 80 tokens): with "
+                       "--tokens-per-sample 32 --context-window 16 they are longer than the 24 "
+                       "positions this model accepts, and gives the model 1 block of up to 32 "
+                       "tokens with their context, beyond the 24 positions it accepts; pass "
+                       "--tokens-per-sample 8 --context-window 16 to evaluate every token")
+    only = compat.check_block_length([8, 4], 8, 10, context_window=4)
+    assert only.startswith("fairseq-eval-lm with --tokens-per-sample 8 --context-window 4 gives "
+                           "the model 1 block of up to 12 tokens")
+    assert compat.check_block_length([8, 4], 8, 12, context_window=4) is None
+
+
 def test_eval_lm_block_check_refuses_when_nothing_would_be_evaluated():
     with pytest.raises(ZooConfigError) as e:
         compat.check_block_length([150, 100], 150, 64)
