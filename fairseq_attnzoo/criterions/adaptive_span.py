@@ -9,8 +9,9 @@ bits per target token (bits per character on byte-level data such as enwik8), ``
 positions, ramp not included) and per layer ``span_avg_<i>`` / ``span_max_<i>``.
 
 Works with any model that contains :class:`~fairseq_attnzoo.modules.adaptive_span.AdaptiveMask`
-modules (and as plain cross-entropy with any other LM), with any task: the spans are kept in [0, S]
-by the optimizer step itself (``UnitIntervalParameter``, also on ``--fp16`` master copies).
+modules (and as plain cross-entropy with any other LM), with any task. The spans are kept in
+[0, S] by the model after every update of fairseq's trainer (``UnitIntervalParameter``; under
+``--fp16``/``--bf16`` on the fp32 master copies too), not by the criterion.
 """
 
 import math
