@@ -421,6 +421,10 @@ def keep_tail(batch_by_size):
         kept = sum(len(b) for b in batches)
         if fixed_shapes is None and kept < len(indices):
             batches = list(batches) + [indices[kept:]]
+            logger.info(f"compat fairseq_batch_keep_tail: the last {len(indices) - kept:,} of "
+                        f"{len(indices):,} examples form one more batch (fairseq 0.12 drops a "
+                        f"last batch that is not a multiple of --required-batch-size-multiple "
+                        f"{required_batch_size_multiple})")
         return batches
 
     batch_by_size_keeping_tail.__doc__ = batch_by_size.__doc__
@@ -481,6 +485,9 @@ def padding_batches_first(train_step):
             return loss, sample_size, logging_output
 
         task.train_step = task_train_step
+        logger.info(f"compat fairseq_ddp_partial_update: {len(padding)} padding micro-batch(es) of "
+                    f"this update count for nothing; its {len(samples) - len(padding)} real ones "
+                    "keep their sample size and logs")
         try:
             return train_step(self, padding + [s for s in samples if not _is_padding_batch(s)],
                               raise_oom)
