@@ -294,3 +294,22 @@ def test_span_model_under_fp16_refuses_without_the_master_projection(how):
 def test_span_model_under_fp16_builds_with_the_table_applied():
     got = _python(_FP16_SPAN)
     assert all(v is None for k, v in got.items() if k != "stderr")
+
+
+def test_fp16_optimizer_detected_from_argparse_and_hydra_configs():
+    """fairseq-train builds the model from the whole Namespace; fairseq-hydra-train from the
+    ``model`` node of its config, whose run flags live in ``common``."""
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    from fairseq_attnzoo.models.adaptive_span import uses_fp16_optimizer
+
+    ns = argparse.Namespace
+    assert uses_fp16_optimizer(ns(fp16=True)) and uses_fp16_optimizer(ns(bf16=True))
+    assert not uses_fp16_optimizer(ns(fp16=True, memory_efficient_fp16=True))
+    assert not uses_fp16_optimizer(ns(fp16=True, amp=True)) and not uses_fp16_optimizer(ns())
+    for common, expected in (({"fp16": True}, True), ({"bf16": True, "memory_efficient_bf16": True},
+                                                      False), ({}, False)):
+        cfg = OmegaConf.create({"common": common, "model": {"_name": "attnzoo_adaptive_span_lm"}})
+        assert uses_fp16_optimizer(cfg.model) is expected, common

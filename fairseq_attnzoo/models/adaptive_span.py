@@ -115,9 +115,20 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
         default=False, metadata={"help": "tie input and output embeddings (reference: untied)"})
 
 
+def _common_flag(args, name: str) -> bool:
+    """A precision flag of the run: on the argparse Namespace fairseq-train builds models from, or
+    (fairseq-hydra-train hands over the ``model`` node of its config) in the config's ``common``."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.is_config(args):
+        return bool(getattr(args, name, False))
+    common = args._get_root().get("common", None)
+    return bool(args.get(name, None) or (common is not None and common.get(name, False)))
+
+
 def uses_fp16_optimizer(args) -> bool:
     """Whether fairseq's trainer steps fp32 master copies (``FP16Optimizer``) for these flags."""
-    flag = lambda name: bool(getattr(args, name, False))  # noqa: E731
+    flag = lambda name: _common_flag(args, name)  # noqa: E731
     return ((flag("fp16") or flag("bf16")) and not flag("amp")
             and not (flag("memory_efficient_fp16") or flag("memory_efficient_bf16")))
 
