@@ -262,7 +262,8 @@ for flags in ({"fp16": True}, {"bf16": True}, {"fp16": True, "memory_efficient_f
                               decoder_embed_dim=8, decoder_ffn_embed_dim=16,
                               decoder_attention_heads=2, attn_span=8, **flags)
     try:
-        AdaptiveSpanLanguageModel.build_model(args, argparse.Namespace(target_dictionary=Dictionary()))
+        task = argparse.Namespace(target_dictionary=Dictionary())
+        AdaptiveSpanLanguageModel.build_model(args, task)
         result[json.dumps(flags)] = None
     except ValueError as e:
         result[json.dumps(flags)] = str(e)
@@ -284,8 +285,9 @@ def test_span_model_under_fp16_refuses_without_the_master_projection(how):
     refused = {k: v for k, v in got.items() if k != "stderr" and v is not None}
     assert set(refused) == {'{"fp16": true}', '{"bf16": true}', '{"fp16": true, "amp": false}'}
     for message in refused.values():
-        assert message.startswith("adaptive spans under --fp16/--bf16 (fp32 master copies kept "
-                                  "in [0, 1]) needs the compat entry fairseq_fp16_master_projection")
+        assert message.startswith(
+            "adaptive spans under --fp16/--bf16 (fp32 master copies kept in [0, 1]) needs the "
+            "compat entry fairseq_fp16_master_projection")
         assert "\n" not in message
         assert ("ATTNZOO_COMPAT_DISABLE" in message) == (how == "disabled")
         assert ("install fairseq-fixed==0.12.3.1" in message) == (how == "skipped")
