@@ -1,14 +1,22 @@
 """Every change this plugin makes to another library (fairseq, torch, numpy), in one table.
 
 Each entry is a named :class:`Patch`: what it changes, why, and a check that the target is the
-version it was written for. :func:`apply_all` (called once when the plugin is imported) applies
-each entry whose check passes and logs one line per entry: ``applied``, ``skipped`` (the target
-is not the version we know, so we leave it alone and say so) or ``disabled``.
+version it was written for. :func:`apply_all` applies each entry whose check passes and logs one
+line per entry: ``applied``, ``skipped`` (the target is not the version we know, so we leave it
+alone and say so) or ``disabled``.
+
+Nothing is applied when the package or its plain PyTorch modules are imported. The table is
+applied where fairseq uses the plugin: when fairseq imports it as a user dir (``--user-dir``,
+hydra's ``common.user_dir``), when one of its models, tasks, criterions or optimizers is built,
+when one of its console commands runs, and when a program calls :func:`fairseq_attnzoo.enable`
+(needed before loading a checkpoint in a script: fairseq's ``torch.load`` needs the weights-only
+allow-list before any model is built).
 
 Opt out with the environment variable ``ATTNZOO_COMPAT_DISABLE``: a comma-separated list of entry
-names, or ``all``. :func:`status` says what happened to each entry; :func:`describe` prints
-the table (``python -c "from fairseq_attnzoo import compat; print(compat.describe())"``).
-Nothing else in the package patches another library at import time.
+names, or ``all``. A model that cannot be right without an entry (adaptive spans under
+``--fp16``/``--bf16`` need ``fairseq_fp16_master_projection``) refuses to build, in one line naming
+the entry, when that entry was skipped or disabled (:func:`require`). :func:`status` says what
+happened to each entry; :func:`describe` prints the table (``attnzoo-archs --compat``).
 
 For fairseq functions, "the version we know" is the SHA-256 of the function's source (first 16 hex
 digits) as shipped by ``fairseq-fixed==0.12.3.1``: a fairseq that changed the function gets no
@@ -43,6 +51,7 @@ class Patch:
 
 PATCHES: List[Patch] = []
 _STATUS: Dict[str, str] = {}
+_REASONS: Dict[str, str] = {}  # why an entry was skipped
 
 
 def patch(name: str, target: str, why: str, check: Callable[[], Optional[str]]):
@@ -87,10 +96,13 @@ def disabled_names() -> set:
 
 
 def apply_all() -> Dict[str, str]:
-    """Apply every entry not yet handled in this process; returns :func:`status`."""
+    """Apply every entry not yet handled in this process; returns :func:`status`. Cheap after
+    the first call (each entry is handled once per process)."""
+    if len(_STATUS) == len(PATCHES):
+        return status()
     off = disabled_names()
     unknown = sorted(off - {p.name for p in PATCHES} - {"all"})
-    if unknown:
+    if unknown and not _STATUS:
         logger.warning(f"{ENV_DISABLE}: no compat patch named {', '.join(unknown)}; the names are "
                        f"{', '.join(p.name for p in PATCHES)} (or all)")
     new = []
@@ -104,6 +116,7 @@ def apply_all() -> Dict[str, str]:
         reason = p.check()
         if reason is not None:
             _STATUS[p.name] = SKIPPED
+            _REASONS[p.name] = reason
             logger.warning(f"compat: {p.name} not applied: {reason}; {p.target} left unchanged "
                            f"({p.why})")
             continue
@@ -117,7 +130,31 @@ def apply_all() -> Dict[str, str]:
 
 
 def status() -> Dict[str, str]:
+    """``{entry: applied | skipped | disabled}`` of the entries handled so far in this process
+    (empty until fairseq uses the plugin or a program calls :func:`fairseq_attnzoo.enable`)."""
     return dict(_STATUS)
+
+
+def require(name: str, needed_by: str, alternative: str = "") -> None:
+    """Refuse, in one line naming the entry, to go on without entry ``name`` (applies the table
+    first). ``needed_by``: what needs it ("adaptive spans under --fp16"); ``alternative``: another
+    way out, appended to the fix ("or train with --amp")."""
+    from .errors import ZooConfigError
+
+    if name not in {p.name for p in PATCHES}:  # pragma: no cover - a typo in our own code
+        raise KeyError(name)
+    state = apply_all().get(name)
+    if state == APPLIED:
+        return
+    if state == DISABLED:
+        raw = os.environ.get(ENV_DISABLE, "")
+        why = f"disabled by {ENV_DISABLE}={raw}"
+        fix = f"leave {name} out of {ENV_DISABLE}"
+    else:
+        why = f"not applied: {_REASONS.get(name, 'unknown reason')}"
+        fix = "install fairseq-fixed==0.12.3.1"
+    more = f" {alternative}" if alternative else ""
+    raise ZooConfigError(f"{needed_by} needs the compat entry {name} ({why}): {fix}{more}")
 
 
 def describe() -> str:
@@ -148,22 +185,6 @@ def _allow_namespace():
     import torch
 
     torch.serialization.add_safe_globals([argparse.Namespace])
-
-
-def _has_step_hooks() -> Optional[str]:
-    from torch.optim import optimizer
-
-    ok = hasattr(optimizer, "register_optimizer_step_post_hook")
-    return None if ok else "torch.optim has no register_optimizer_step_post_hook"
-
-
-@patch("torch_bounded_parameter_projection", "torch.optim (global step post-hook)",
-       "BoundedParameter (e.g. adaptive spans) is projected into its bounds after every optimizer "
-       "step, for any torch optimizer (fp32, --amp, --memory-efficient-*)", _has_step_hooks)
-def _bounded_projection():
-    from .modules.constrained import install_projection_hook
-
-    install_projection_hook()
 
 
 # ---- numpy ---------------------------------------------------------------------------------------
@@ -400,6 +421,10 @@ def keep_tail(batch_by_size):
         kept = sum(len(b) for b in batches)
         if fixed_shapes is None and kept < len(indices):
             batches = list(batches) + [indices[kept:]]
+            logger.info(f"compat fairseq_batch_keep_tail: the last {len(indices) - kept:,} of "
+                        f"{len(indices):,} examples form one more batch (fairseq 0.12 drops a "
+                        f"last batch that is not a multiple of --required-batch-size-multiple "
+                        f"{required_batch_size_multiple})")
         return batches
 
     batch_by_size_keeping_tail.__doc__ = batch_by_size.__doc__
@@ -460,6 +485,9 @@ def padding_batches_first(train_step):
             return loss, sample_size, logging_output
 
         task.train_step = task_train_step
+        logger.info(f"compat fairseq_ddp_partial_update: {len(padding)} padding micro-batch(es) of "
+                    f"this update count for nothing; its {len(samples) - len(padding)} real ones "
+                    "keep their sample size and logs")
         try:
             return train_step(self, padding + [s for s in samples if not _is_padding_batch(s)],
                               raise_oom)
@@ -487,45 +515,77 @@ def _lm_eval_dataloader():
     return LanguageModelingTask.eval_lm_dataloader
 
 
-def check_block_length(sizes, tokens_per_sample: int, context_window: int, max_positions,
-                       break_mode: str = "none") -> None:
-    """fairseq-eval-lm skips, with only a warning, every block longer than the model's positions
-    (``ignore_invalid_inputs=True``): a length-bounded model (a Synthesizer LM, --synth-max-len)
-    with the default --tokens-per-sample reports "Evaluated 0 tokens ... Perplexity: 1.00" and
-    exits 0. Refuse in one line when any block (its --context-window included) would be skipped."""
+def _position_limit(max_positions) -> Optional[float]:
+    """The length above which fairseq's ``filter_indices_by_size`` skips a block of a monolingual
+    dataset: an int or float (``inf``: unbounded) as is; a tuple or list skips a block longer
+    than any of its entries (``_filter_by_size_dynamic``), so its smallest; None: no limit."""
+    if isinstance(max_positions, (tuple, list)):
+        bounds = [float(p) for p in max_positions if p is not None]
+        return min(bounds) if bounds else None
+    return None if max_positions is None else float(max_positions)
+
+
+def _blocks(n: int) -> str:
+    return f"{n:,} block{'' if n == 1 else 's'}"
+
+
+def check_block_length(sizes, tokens_per_sample: int, max_positions, break_mode: str = "none",
+                       context_window: int = 0) -> Optional[str]:
+    """What fairseq-eval-lm will skip. fairseq drops, with a warning of sample ids, every block
+    longer than the model's positions (``ignore_invalid_inputs=True``). When that is every block
+    it reports "Evaluated 0 tokens ... Perplexity: 1.00" and exits 0 (e.g. a Synthesizer LM with
+    --synth-max-len below eval-lm's default --tokens-per-sample 1024): refuse in one line. When
+    some blocks fit, fairseq's behaviour stands and this returns one warning line with the counts
+    and the flag that evaluates every token; also when ``--context-window`` makes blocks it
+    evaluates longer than the positions (fairseq does not count the context when it filters; a
+    model with learned or bounded positions then fails, sinusoidal ones read on). None when
+    neither happens."""
     import numpy as np
 
     from .errors import ZooConfigError
 
-    if isinstance(max_positions, (tuple, list)):
-        max_positions = min((p for p in max_positions if p is not None), default=None)
-    if max_positions is None or sizes is None:
-        return
+    limit = _position_limit(max_positions)
+    if limit is None or sizes is None or not np.isfinite(limit):
+        return None
+    sizes = np.asarray(sizes)
     cw = int(context_window or 0)
-    sizes = np.asarray(sizes) + cw
-    n_long = int((sizes > int(max_positions)).sum())
-    if n_long == 0:
-        return
-    block = int(tokens_per_sample) + cw
-    skipped = f"{n_long:,} of {len(sizes):,} blocks would be skipped"
-    if block > int(max_positions):
-        given = f"--tokens-per-sample {block}"
-        if cw:
-            given += f" (--context-window {cw} included)"
+    long = sizes > limit
+    over = ~long & (sizes + cw > limit)  # evaluated, but longer than the positions with context
+    n_long, n_over = int(long.sum()), int(over.sum())
+    if n_long == 0 and n_over == 0:
+        return None
+    fit = int(limit)
+    given = f"--tokens-per-sample {tokens_per_sample}"
+    if break_mode not in (None, "none"):
+        given += f" --sample-break-mode {break_mode}"
+    if cw:
+        given += f" --context-window {cw}"
+    fix = "" if break_mode in (None, "none") else "--sample-break-mode none "
+    fix += (f"--tokens-per-sample {fit - cw} --context-window {cw}" if cw and fit > cw
+            else f"--tokens-per-sample {fit}" + (" and a --context-window below it" if cw else ""))
+    if n_long == len(sizes):
         raise ZooConfigError(
-            f"{given} exceeds the {max_positions} positions this model accepts ({skipped}): pass "
-            f"--tokens-per-sample {max_positions} or less")
-    raise ZooConfigError(
-        f"{n_long:,} blocks of --sample-break-mode {break_mode} are longer than the "
-        f"{max_positions} positions this model accepts ({skipped}): pass --sample-break-mode none "
-        f"--tokens-per-sample {max_positions - cw}")
+            f"fairseq-eval-lm would evaluate nothing: every block of {given} ({_blocks(n_long)}, "
+            f"{int(sizes.sum()):,} tokens) is longer than the {fit} positions this model accepts: "
+            f"pass {fix}")
+    what = []
+    if n_long:
+        what.append(f"skips {n_long:,} of {_blocks(len(sizes))} ({int(sizes[long].sum()):,} of "
+                    f"{int(sizes.sum()):,} tokens): with {given} they are longer than the {fit} "
+                    "positions this model accepts")
+    if n_over:
+        what.append(f"{'' if n_long else f'with {given} '}gives the model {_blocks(n_over)} of "
+                    f"up to {int(sizes[over].max()) + cw} tokens with their context, beyond the "
+                    f"{fit} positions it accepts")
+    return f"fairseq-eval-lm {', and '.join(what)}; pass {fix} to evaluate every token"
 
 
 @patch("fairseq_eval_lm_block_length",
        "fairseq.tasks.language_modeling:LanguageModelingTask.eval_lm_dataloader",
-       "fairseq-eval-lm skips every block longer than the model accepts and reports 0 tokens, "
-       "perplexity 1.00, exit 0 (e.g. a Synthesizer LM without --tokens-per-sample): refuse a "
-       "--tokens-per-sample the model cannot serve, in one line",
+       "fairseq-eval-lm skips every block longer than the model accepts: when that is every "
+       "block it reports 0 tokens, perplexity 1.00, exit 0 (e.g. a Synthesizer LM without "
+       "--tokens-per-sample): refuse that case in one line; when some blocks fit, evaluate them "
+       "as fairseq does, plus one warning line with the counts and the flag that fixes it",
        known_source(_lm_eval_dataloader, "6ae1cc56dea42151"))
 def _eval_lm_block_length():
     from fairseq.tasks.language_modeling import LanguageModelingTask
@@ -535,8 +595,10 @@ def _eval_lm_block_length():
     def eval_lm_dataloader(self, dataset, max_tokens=36000, batch_size=None, max_positions=None,
                            num_shards=1, shard_id=0, num_workers=1, data_buffer_size=10,
                            context_window=0):
-        check_block_length(getattr(dataset, "sizes", None), self.args.tokens_per_sample,
-                           context_window, max_positions, self.args.sample_break_mode)
+        warning = check_block_length(getattr(dataset, "sizes", None), self.args.tokens_per_sample,
+                                     max_positions, self.args.sample_break_mode, context_window)
+        if warning:
+            logger.warning(f"{warning} (compat entry fairseq_eval_lm_block_length)")
         return original(self, dataset, max_tokens=max_tokens, batch_size=batch_size,
                         max_positions=max_positions, num_shards=num_shards, shard_id=shard_id,
                         num_workers=num_workers, data_buffer_size=data_buffer_size,

@@ -221,7 +221,8 @@ def test_spans_clamped_after_optimizer_step(lm_data):
                        .next_epoch_itr(shuffle=False)))
     loss, _, _ = criterion(model, sample)
     loss.backward()
-    task.optimizer_step(optimizer, model, 0)  # the step itself projects (UnitIntervalParameter)
+    task.optimizer_step(optimizer, model, 0)
+    model.perform_slowmo(optimizer.optimizer)  # fairseq's trainer, after every update: projects
     assert all(float(s.min()) >= 0 and float(s.max()) <= 1 for s in spans)
     assert float(spans[0].max()) == 1.0 and float(spans[1].min()) == 0.0
     assert clamp_spans(model) == 2

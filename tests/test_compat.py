@@ -12,8 +12,10 @@ import os
 import pytest
 import torch
 
-import fairseq_attnzoo  # noqa: F401  (registers the archs)
+import fairseq_attnzoo
 from fairseq import checkpoint_utils, tasks
+
+fairseq_attnzoo.enable()  # a script loading checkpoints: the weights-only allow-list first
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "compat")
 CHECKPOINTS = sorted(os.path.basename(p)[:-5] for p in glob.glob(f"{FIXTURES}/*.ckpt")

@@ -5,9 +5,11 @@
   the target alone; ``ATTNZOO_COMPAT_DISABLE=NAME`` / ``=all`` leave the targets unchanged (these
   run in a fresh interpreter, since patches are applied once per process);
 * ``fairseq_attnzoo.modules`` changes nothing at import time;
-* the projection hook works for optimizers that are not hashable, sees a parameter swapped into a
-  group of the same size, survives ``half()``/``to()`` under torch's swap/overwrite conversion
-  flags, and survives pickling.
+* the eval-lm block check: silent where nothing is skipped (unbounded, tuple or fitting
+  positions), one warning line where some blocks are skipped, one-line refusal where all are;
+* the projection hook is attached to one optimizer (never global), works for optimizers that are
+  not hashable, sees a parameter swapped into a group of the same size, survives
+  ``half()``/``to()`` under torch's swap/overwrite conversion flags, and survives pickling.
 """
 
 import copy
@@ -22,12 +24,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fairseq_attnzoo  # noqa: F401  (applies the table)
+import fairseq_attnzoo
 from fairseq_attnzoo import compat
-from fairseq_attnzoo.modules.constrained import BoundedParameter, UnitIntervalParameter
+from fairseq_attnzoo.errors import ZooConfigError
+from fairseq_attnzoo.modules.constrained import (BoundedParameter, UnitIntervalParameter,
+                                                 attach_projection)
 from fairseq_attnzoo.modules.precision import Float32Module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fairseq_attnzoo.__file__)))
+
+fairseq_attnzoo.enable()  # this process uses the plugin with fairseq (the table applied)
 
 
 def _python(code: str, **env) -> dict:
@@ -52,7 +58,6 @@ def test_every_entry_is_applied_on_the_pinned_stack():
     from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
     from torch.optim import optimizer as torch_optimizer
 
-    from fairseq_attnzoo.modules import constrained
     from fairseq_attnzoo.optim import mixed_precision
 
     names = [p.name for p in compat.PATCHES]
@@ -60,7 +65,7 @@ def test_every_entry_is_applied_on_the_pinned_stack():
     assert compat.status() == {n: compat.APPLIED for n in names}
     # ... and each did what its entry says
     assert argparse.Namespace in torch.serialization.get_safe_globals()
-    assert constrained.project_after_step in torch_optimizer._global_optimizer_post_hooks.values()
+    assert not torch_optimizer._global_optimizer_post_hooks  # spans: projected by their model
     assert np.compat.long is np.int64
     assert AMPOptimizer.step is mixed_precision.amp_step
     assert _FP16OptimizerMixin._sync_fp32_params_to_fp16.__qualname__.startswith("projecting_sync")
@@ -69,8 +74,6 @@ def test_every_entry_is_applied_on_the_pinned_stack():
     assert Trainer.train_step.__name__ == "train_step_counting_real_batches"
     # applying again is a no-op (once per process)
     assert compat.apply_all() == compat.status()
-    assert list(torch_optimizer._global_optimizer_post_hooks.values()).count(
-        constrained.project_after_step) == 1
 
 
 def test_describe_lists_every_entry_with_its_status_and_target():
@@ -82,12 +85,14 @@ def test_describe_lists_every_entry_with_its_status_and_target():
 
 
 def test_docs_document_every_entry():
-    """docs/compatibility.md's table names every entry (a patch users cannot see is a patch
-    they cannot opt out of)."""
+    """docs/compatibility.md's table names every entry and nothing else (a patch users cannot see
+    is a patch they cannot opt out of)."""
     with open(os.path.join(ROOT, "docs", "compatibility.md")) as f:
         rows = [line for line in f if line.startswith("| `")]
-    missing = [p.name for p in compat.PATCHES if not any(f"| `{p.name}` |" in r for r in rows)]
-    assert not missing, f"docs/compatibility.md's table lacks {missing}"
+    names = {p.name for p in compat.PATCHES}
+    documented = {r.split("`")[1] for r in rows}
+    assert documented == names, (f"undocumented: {sorted(names - documented)}; documented but "
+                                 f"not in the table: {sorted(documented - names)}")
 
 
 def test_padding_batch_of_a_mixed_update_counts_nothing_and_runs_first():
@@ -143,6 +148,7 @@ import argparse, json, sys, numpy as np, torch
 {prelude}
 import fairseq_attnzoo
 from fairseq_attnzoo import compat
+fairseq_attnzoo.enable()
 from fairseq.optim.amp_optimizer import AMPOptimizer
 from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 from fairseq.logging import meters
@@ -234,6 +240,52 @@ print(json.dumps({
     assert got["ours"] == [], "modules/ must not import the fairseq wiring"
 
 
+# ---- fairseq_eval_lm_block_length ----------------------------------------------------------------
+
+def test_eval_lm_block_check_is_silent_when_nothing_is_skipped():
+    sizes = [150, 40]
+    for positions in (float("inf"), None, 150, (None, 200), [300, 150]):
+        assert compat.check_block_length(sizes, 150, positions) is None, positions
+    assert compat.check_block_length(None, 150, 64) is None
+
+
+@pytest.mark.parametrize("positions", [64, 64.0, (64, None), (1024, 64)])
+def test_eval_lm_block_check_warns_with_counts_when_some_blocks_fit(positions):
+    """fairseq skips the blocks longer than the model's positions (its filter: size > limit, for
+    a tuple any entry) and evaluates the rest: the entry keeps that and says so in one line."""
+    warning = compat.check_block_length([150, 40, 64], 150, positions)
+    assert warning == ("fairseq-eval-lm skips 1 of 3 blocks (150 of 254 tokens): with "
+                       "--tokens-per-sample 150 they are longer than the 64 positions this model "
+                       "accepts; pass --tokens-per-sample 64 to evaluate every token")
+    eos = compat.check_block_length([150, 40], 512, positions, "eos")
+    assert "--tokens-per-sample 512 --sample-break-mode eos" in eos
+    assert eos.endswith("pass --sample-break-mode none --tokens-per-sample 64 to evaluate every "
+                        "token")
+
+
+def test_eval_lm_block_check_warns_when_the_context_window_overflows():
+    """fairseq filters blocks by their own length; --context-window adds up to that many tokens of
+    context: a block that fits alone but not with its context gets the warning too."""
+    warning = compat.check_block_length([32, 32, 16], 32, 24, context_window=16)
+    assert warning == ("fairseq-eval-lm skips 2 of 3 blocks (64 of 80 tokens): with "
+                       "--tokens-per-sample 32 --context-window 16 they are longer than the 24 "
+                       "positions this model accepts, and gives the model 1 block of up to 32 "
+                       "tokens with their context, beyond the 24 positions it accepts; pass "
+                       "--tokens-per-sample 8 --context-window 16 to evaluate every token")
+    only = compat.check_block_length([8, 4], 8, 10, context_window=4)
+    assert only.startswith("fairseq-eval-lm with --tokens-per-sample 8 --context-window 4 gives "
+                           "the model 1 block of up to 12 tokens")
+    assert compat.check_block_length([8, 4], 8, 12, context_window=4) is None
+
+
+def test_eval_lm_block_check_refuses_when_nothing_would_be_evaluated():
+    with pytest.raises(ZooConfigError) as e:
+        compat.check_block_length([150, 100], 150, 64)
+    assert str(e.value) == ("fairseq-eval-lm would evaluate nothing: every block of "
+                            "--tokens-per-sample 150 (2 blocks, 250 tokens) is longer than the 64 "
+                            "positions this model accepts: pass --tokens-per-sample 64")
+
+
 # ---- the projection hook -------------------------------------------------------------------------
 
 class Span(Float32Module):
@@ -263,9 +315,27 @@ class UnhashableSGD(torch.optim.SGD):
         return self is other
 
 
+def test_projection_is_attached_to_one_optimizer_only():
+    """No global hook: an optimizer without :func:`attach_projection` leaves the parameter out of
+    its bounds; the handle removes the hook again."""
+    z = UnitIntervalParameter(torch.full((3,), 0.5))
+    plain = torch.optim.SGD([z], lr=1.0)
+    _push_out_of_bounds([z], plain)
+    assert torch.equal(z.detach(), torch.full((3,), 10.5))
+    z = UnitIntervalParameter(torch.full((3,), 0.5))
+    opt = torch.optim.SGD([z], lr=1.0)
+    handle = attach_projection(opt)
+    _push_out_of_bounds([z], opt)
+    assert torch.equal(z.detach(), torch.ones(3))
+    handle.remove()
+    _push_out_of_bounds([z], opt)
+    assert torch.equal(z.detach(), torch.full((3,), 11.0))
+
+
 def test_unhashable_optimizer_steps_and_projects():
     z = UnitIntervalParameter(torch.full((3,), 0.5))
     opt = UnhashableSGD([z], lr=1.0)
+    attach_projection(opt)
     with pytest.raises(TypeError):
         hash(opt)
     _push_out_of_bounds([z], opt)
@@ -275,6 +345,7 @@ def test_unhashable_optimizer_steps_and_projects():
 def test_bounded_parameter_swapped_into_a_group_of_the_same_size_is_projected():
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([a, b], lr=1.0)
+    attach_projection(opt)
     _push_out_of_bounds([a, b], opt)  # the hook has seen this group: no bounded parameter
     z = UnitIntervalParameter(torch.full((3,), 0.5))
     opt.param_groups[0]["params"][1] = z  # same number of parameters
@@ -329,6 +400,7 @@ def test_cast_keeps_float32_and_the_class_under_torch_conversion_flags(conversio
                                        "cpu": torch.float32}[cast]
     assert [n for n, _ in model.named_parameters()] == ["proj.weight", "proj.bias", "span.z"]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    attach_projection(opt)
     _push_out_of_bounds([z], opt)
     assert torch.equal(model.span.z.detach(), torch.ones(3))
 
@@ -341,6 +413,7 @@ def test_pickle_round_trip_keeps_the_class_and_the_projection():
         assert type(z) is UnitIntervalParameter and z.requires_grad
         assert torch.equal(z.detach(), model.span.z.detach())
         opt = torch.optim.Adam(clone.parameters(), lr=1.0)
+        attach_projection(opt)
         _push_out_of_bounds([z], opt)
         assert torch.equal(clone.span.z.detach(), torch.ones(3))
 

@@ -134,9 +134,12 @@ def synth_lm(lm_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags,words", [
-    ([], ["--tokens-per-sample 1024", "24 positions", "--tokens-per-sample 24"]),
+    ([], ["evaluate nothing", "--tokens-per-sample 1024", "24 positions",
+          "--tokens-per-sample 24"]),
+    # fairseq skips the blocks of 32 and evaluates the last, shorter one, which its context makes
+    # longer than the tables: the model says so (compat warned before, in the log)
     (["--tokens-per-sample", "32", "--context-window", "16"],
-     ["--tokens-per-sample 32", "--context-window 16", "--tokens-per-sample 24"]),
+     ["sequence length 32", "synthesizer max length 24", "--synth-max-len"]),
 ])
 def test_eval_lm_refuses_a_block_the_model_cannot_serve(lm_data, synth_lm, flags, words):
     """Used to report "Evaluated 0 tokens ... Perplexity: 1.00" and exit 0."""

@@ -20,13 +20,17 @@ import torch
 from collections import Counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fairseq_attnzoo  # noqa: F401  (registers everything)
+import fairseq_attnzoo
 from fairseq import options, tasks
 from fairseq.models import ARCH_MODEL_REGISTRY
 
 from fairseq_attnzoo.models.registry import ArchTests, arch_tests
 from fairseq_attnzoo.models.sublayers import (SLOT_FLAGS, SUBLAYER_REGISTRY, layer_names,
                                               tiny_overrides)
+
+# the suite drives fairseq in-process (its CLIs, checkpoints, stock tasks) with the plugin, as a
+# script does: `--user-dir` finds the package already imported, so enable the compat table here
+fairseq_attnzoo.enable()
 
 class DispatchedOps(TorchDispatchMode):
     """The aten ops dispatched inside ``with DispatchedOps() as ops:``, below autograd (so the

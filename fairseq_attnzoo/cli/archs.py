@@ -219,8 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import fairseq_attnzoo
+
     p = build_parser()
     a = p.parse_args(argv)
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     if a.compat:
         from fairseq_attnzoo import compat
 

@@ -75,7 +75,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    import fairseq_attnzoo  # noqa: F401  (allow-lists argparse.Namespace for the safe loader)
+    import fairseq_attnzoo
+
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
 
     inputs = [Path(x) for x in args.inputs]
     if len(inputs) == 1 and inputs[0].is_dir():

@@ -241,7 +241,9 @@ def main(argv=None):
     t0 = time.perf_counter()
     import torch
 
-    import fairseq_attnzoo  # noqa: F401  (registers the archs; allow-lists argparse.Namespace)
+    import fairseq_attnzoo
+
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils
     from omegaconf import OmegaConf
 

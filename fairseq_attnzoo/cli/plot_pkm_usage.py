@@ -27,6 +27,10 @@ def load(path, data, user_dir, cpu):
     from fairseq import checkpoint_utils, utils
 
     utils.import_user_module(argparse.Namespace(user_dir=user_dir))
+    import fairseq_attnzoo
+
+    # (import_user_module does nothing when this package is already imported, as here)
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
         [path], arg_overrides={"data": data})
     model = models[0].eval()

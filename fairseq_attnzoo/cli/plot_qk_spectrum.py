@@ -102,7 +102,9 @@ def components_for(curve, fraction: float) -> int:
 def load_curves(path: str, center: bool = False):
     """{layer: (product curve, W_Q curve)} of a checkpoint (see :func:`spectra`); {} when it has
     no attention layer with q_proj/k_proj."""
-    import fairseq_attnzoo  # noqa: F401  (allow-lists argparse.Namespace for torch.load)
+    import fairseq_attnzoo
+
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils
 
     state = checkpoint_utils.load_checkpoint_to_cpu(path)

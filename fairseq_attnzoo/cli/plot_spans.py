@@ -21,7 +21,9 @@ from fairseq_attnzoo.cli import output_file, require
 
 def load_spans(path: str):
     """-> (S, R, [per layer: tensor of z per head]) from a fairseq checkpoint."""
-    import fairseq_attnzoo  # noqa: F401  (allow-lists argparse.Namespace for torch.load)
+    import fairseq_attnzoo
+
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils
 
     state = checkpoint_utils.load_checkpoint_to_cpu(path)

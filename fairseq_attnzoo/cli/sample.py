@@ -75,7 +75,9 @@ def _fail(message: str):
 
 
 def main(argv: List[str] = None) -> int:
-    import fairseq_attnzoo  # noqa: F401  (registers the models, task, criterion, optimizer)
+    import fairseq_attnzoo
+
+    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils, options, utils
     from fairseq.data import encoders
     from fairseq.models import FairseqEncoderDecoderModel

@@ -9,8 +9,9 @@ bits per target token (bits per character on byte-level data such as enwik8), ``
 positions, ramp not included) and per layer ``span_avg_<i>`` / ``span_max_<i>``.
 
 Works with any model that contains :class:`~fairseq_attnzoo.modules.adaptive_span.AdaptiveMask`
-modules (and as plain cross-entropy with any other LM), with any task: the spans are kept in [0, S]
-by the optimizer step itself (``UnitIntervalParameter``, also on ``--fp16`` master copies).
+modules (and as plain cross-entropy with any other LM), with any task. The spans are kept in
+[0, S] by the model after every update of fairseq's trainer (``UnitIntervalParameter``; under
+``--fp16``/``--bf16`` on the fp32 master copies too), not by the criterion.
 """
 
 import math
@@ -25,6 +26,7 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 
+from .. import compat
 from ..modules.adaptive_span import layer_spans, span_penalty
 
 
@@ -39,6 +41,7 @@ class SpanLossConfig(FairseqDataclass):
 @register_criterion("attnzoo_span_loss", dataclass=SpanLossConfig)
 class AdaptiveSpanLoss(FairseqCriterion):
     def __init__(self, task, sentence_avg: bool, no_layer_spans: bool = False):
+        compat.apply_all()  # fairseq builds our criterion: it uses the plugin
         super().__init__(task)
         self.sentence_avg = sentence_avg
         self.log_layer_spans = not no_layer_spans

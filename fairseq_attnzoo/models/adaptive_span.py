@@ -40,6 +40,8 @@ from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, regi
 from ..modules.adaptive_span import (KERNELS as SPAN_KERNELS, AdaptiveMask, clamp_spans,
                                      layer_spans, span_penalty)
 from ..modules.span_stack import AdaptiveSpanStack
+from .. import compat
+from ..modules.constrained import project_bounded_
 from .registry import apply_base_arch, fill_unset, register_arch, register_base_arch
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,36 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
                              "0 = none (default 0)"})
     share_decoder_input_output_embed: bool = field(
         default=False, metadata={"help": "tie input and output embeddings (reference: untied)"})
+
+
+def _common_flag(args, name: str) -> bool:
+    """A precision flag of the run: on the argparse Namespace fairseq-train builds models from, or
+    (fairseq-hydra-train hands over the ``model`` node of its config) in the config's ``common``."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.is_config(args):
+        return bool(getattr(args, name, False))
+    common = args._get_root().get("common", None)
+    return bool(args.get(name, None) or (common is not None and common.get(name, False)))
+
+
+def uses_fp16_optimizer(args) -> bool:
+    """Whether fairseq's trainer steps fp32 master copies (``FP16Optimizer``) for these flags."""
+    flag = lambda name: _common_flag(args, name)  # noqa: E731
+    return ((flag("fp16") or flag("bf16")) and not flag("amp")
+            and not (flag("memory_efficient_fp16") or flag("memory_efficient_bf16")))
+
+
+def _check_projection(args):
+    """The spans are projected onto [0, 1] after every update by the model itself; refuse the
+    setups where that projection would silently not happen."""
+    if getattr(args, "ddp_backend", None) == "slowmo":
+        raise ValueError("--ddp-backend slowmo replaces the post-update call that projects the "
+                         "adaptive spans onto [0, 1]: use --ddp-backend legacy_ddp or c10d")
+    if uses_fp16_optimizer(args):
+        compat.require("fairseq_fp16_master_projection",
+                       "adaptive spans under --fp16/--bf16 (fp32 master copies kept in [0, 1])",
+                       "or train with --amp or --memory-efficient-fp16")
 
 
 def _check(args):
@@ -312,10 +344,21 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
         apply_base_arch(cls, args)  # (fairseq may build from options no arch function filled)
         _check(args)
+        _check_projection(args)
         _check_task(task)
         return cls(AdaptiveSpanDecoder(args, task.target_dictionary))
+
+    def perform_slowmo(self, optimizer, fp32_params=None):
+        """Called by fairseq's trainer after every update (``Trainer.train_step``: "some
+        distributed wrappers need access to the optimizer after the step"): project the spans,
+        the model's bounded parameters, into [0, 1] -- projected gradient descent on exactly the
+        model the trainer steps, with no hook on any other optimizer. Under ``FP16Optimizer`` the
+        fp32 masters were projected before fairseq copied them into the model (compat entry
+        ``fairseq_fp16_master_projection``), so this finds them in range."""
+        project_bounded_(self)
 
     # span bookkeeping used by the criterion, the task and attnzoo-plot spans
     def span_penalty(self) -> Optional[Tensor]:

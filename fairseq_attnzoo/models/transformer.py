@@ -36,6 +36,7 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from .. import compat
 from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
 from .sublayers import (
     SublayerSpec,
@@ -302,6 +303,7 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
         args = _as_namespace(args)
         _check_supported(args)
         with sharing_scope():  # one model: shared state, and each method's options built once
@@ -331,6 +333,7 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
         args = _as_namespace(args)
         _check_supported(args)
         with sharing_scope():  # one model: shared state, and each method's options built once

@@ -157,7 +157,7 @@ class AdaptiveMask(Float32Module):
             nn.init.constant_(self.span_proj.bias, math.log(p / (1 - p)))
             self.span = None  # (a plain attribute: fairseq lists None parameters as "shared")
         else:
-            # z / S per head, kept in [0, 1] after every optimizer step (a UnitIntervalParameter:
+            # z / S per head, kept in [0, 1] after every update (a UnitIntervalParameter:
             # see modules/constrained.py; reference scale: Adagrad's step size is per parameter, so this
             # scale sets how fast spans move)
             self.span = UnitIntervalParameter(torch.full((num_heads,), float(init)))
@@ -220,8 +220,9 @@ class AdaptiveMask(Float32Module):
 
     @torch.no_grad()
     def clamp_(self):
-        """Keep z in [0, S]. Optimizer steps do this by themselves (``UnitIntervalParameter``);
-        call it after editing spans by hand."""
+        """Keep z in [0, S]. Under fairseq's trainer the model does this after every update; in a
+        PyTorch loop ``attach_projection(optimizer)`` (modules/constrained.py) does it after every
+        step of that optimizer; call it after editing spans by hand."""
         if not self.dynamic:
             self.span.project_()
 
@@ -563,8 +564,9 @@ def span_penalty(model: nn.Module) -> Optional[Tensor]:
 
 def clamp_spans(model: nn.Module) -> int:
     """Clamp every span into [0, S] by hand; returns the number of span modules. (Not needed after
-    optimizer steps: spans are ``UnitIntervalParameter``s, projected by every step -- on fairseq's
-    fp32 master copies too, see :mod:`fairseq_attnzoo.optim.mixed_precision`.)"""
+    updates of fairseq's trainer, after which the model projects its ``UnitIntervalParameter``s --
+    on fairseq's fp32 master copies too, see :mod:`fairseq_attnzoo.optim.mixed_precision` -- nor
+    after steps of an optimizer given ``attach_projection``.)"""
     masks = list(span_masks(model))
     for m in masks:
         m.clamp_()

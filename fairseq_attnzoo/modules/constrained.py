@@ -1,14 +1,17 @@
 """Parameters with a box constraint, kept inside it by projected gradient descent.
 
-A :class:`BoundedParameter` is clamped into [``low``, ``high``] after every optimizer step:
+A :class:`BoundedParameter` is clamped into [``low``, ``high``] after every optimizer step, by the
+optimizer that trains it and no other:
 
-* by a ``torch.optim`` step post-hook (:func:`install_projection_hook`), for any optimizer that
-  updates the model's own parameters (fp32, ``--amp``, ``--memory-efficient-fp16``/``bf16``); the
-  plugin installs it through :mod:`fairseq_attnzoo.compat` (torch-only users call it themselves);
-* under fairseq's ``FP16Optimizer`` (``--fp16``/``--bf16``), on the fp32 master copy before it is
-  copied into the model (:mod:`fairseq_attnzoo.optim.mixed_precision`).
+* in a plain PyTorch loop, :func:`attach_projection` registers a step post-hook on *that*
+  optimizer instance (``optimizer.register_step_post_hook``); or call :func:`project_bounded_`
+  on the model after each step;
+* under fairseq's trainer, the model projects its own parameters after every update
+  (``fairseq_attnzoo/models/adaptive_span.py``), and under ``FP16Optimizer`` (``--fp16``/``--bf16``)
+  the fp32 master copies are projected before fairseq copies them into the model
+  (:mod:`fairseq_attnzoo.optim.mixed_precision`).
 
-Imports torch only and changes nothing at import time.
+Imports torch only and changes nothing at import time (no global optimizer hook).
 """
 
 import math
@@ -79,17 +82,22 @@ def bounded_params_of(optimizer) -> List[BoundedParameter]:
 
 
 def project_after_step(optimizer, args=None, kwargs=None):
-    """``torch.optim`` step post-hook: project the bounded parameters this optimizer updates."""
+    """Step post-hook of one optimizer: project the bounded parameters it updates."""
     for p in bounded_params_of(optimizer):
         p.project_()
 
 
-_HOOK = []
+def attach_projection(optimizer):
+    """Project the bounded parameters ``optimizer`` updates after each of its steps (a hook on this
+    optimizer instance only, never a global one). Returns the hook's handle (``.remove()``)."""
+    return optimizer.register_step_post_hook(project_after_step)
 
 
-def install_projection_hook():
-    """Register :func:`project_after_step` as a global ``torch.optim`` step post-hook (once)."""
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _HOOK.append(register_optimizer_step_post_hook(project_after_step))
+def project_bounded_(module: nn.Module) -> int:
+    """Clamp every bounded parameter of ``module`` into its bounds, in place; returns how many."""
+    n = 0
+    for p in module.parameters():
+        if isinstance(p, BoundedParameter):
+            p.project_()
+            n += 1
+    return n

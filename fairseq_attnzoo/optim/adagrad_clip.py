@@ -23,6 +23,8 @@ from omegaconf import II
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 
+from .. import compat
+
 
 @dataclass
 class AdagradClipConfig(FairseqDataclass):
@@ -90,6 +92,7 @@ class AdagradClip(torch.optim.Optimizer):
 @register_optimizer("adagrad_clip", dataclass=AdagradClipConfig)
 class FairseqAdagradClip(FairseqOptimizer):
     def __init__(self, cfg: AdagradClipConfig, params):
+        compat.apply_all()  # fairseq builds our optimizer: it uses the plugin
         super().__init__(cfg)
         self._optimizer = AdagradClip(params, **self.optimizer_config)
 

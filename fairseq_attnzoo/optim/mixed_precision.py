@@ -26,11 +26,12 @@
    direction as one ``torch._foreach_copy_`` over views of the buffer made once per buffer. The
    values are the same copies.
 
-Constraints: a :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (e.g. an adaptive span) is projected into
-its bounds after every optimizer step by a global ``torch.optim`` step hook. That covers every case
-in which the optimizer updates the model's own parameters: fp32, ``--amp`` (``AMPOptimizer``: fp32
-parameters) and ``--memory-efficient-fp16``/``--memory-efficient-bf16`` (the optimizer steps the
-half parameters directly).
+Constraints: a :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (e.g. an adaptive
+span) is projected into its bounds after every update by the model that owns it (fairseq's trainer
+calls the model after each step, ``models/adaptive_span.py``). That covers every case in which the
+optimizer updates the model's own parameters: fp32, ``--amp`` (``AMPOptimizer``: fp32 parameters)
+and ``--memory-efficient-fp16``/``--memory-efficient-bf16`` (the optimizer steps the half
+parameters directly).
 
 Under ``--fp16``/``--bf16`` fairseq's ``FP16Optimizer`` steps **fp32 master copies** (a list, or
 one flat buffer per device) and then copies them into the half model in

@@ -69,6 +69,7 @@ from fairseq.logging import metrics
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
+from .. import compat
 from ..modules.pkm import VALUES_GROUP
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ class PKMAdam(FairseqOptimizer):
     """fairseq optimizer: Adam, plus a separate (and possibly sparse) Adam for PKM values."""
 
     def __init__(self, cfg: PKMAdamConfig, params):
+        compat.apply_all()  # fairseq builds our optimizer: it uses the plugin
         super().__init__(cfg)
         params = list(params)
         if params and isinstance(params[0], dict):  # FP16Optimizer's flat {device: buffer}

@@ -34,6 +34,8 @@ from fairseq.data import FairseqDataset, data_utils, iterators
 from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
+from .. import compat
+
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,11 @@ class StreamBatches(torch.utils.data.Dataset):
 @register_task("attnzoo_stream_lm", dataclass=StreamLMConfig)
 class StreamLanguageModelingTask(LanguageModelingTask):
     """Contiguous streams of blocks for cached (Transformer-XL style) LMs; see module docstring."""
+
+    @classmethod
+    def setup_task(cls, args, **kwargs):
+        compat.apply_all()  # fairseq sets up our task: it uses the plugin
+        return super().setup_task(args, **kwargs)
 
     def load_dataset(self, split: str, epoch=1, combine=False, **kwargs):
         paths = utils.split_paths(self.args.data)

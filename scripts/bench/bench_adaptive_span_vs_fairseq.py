@@ -53,15 +53,15 @@ def fairseq_example_dir() -> str:
 def fairseq_cli(name: str, plugin_patches: bool = False):
     """``fairseq-<name>`` (same entry point) in a Python that first allow-lists argparse.Namespace
     for torch >= 2.6's weights-only checkpoint loading: fairseq's example does not do it (our
-    plugin does on import), so without this it cannot resume or evaluate its own checkpoints.
-    ``plugin_patches``: import our plugin first, so that fairseq's example trains with the same
+    plugin does when fairseq loads it), so without this it cannot resume or evaluate its own checkpoints.
+    ``plugin_patches``: enable our plugin first (``fairseq_attnzoo.enable()``), so that fairseq's example trains with the same
     fixes of fairseq as ours (fairseq_attnzoo/compat.py: --amp unscaled once, --bf16 without
     --tpu); only for commands that do not load our plugin through --user-dir themselves."""
     from scripts.bench.benchlib import PEAK_TAG
 
     code = ("import argparse, sys, torch; "
             "torch.serialization.add_safe_globals([argparse.Namespace]); "
-            + ("import fairseq_attnzoo; " if plugin_patches else "")
+            + ("import fairseq_attnzoo; fairseq_attnzoo.enable(); " if plugin_patches else "")
             + f"from fairseq_cli.{name} import cli_main; sys.argv[0] = 'fairseq-{name}'; cli_main()"
             # the peak CUDA memory of the process (the segments of a run: the largest)
             + f"; torch.cuda.is_available() and print('{PEAK_TAG}', "
