@@ -37,7 +37,7 @@ def _fairseq_problem() -> Optional[str]:
     if not (lo <= version < hi):
         return (f"fairseq_attnzoo supports fairseq >= {'.'.join(map(str, lo))}, < "
                 f"{'.'.join(map(str, hi))} but found {fairseq.__version__}: install "
-                "fairseq-fixed==0.12.3.1 (see README, Installation)")
+                "fairseq-fixed==0.12.3.1 (see the README, Install)")
     return None
 
 
