@@ -201,9 +201,10 @@ def _check_task(task):
     from ..errors import ZooConfigError
     from ..tasks.stream_lm import StreamLanguageModelingTask
 
-    if isinstance(task, StreamLanguageModelingTask):
-        return
-    from fairseq.tasks import TASK_REGISTRY
+    from fairseq.tasks import TASK_REGISTRY, FairseqTask
+
+    if isinstance(task, StreamLanguageModelingTask) or not isinstance(task, FairseqTask):
+        return  # (a script may build the model with any object that has a target_dictionary)
 
     name = next((f"--task {n}" for n, cls in TASK_REGISTRY.items() if cls is type(task)),
                 type(task).__name__)
