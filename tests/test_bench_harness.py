@@ -154,12 +154,20 @@ def test_the_docs_tables_are_the_records(tmp_path):
 
 
 def test_every_case_has_a_tiny_size_and_the_harness_stays_small():
-    """Every row kind dry-runs at ``--size tiny``; scripts/bench stays within its line budget."""
+    """Every row kind dry-runs at ``--size tiny``; every stage of the offline driver names cases
+    that exist; scripts/bench stays within its line budget."""
     import glob
     import os
+    import subprocess
 
     from scripts.bench.cases import CASES
-    from scripts.bench.harness import Kernel
+    from scripts.bench.harness import Kernel, select
+
+    plan = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), "plan"],
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(plan) >= 10
+    for line in plan:
+        assert select(line.split(": ", 1)[1].split()), line
 
     assert {c.level for c in CASES} == {"kernel", "train", "quality"}
     for c in CASES:

@@ -45,6 +45,19 @@ def identity(r):
             row.get("run"), row.get("precision"), row.get("seed"))
 
 
+def format_table(rows, cols=None, cell=None) -> str:
+    """A markdown table of dict rows: ``cols`` (default: every key, in order of appearance),
+    cells by ``cell(column, value)`` (default: floats to 3 decimals, or 1 from 100 up)."""
+    if not rows:
+        return "(no rows)\n"
+    cols = cols or list(dict.fromkeys(k for r in rows for k in r))
+    cell = cell or (lambda c, v: (f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}")
+                    if isinstance(v, float) else str(v))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(c, r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def fmt(key, v):
     if v is None:
         return "n/a"
@@ -102,8 +115,7 @@ def render(pattern, records):
         if any(row.get("suspect") for row in rows):
             out.append("**Suspect**: a baseline ran below its sanity floor (the floor column); "
                        "these ratios stand only once that is explained.\n")
-        out.append("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "".join(
-            "| " + " | ".join(fmt(c, row.get(c)) for c in cols) + " |\n" for row in rows))
+        out.append(format_table(rows, cols, lambda c, v: fmt(c, v)))
         runs = sorted({(r["run"], r["commit"], r["torch"], r["cuda"], r["command"]) for r in rs})
         out.append("\n" + "".join(f"- {run}, commit {commit}, torch {torch}, CUDA {cuda}: "
                                   f"`{command}`\n" for run, commit, torch, cuda, command in runs))
