@@ -230,8 +230,8 @@ def run_kernel(case: Kernel, p: dict, device, dtype, repeats, roofline) -> Dict[
 
 def train_child(argv):
     """``fairseq-train argv`` in this process (``--_train``): on CUDA, the peak of every update is
-    read just before fairseq resets it and printed last (``PEAKS_TAG``); with ``PROFILE_TAG`` in
-    the environment, N updates of epoch 2 (or after the first N) are profiled."""
+    read just before fairseq resets it (once per update) and printed last (``PEAKS_TAG``); with
+    ``PROFILE_TAG`` = N in the environment, the N updates after the first N are profiled."""
     import argparse as ap
 
     import torch
@@ -259,8 +259,8 @@ def train_child(argv):
 
 
 def profile_updates(n: int):
-    """Profile ``n`` updates after the first ``n`` (warm shapes where an epoch is short; the
-    top ops by self device time are printed as a table after them)."""
+    """Profile the ``n`` updates after the first ``n``; print their top ops by self device time
+    (CPU: self CPU time), per update: [op, calls, ms, % of the ops' total]."""
     import torch
     from fairseq.trainer import Trainer
 
@@ -487,7 +487,7 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", help="only the quality runs and kernel shapes whose label "
                    "contains one of these strings")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="train: profile N warm updates of each first run (top ops)")
+                   help="train: profile N updates after the first N of every run (top ops, in the record)")
     p.add_argument("--data-mt", default=os.path.join(REPO, "data/libreoffice/bin"))
     p.add_argument("--data-lm", default=os.path.join(REPO, "data/wiki-gensim/bin"))
     p.add_argument("--records", default=RECORDS, help="append the records here ('' = nowhere)")

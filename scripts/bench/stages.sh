@@ -11,7 +11,7 @@
 #   bash scripts/bench/stages.sh plan                 the stages and their cases
 #   bash scripts/bench/stages.sh run RECORDS STAGE... run stages (BENCH_ARGS: more harness flags)
 #
-# DRY=1: every stage at toy size on the CPU with this checkout's .venv (check a plan before
+# DRY=1: every stage at toy size on the CPU with this checkout's .venv (VENV=) (check a plan before
 # spending device time on it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root
@@ -19,7 +19,7 @@ SITE=${SITE:-/tmp/site}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH
 PY=python3
 if [ -n "${DRY:-}" ]; then
-    export PYTHONPATH=$PWD PATH=$PWD/.venv/bin:$PATH TRITON_INTERPRET=1
+    export PYTHONPATH=$PWD PATH=${VENV:-$PWD/.venv}/bin:$PATH TRITON_INTERPRET=1
     PY=python BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
 fi
 declare -A STAGES=(
