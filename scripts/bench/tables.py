@@ -106,7 +106,8 @@ def render(pattern, records):
         level = rs[0]["level"]
         rows = (quality_rows(rs) if level == "quality"
                 else [{**r["row"], "case": r["case"]} for r in rs])
-        cols = [c for c in COLUMNS[level] if any(c in row for row in rows)]
+        cols = [c for c in COLUMNS[level] if any(  # (a peak is "n/a" off CUDA, never dropped)
+            c in row and (row[c] is not None or "peak" in c) for row in rows)]
         if len({r["case"] for r in rs}) == 1:
             cols.remove("case")
         what = f"dtype {dtype}" if level == "kernel" else f"size {size}"
