@@ -338,6 +338,7 @@ def timed_run(flags, data, a, warm, seed) -> Dict[str, Any]:
     for r in logs:  # updates and seconds of each interval
         r["n"], done = int(r["num_updates"]) - done, int(r["num_updates"])
         r["s"] = r["n"] * float(r["wpb"]) / max(float(r["wps"]), 1e-9)
+    logs = [r for r in logs if float(r["wps"]) > 0]  # (fairseq gives its first update no rate)
     if warm == "epoch":
         cold = [r for r in logs if int(r["epoch"]) == 1]
         hot = [r for r in logs if int(r["epoch"]) > 1][1:]  # (the first holds epoch 1's tail)
