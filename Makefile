@@ -15,6 +15,9 @@ THREADS ?= 2
 ARCHS   ?=
 LM_ARCHS ?=
 DEMO_ARGS ?=
+# bench: which cases (CASES, e.g. "device aop/sublayer-vs-ffn"; default: list them) and any other
+# option (BENCH_ARGS); see docs/performance.md
+CASES ?= --list
 BENCH_ARGS ?=
 
 .PHONY: install test test-fast demo data bench clean-venv
@@ -39,10 +42,10 @@ demo: data
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m scripts.demo.demo $(if $(ARCHS),--archs "$(ARCHS)") \
 	  $(if $(LM_ARCHS),--lm-archs "$(LM_ARCHS)") $(DEMO_ARGS)
 
-# tables are appended to results/benchmarks.md (ignored by git); docs/benchmarks.md keeps the
-# published ones
-bench: data
-	$(VPY) -m scripts.bench.bench $(BENCH_ARGS)
+# records are appended to docs/benchmarks.jsonl; `python -m scripts.bench.tables` renders the
+# tables of docs/performance.md from them
+bench: install
+	$(VPY) -m scripts.bench $(CASES) $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install fairseq-fixed and its missing dependencies on a machine with torch but no package index
 # (e.g. a GPU box), from a folder of downloaded wheels and sdists; then our plugin runs from the
-# checkout (PYTHONPATH). Prepare the folder where pip works (docs/gpu.md, "Setup"):
+# checkout (PYTHONPATH). Prepare the folder where pip works (docs/performance.md, "Offline clusters"):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl hydra-core==1.3.2 omegaconf==2.3.0 bitarray cffi tensorboardX
 #   pip download --no-deps --no-binary :all: -d .whl antlr4-python3-runtime==4.9.3

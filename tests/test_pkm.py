@@ -272,10 +272,10 @@ def test_a_training_step_syncs_with_the_device_once(padded):
     output by the data (``nonzero``, ``bincount``) drains the GPU's queue. A memory layer's forward
     and backward need one: the ``nonzero`` that finds the tokens kept (the row ranges of the
     value gradient are found by a binary search, ``pkm_triton.row_ranges``). Counted on the CPU
-    with the benchmark's CUDA classification (``bench_paper_size.HostTensors``: the search's
+    with the benchmark's CUDA classification (``scripts/bench/syncs.py``: the search's
     candidate pairs, built once on the host, are no sync)."""
     from fairseq_attnzoo.modules import pkm
-    from scripts.bench.bench_paper_size import HostTensors
+    from scripts.bench.syncs import HostTensors
 
     syncs = []
 

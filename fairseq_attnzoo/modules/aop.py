@@ -88,7 +88,7 @@ class AttentionOverParameters(ZooFeedForward):
         #: (1: one sequence of all tokens; falls back to 1 when g does not divide N). Same
         #: function; what changes is the fused kernels' parallelism: their backward runs one
         #: block per (entry, head, block of slots), so one entry gives only h·n_p/block blocks
-        #: (scripts/bench/bench_kernels.py measures the choices)
+        #: (the benchmark case aop/sublayer-vs-ffn measures the choices)
         self.token_groups = 1
         #: in training the attention runs over the N tokens padded with zero queries to a
         #: multiple of this (0: not padded). Same function and gradients (a padded row's output

@@ -125,7 +125,7 @@ class _ProductTopk(torch.autograd.Function):
             # the overall top-k is among the pairs (a, b) of the two sorted lists; pair (a, b)
             # is beaten by every (a' <= a, b' <= b), so only pairs with (a+1)(b+1) <= knn can
             # make it (~k·ln k of the k² pairs: 119 of 1024 for k = 32)
-            # (gather with an expanded index / index_select: 2-3x faster than advanced indexing)
+            # (gather with an expanded index / index_select: faster than advanced indexing)
             cand = (s1.gather(-1, a.expand(e - s, h, -1))
                     + s2.gather(-1, b.expand(e - s, h, -1)))  # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩
             best_s, best = cand.topk(knn, dim=-1)
@@ -165,7 +165,7 @@ class _ProductTopk(torch.autograd.Function):
 
 
 #: elements of one CPU chunk of search scores [H, chunk, n_keys] (4 MB in float32; 512 tokens
-#: at H = 4, n_keys = 512: 128-1024 measured alike, ~10% faster than one [H, N, n_keys] block)
+#: at H = 4, n_keys = 512: chunks of 128-1024 tokens time alike, ahead of one [H, N, n_keys] block)
 _SCORE_CHUNK = 1 << 20
 
 
@@ -193,7 +193,7 @@ class _WeightedRowSum(torch.autograd.Function):
     both gradients are embedding-bag kernels over that order:
 
     * ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩ walks the table rows in increasing order (each read
-      row streamed once, repeats adjacent) instead of at random: 4× faster at the benchmark shape;
+      row streamed once, repeats adjacent) instead of at random;
     * the table gradient Σ_{idx[n,j] = r} w[n, j] · grad[n] is itself a bag over ``grad`` per
       row r: one bag per distinct row read (sparse: U × d, coalesced) or, for a dense gradient,
       one bag per table row, empty bags giving the zero rows -- the dense |K| × d gradient is

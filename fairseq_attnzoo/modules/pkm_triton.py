@@ -24,7 +24,7 @@ float32 whatever the table's dtype, and are used on CUDA when Triton is importab
   of sorted reads -- full tiles whatever the rows, no per-row loop -- whose value-gradient rows
   are summed by a segmented scan and written by the program that holds a row's first read (it
   reads on past its block while the row goes on); V is loaded per read (repeats hit the cache).
-  Also deterministic. ``bench_kernels --stages pkm_tune`` times both methods.
+  Also deterministic. The benchmark case ``pkm/launch-sweep`` times both methods.
 
 Triton is optional and imported on first use: without it (or on a CPU) the reference path runs.
 With ``TRITON_INTERPRET=1`` in the environment before Triton is imported, the kernels run on CPU
@@ -46,16 +46,16 @@ MAX_DIM = 8192
 #: elements of the [reads, columns] tile a program holds at once
 _TILE = 8192
 #: widest column chunk of one read program: a wider row is read by several programs, each like a
-#: d-512 program (measured on an H100 in bf16: a whole d-512 row per program moved its bytes at
-#: 92 % of the copy bandwidth, a whole d-1024 row per program at 55 %; docs/gpu.md §7)
+#: d-512 program (on an H100 a whole d-512 row per program came much closer to the copy bandwidth
+#: than a whole d-1024 row: docs/performance.md, ``pkm/value-read``; CHANGELOG)
 READ_COLS = 512
 
 
 class Launch(NamedTuple):
     """How a kernel is launched: ``cols`` columns per program (a row wider than that is split over
     programs along the grid's second axis), ``rows`` reads per loop step, ``warps`` per program.
-    The defaults are :func:`read_launch` / :func:`backward_launch`; ``bench_kernels --stages
-    pkm_tune`` times the alternatives on a GPU."""
+    The defaults are :func:`read_launch` / :func:`backward_launch`; the benchmark case
+    ``pkm/launch-sweep`` times the alternatives on a GPU."""
 
     cols: int
     rows: int
@@ -242,8 +242,8 @@ def read_launch(d: int, m: int) -> Launch:
 
 
 def backward_launch(d: int, method: str = "rows") -> Launch:
-    """The backward's launch. ``rows``: the whole row in one program (the H100 measurement in
-    docs/gpu.md §7: 28 % of the copy bandwidth at d 512, 30 % at d 1024), rows filling the tile;
+    """The backward's launch. ``rows``: the whole row in one program (measured on a GPU by the
+    benchmark case ``pkm/value-read``, docs/performance.md), rows filling the tile;
     ``reads``: column chunks of at most :data:`READ_COLS` and blocks of 8 reads (its segmented
     scan needs about twice the registers of a plain tile: 16 reads of 512 columns take 230 a
     thread on sm_90, 8 take 128)."""
@@ -295,7 +295,7 @@ def read(table: Tensor, indices: Tensor, weights: Tensor, launch: Optional[Launc
 #: tile whatever the rows, whose rows are summed by a segmented scan, each row written by the
 #: program that holds its first read (which reads on past its block while the row goes on)
 BACKWARDS = ("rows", "reads")
-#: the one :func:`backward` uses unless told (the other is bench_kernels' alternative)
+#: the one :func:`backward` uses unless told (the other is the launch sweep's alternative)
 BACKWARD = "rows"
 
 

@@ -100,8 +100,8 @@ def _identity(rows: int, cols: int, dtype: torch.dtype, device: torch.device) ->
 def _select_positions(table: Tensor, index: Tensor) -> Tensor:
     """``table[:, index]`` moved batch-first: [h, M, *rest] and index [B, *S] -> [B, h, *S, *rest]
     (a view of an [h, B, *S, *rest] tensor). Through ``index_select``, whose backward is an
-    ``index_add_``; advanced indexing's backward is a sorted ``index_put_``, which took ~5 ms per
-    layer and step for R at transformer-base size on an H100 (docs/gpu.md) and is 3x slower on CPU."""
+    ``index_add_``; advanced indexing's backward is a sorted ``index_put_``, the largest kernel of
+    a transformer-base step on an H100 (CHANGELOG; benchmark case ``synthesizer/pad-aware-gather``)."""
     out = table.index_select(1, index.reshape(-1))
     return out.view(table.shape[:1] + index.shape + table.shape[2:]).transpose(0, 1)
 

@@ -10,13 +10,13 @@
    update is scale-invariant only while the gradient is large against ε: at scale 2¹⁶ a gradient of
    1e-4 gets 13 % of its intended update, ``tests/test_amp_adam.py``); SGD, Adagrad and any
    per-tensor clipping notice it at every scale -- ``adagrad_clip`` (adaptive span) stopped
-   learning at unigram statistics under ``--amp`` on an H100 (docs/gpu.md). The fix steps the same
+   learning at unigram statistics under ``--amp`` on an H100 (CHANGELOG). The fix steps the same
    torch optimizer the scaler unscaled.
 3. **bf16 keeps one fp32 master per parameter.** ``FP16Optimizer.build_optimizer`` never flattens
    the masters under ``--bf16`` ("mixed precision is faster on TPUs without flat grads"). Off a TPU
    that turns every update into Python loops over the parameters (gradient copy, Adam, clipping,
-   the copy back): 5,394 of the 8,380 ops a transformer-base update dispatches, on a GPU that
-   waits for the host (docs/gpu.md). :func:`build_bf16_flat` gives bf16 the layout ``--fp16``
+   the copy back): most of the ops a transformer-base update dispatches, on a GPU that waits
+   for the host (CHANGELOG). :func:`build_bf16_flat` gives bf16 the layout ``--fp16``
    has: one flat fp32 buffer, unless ``--fp16-no-flatten-grads``, ``--tpu`` or an optimizer that
    does not take flat parameters (``pkm_adam``, ``adagrad_clip``), where fairseq's choice stands.
 4. **The flat buffer is filled and read one parameter at a time.** With flat masters (``--fp16``,

@@ -1,6 +1,6 @@
 """The demo size and the flags of every demo row, shared by the demo (scripts/demo/demo.py), its
-picture report (scripts/demo/report.py) and the benchmarks (scripts/bench/bench.py,
-scripts/bench/precision_runs.py).
+picture report (scripts/demo/report.py) and the benchmark's precision cases
+(scripts/bench/cases.py).
 
 The rows come from the arch registry (:func:`fairseq_attnzoo.cli.archs.zoo_archs`): every zoo
 translation arch (plus fairseq's stock ``transformer``) is an MT row, every stream-LM arch a

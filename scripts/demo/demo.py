@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from scripts.bench.benchlib import format_table as markdown
+from scripts.bench.tables import format_table as markdown
 from scripts.demo.config import (LM_DATA, REPO, USER_DIR, fairseq_bin, lm_cmd, lm_rows,
                                  make_command, mt_rows, train_cmd)
 

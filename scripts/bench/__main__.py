@@ -1,0 +1,5 @@
+import sys
+
+from scripts.bench.harness import main
+
+sys.exit(main())

@@ -1,0 +1,600 @@
+"""Every benchmark row, declared once (the harness: scripts/bench/harness.py; what each measures
+and why: docs/performance.md). ``paper``: the sizes of the papers and of people's training;
+``tiny``: the same rows shrunk, the CPU dry run the tests make."""
+
+import os
+import shlex
+
+import torch
+import torch.nn as nn
+
+from scripts.bench.harness import USER_DIR, Kernel, Quality, Train, fwd_bwd
+
+CASES = []
+add = CASES.append
+
+#: the stock baseline's sanity floor: (device class, "half" | "fp32", target tokens/s, source).
+#: Below it the harness, the environment or the flags are wrong, not the model.
+FLOORS = {"transformer-base": [
+    ("V100", "half", 35_000, "facebookresearch/fairseq#940: >= 160k wps on 4x V100 --fp16, "
+     "transformer_wmt_en_de, 3.5-4k tokens/GPU"),
+    ("V100", "fp32", 15_000, "facebookresearch/fairseq#940: ~73k wps on 4x V100 without --fp16"),
+    ("H100", "half", 100_000, "fairseq#940's ~40k per V100, scaled to an H100 (at least 2.5x)"),
+    ("H200", "half", 100_000, "fairseq#940's ~40k per V100, scaled to an H200 (at least 2.5x)")]}
+
+
+def randn(*shape, device, dtype, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_(grad)
+
+
+def on(module, device, dtype):
+    torch.manual_seed(0)
+    return module.to(device, dtype)
+
+
+def tokens(p, device, dtype, length=128):
+    """``p["tokens"]`` time-first tokens of width ``p["d"]`` as sentences of ``length``."""
+    t = length if p["tokens"] % length == 0 else p["tokens"]
+    return randn(t, p["tokens"] // t, p["d"], device=device, dtype=dtype)
+
+
+def ffn(p, device, dtype, bias=True):
+    """fairseq's position-wise FFN (fc1-ReLU-fc2, d_ff = ``p["ffn"]``)."""
+    m = nn.Sequential(nn.Linear(p["d"], p["ffn"], bias=bias), nn.ReLU(),
+                      nn.Linear(p["ffn"], p["d"], bias=bias))
+    return fwd_bwd(on(m, device, dtype), tokens(p, device, dtype))
+
+
+class SelfAttention(nn.Module):
+    """``att(x, x, x)`` as fairseq's layers call it (optionally with a padding mask), output only."""
+
+    def __init__(self, att, pad=None):
+        super().__init__()
+        self.att, self.pad = att, pad
+
+    def forward(self, x):
+        return self.att(x, x, x, key_padding_mask=self.pad, need_weights=False)[0]
+
+
+def mha(p, device, dtype, forward_only=False, pad=None):
+    from fairseq.modules import MultiheadAttention
+
+    m = on(SelfAttention(MultiheadAttention(p["d"], p["heads"], self_attention=True), pad),
+           device, dtype)
+    return fwd_bwd(m.eval() if forward_only else m, attn_input(p, device, dtype),
+                   forward_only=forward_only)
+
+
+def attn_input(p, device, dtype):
+    return randn(p["L"], p["batch"], p["d"], device=device, dtype=dtype, seed=p["L"])
+
+
+# ---- the device's roofline ------------------------------------------------------------------
+
+def _copy(p, device, dtype):
+    src = torch.empty(p["MiB"] << 20, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _matmul(p, device, dtype):
+    a, b = (randn(p["n"], p["n"], device=device, dtype=dtype, grad=False) for _ in range(2))
+    return lambda: a @ b
+
+
+add(Kernel("device", "copy", {"paper": [dict(MiB=1024)], "tiny": [dict(MiB=8)]}, _copy,
+           work=lambda p, dt: ("bytes", 2 * p["MiB"] << 20),
+           note="dst.copy_(src): bytes read + written per second, the memory roofline"))
+add(Kernel("device", "matmul", {"paper": [dict(n=8192)], "tiny": [dict(n=64)]}, _matmul,
+           work=lambda p, dt: ("flops", 2 * p["n"] ** 3), note="a square GEMM in --dtype: the "
+           "arithmetic roofline"))
+
+
+# ---- AOP ------------------------------------------------------------------------------------
+
+def _aop(p, device, dtype):
+    from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_slots
+
+    dk = p["width"] * p["d"] // p["heads"]  # h·d_pk = width·d: transformer_aop(_h16)
+    slots = ffn_matching_slots(p["d"], p["ffn"], p["heads"], dk, dk)
+    m = on(AttentionOverParameters(p["d"], p["heads"], dk, dk, slots), device, dtype)
+    m.token_groups = p["groups"]
+    return fwd_bwd(m, tokens(p, device, dtype))
+
+
+add(Kernel("aop", "sublayer-vs-ffn", {
+    "paper": [dict(heads=h, width=w, groups=g, tokens=16384, d=512, ffn=2048)
+              for h, w in ((8, 1), (16, 2)) for g in (1, 4, 16)],
+    "tiny": [dict(heads=4, width=1, groups=g, tokens=64, d=32, ffn=128) for g in (1, 2)]},
+    _aop, lambda p, dev, dt: ffn(p, dev, dt, bias=False),
+    note="AOP1 (h 8) and AOP2 (h 16) with the FFN's weight count vs that FFN; tokens as 1, 4, 16 "
+         "SDPA batch entries"))
+
+
+# ---- PKM -------------------------------------------------------------------------------------
+
+PKM_PAPER = dict(n_keys=512, heads=4, knn=32, k_dim=256, tokens=16384)
+PKM_TINY = dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32)
+
+
+def _kernels(device):
+    from fairseq_attnzoo.modules import pkm_triton
+
+    return ["triton", "torch"] if pkm_triton.available(torch.empty(1, 1, device=device)) else ["torch"]
+
+
+def _read_problem(p, device, dtype):
+    """The value read ``out[n] = Σ_j w[n, j] V[idx[n, j]]`` at the case's size: table, indices,
+    weights."""
+    size, m, n, d = p["n_keys"] ** 2, p["heads"] * p["knn"], p["tokens"], p["d"]
+    g = torch.Generator().manual_seed(0)
+    table = (torch.randn(size, d, generator=g) * d ** -0.5).to(device, dtype)
+    idx = torch.randint(0, size, (n, m), generator=g).to(device)
+    w = torch.softmax(torch.randn(n, m, generator=g), -1).to(device, dtype)
+    return table, idx, w
+
+
+def _read(p, device, dtype):
+    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+
+    if p["kernel"] not in _kernels(device):
+        raise RuntimeError(f"{p['kernel']} kernel not available on {device}")
+    table, idx, w = _read_problem(p, device, dtype)
+    t, ww = table.requires_grad_(True), w.requires_grad_(True)
+    fused = p["kernel"] == "triton"
+    if p["pass"] == "read":
+        return lambda: _WeightedRowSum.apply(t, idx, ww, p["sparse"], fused)
+    out = _WeightedRowSum.apply(t, idx, ww, p["sparse"], fused)
+    up = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (t, ww), up, retain_graph=True)
+
+
+def _read_bytes(p, dtype):
+    """The bytes the read (or its backward) moves as the access pattern needs them: one table row
+    per read, the indices, weights and output; backward: one output-gradient row per read, one
+    table row per distinct row read (the weight gradient), the value gradient written (dense:
+    every row; sparse: the rows read), indices, weights and weight gradient."""
+    size, m, n, d = p["n_keys"] ** 2, p["heads"] * p["knn"], p["tokens"], p["d"]
+    e = torch.empty(0, dtype=dtype).element_size()
+    distinct = size * (1 - (1 - 1 / size) ** (n * m))  # expected rows read, uniform indices
+    read = n * m * d * e + n * m * (8 + e) + n * d * e
+    back = n * m * d * e + distinct * d * e + (distinct if p["sparse"] else size) * d * e \
+        + n * m * (8 + 2 * e)
+    return "bytes", read if p["pass"] == "read" else back
+
+
+def _grid(base, **axes):
+    rows = [dict(base)]
+    for key, values in axes.items():
+        rows = [{**r, key: v} for r in rows for v in values]
+    return rows
+
+
+add(Kernel("pkm", "value-read", {
+    "paper": _grid(PKM_PAPER, d=(512, 1024), sparse=(False, True), kernel=("triton", "torch"),
+                   **{"pass": ("read", "backward")}),
+    "tiny": _grid(PKM_TINY, d=(32,), sparse=(False, True),
+                  kernel=("triton", "torch"), **{"pass": ("read", "backward")})},
+    _read, work=_read_bytes, note="the value read and its backward, |K| 262,144, 4 heads x knn "
+    "32, 16,384 tokens; bytes counted as the access pattern needs them"))
+
+
+def _tune(p, device, dtype):
+    from fairseq_attnzoo.modules import pkm_triton
+
+    if "triton" not in _kernels(device):
+        raise RuntimeError("no Triton on this device")
+    table, idx, w = _read_problem(dict(p, sparse=False), device, dtype)
+    launch = pkm_triton.Launch(p["cols"], p["rows"], p["warps"])
+    if p["kernel"] == "read":
+        return lambda: pkm_triton.read(table, idx, w, launch)
+    up = torch.randn(idx.size(0), p["d"], device=device, dtype=dtype)
+    return lambda: pkm_triton.backward(up, table, idx, w, False, True, True, launch, p["kernel"])
+
+
+add(Kernel("pkm", "launch-sweep", {
+    "paper": [dict(PKM_PAPER, d=d, kernel=k, cols=c, rows=r, warps=wp)
+              for d in (512, 1024) for k in ("read", "rows", "reads")
+              for c in (256, 512, 1024) if c <= d for r in (4, 8, 16, 32) for wp in (2, 4, 8)
+              if c * r <= 16384],
+    "tiny": [dict(PKM_TINY, d=32, kernel=k, cols=32, rows=4, warps=2)
+             for k in ("read", "rows", "reads")]},
+    _tune, work=lambda p, dt: _read_bytes(dict(p, sparse=False, **{
+        "pass": "read" if p["kernel"] == "read" else "backward"}), dt),
+    note="the Triton read and its dense backward (rows / reads methods) under every launch: "
+         "what pkm_triton.read_launch / backward_launch should pick on a device"))
+
+
+def _pkm_layer(p, device, dtype):
+    from fairseq_attnzoo.modules.pkm import ProductKeyMemory
+
+    if p["impl"].startswith("peer"):
+        from product_key_memory import PKM  # lucidrains' product-key-memory 0.3.0, optional
+
+        m = PKM(p["d"], heads=p["heads"], num_keys=p["n_keys"], topk=p["knn"],
+                dim_head=p["k_dim"] // 2, use_layernorm="BatchNorm" not in p["impl"])
+        m.values.sparse = "sparse" in p["impl"]
+        # batch-first; sequences of dim_head tokens (its BatchNorm takes time for channels)
+        x = tokens(p, device, dtype, length=p["k_dim"] // 2).transpose(0, 1).contiguous()
+        return fwd_bwd(on(m, device, dtype), x.detach().requires_grad_(True))
+    sparse, kernel = p["impl"].split()
+    if kernel not in _kernels(device):
+        raise RuntimeError(f"{kernel} kernel not available on {device}")
+    m = ProductKeyMemory(p["d"], p["d"], n_keys=p["n_keys"], heads=p["heads"], knn=p["knn"],
+                         k_dim=p["k_dim"], sparse=sparse == "sparse", kernel=kernel)
+    return fwd_bwd(on(m, device, dtype), tokens(p, device, dtype))
+
+
+_IMPLS = ("dense triton", "sparse triton", "dense torch", "sparse torch", "peer LayerNorm",
+          "peer BatchNorm", "peer LayerNorm sparse")
+add(Kernel("pkm", "layer-vs-ffn", {
+    "paper": _grid(dict(PKM_PAPER, ffn=0), d=(512, 1024), impl=_IMPLS),
+    "tiny": _grid(dict(PKM_TINY, ffn=0), d=(32,), impl=_IMPLS)},
+    _pkm_layer, lambda p, dev, dt: ffn(dict(p, ffn=4 * p["d"]), dev, dt),
+    note="a whole memory layer (query net, batch norm, product-key search, read), ours and "
+         "lucidrains' product-key-memory 0.3.0 (peer, when installed), vs the FFN (d_ff 4d) it "
+         "replaces"))
+
+
+# ---- Synthesizer ----------------------------------------------------------------------------
+
+def _synth(p, device, dtype):
+    from fairseq_attnzoo.models.synthesizer import VARIANTS
+    from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
+
+    components, frozen = VARIANTS[p["variant"]]
+    m = SynthesizerAttention(p["d"], p["heads"], components=components, max_len=p["N"],
+                             freeze_random=frozen)
+    return fwd_bwd(on(SelfAttention(m), device, dtype), attn_input(p, device, dtype))
+
+
+def _variants():
+    from fairseq_attnzoo.models.synthesizer import VARIANTS
+
+    return list(VARIANTS)
+
+
+add(Kernel("synthesizer", "sublayer-vs-mha", {
+    "paper": _grid(dict(batch=8, d=512, heads=8, N=512), L=(128, 256, 512), variant=_variants()),
+    "tiny": _grid(dict(batch=2, d=32, heads=2, N=16), L=(16,), variant=_variants())},
+    _synth, mha, note="every variant (N = --synth-max-len 512) vs fairseq's MultiheadAttention, "
+    "batch 8, no mask"))
+
+
+def _left_pad(p, device):
+    g = torch.Generator().manual_seed(4)
+    lead = torch.randint(0, p["L"] // 3 + 1, (p["batch"],), generator=g)
+    lead[0] = 0
+    return (torch.arange(p["L"])[None] < lead[:, None]).to(device) if p["padding"] else None
+
+
+def _table_kernel(kernel):
+    def make(p, device, dtype):
+        from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
+
+        m = SynthesizerAttention(p["d"], p["heads"], components=(p["mode"],), max_len=p["N"],
+                                 table_kernel=kernel)
+        return fwd_bwd(on(SelfAttention(m, _left_pad(p, device)), device, dtype),
+                       attn_input(p, device, dtype))
+    return make
+
+
+add(Kernel("synthesizer", "table-kernel", {
+    "paper": [dict(mode=m, L=L, batch=8192 // L, d=512, heads=8, N=256, padding=pad)
+              for m in ("random", "factorized_random") for L in (32, 64, 128)
+              for pad in (False, True)],
+    "tiny": [dict(mode=m, L=8, batch=4, d=32, heads=2, N=16, padding=pad)
+             for m in ("random", "factorized_random") for pad in (False, True)]},
+    _table_kernel("sdpa"), _table_kernel("table"),
+    note="Random / Factorized Random, --synth-table-kernel sdpa vs table, a --max-tokens 8192 "
+         "batch, with and without left padding: what `auto` should pick on a device"))
+
+
+def _gather(way):
+    def make(p, device, dtype):
+        from fairseq_attnzoo.modules.synthesizer import _select_positions
+
+        h, n, b, t = p["heads"], p["N"], p["batch"], p["L"]
+        table = randn(h, n, n, device=device, dtype=dtype, seed=3)
+        pad = torch.randint(0, p["pad"] + 1, (b,), generator=torch.Generator().manual_seed(3))
+        pos = (torch.arange(t)[None] - pad[:, None]).clamp(min=0).to(device)
+        heads = torch.arange(h, device=device)
+        weights = randn(b, h, t, t, device=device, dtype=dtype, grad=False)
+
+        def call():
+            table.grad = None
+            r = (_select_positions(table.flatten(1, 2), pos[:, :, None] * n + pos[:, None, :])
+                 if way == "index_select" else
+                 table[heads[None, :, None, None], pos[:, None, :, None], pos[:, None, None, :]])
+            (r * weights).sum().backward()
+        return call
+    return make
+
+
+add(Kernel("synthesizer", "pad-aware-gather", {
+    "paper": [dict(heads=8, N=512, batch=256, L=32, pad=12)],
+    "tiny": [dict(heads=2, N=16, batch=4, L=8, pad=3)]},
+    _gather("index_select"), _gather("advanced indexing"),
+    note="Random's pad-aware R[h, qpos, kpos] of a left-padded batch: index_select (ours) vs "
+         "advanced indexing"))
+
+
+# ---- collaborative heads -------------------------------------------------------------------
+
+def _collab(p, device, dtype):
+    from fairseq_attnzoo.modules.collab import CollaborativeAttention
+
+    m = on(SelfAttention(CollaborativeAttention(p["d"], p["heads"], p["Dk"])), device, dtype)
+    return fwd_bwd(m.eval(), attn_input(p, device, dtype), forward_only=True)
+
+
+add(Kernel("collab", "inference-vs-mha", {
+    "paper": [dict(d=512, heads=8, batch=8, L=128, Dk=k) for k in (512, 256, 128, 64)],
+    "tiny": [dict(d=32, heads=4, batch=2, L=8, Dk=k) for k in (32, 16)]},
+    _collab, lambda p, dev, dt: mha(p, dev, dt, forward_only=True),
+    note="collaborative heads at shared key dims D~k vs fairseq's MultiheadAttention, forward, "
+         "eval mode"))
+
+
+# ---- adaptive span -------------------------------------------------------------------------
+
+class SpanBlock(nn.Module):
+    """An adaptive-span attention over a block and the cache before it, output only: ours, or
+    fairseq's examples/adaptive_span module (with its key position embeddings)."""
+
+    def __init__(self, att, memory, key_pe=None):
+        super().__init__()
+        self.att, self.memory, self.key_pe = att, memory, key_pe
+
+    def forward(self, x):
+        if self.key_pe is None:
+            return self.att(x, memory=self.memory)[0]
+        h = torch.cat([self.memory, x], dim=1)
+        return self.att(x, h, h, self.key_pe)
+
+
+def _span(p, device, dtype):
+    from fairseq_attnzoo.modules.adaptive_span import AdaptiveSpanAttention
+
+    ratio = (p["window"] - 32) / p["S"]  # max z + ramp = the trimmed window
+    x = randn(p["batch"], p["block"], p["d"], device=device, dtype=dtype, seed=2)
+    memory = randn(p["batch"], p["window"] - 1 + 64, p["d"], device=device, dtype=dtype, seed=3,
+                   grad=False)  # the window + the model's 64-position cache buffer
+    if p["impl"] == "fairseq example":
+        from fairseq.examples.adaptive_span.adaptive_span_model import MultiHeadSeqAttention
+
+        att = MultiHeadSeqAttention(p["d"], p["heads"], attn_span=p["S"], dropout=0.0,
+                                    adapt_span_layer=False, adapt_span_ramp=32,
+                                    adapt_span_init=ratio)
+        key_pe = nn.Parameter(torch.randn(1, p["d"] // p["heads"], p["S"]))
+        return fwd_bwd(on(SpanBlock(att, memory, key_pe), device, dtype), x)
+    att = AdaptiveSpanAttention(p["d"], p["heads"], p["S"], ramp=32, span_init=ratio,
+                                own_key_pe=True, kernel=p["impl"].split()[1])
+    return fwd_bwd(on(SpanBlock(att, memory), device, dtype), x)
+
+
+add(Kernel("adaptive_span", "sublayer-vs-example", {
+    "paper": _grid(dict(batch=64, block=512, d=512, heads=8, S=8192), window=(64, 1024, 4096),
+                   impl=("ours sdpa", "ours explicit")),
+    "tiny": _grid(dict(batch=2, block=16, d=32, heads=2, S=128), window=(64, 128),
+                  impl=("ours sdpa", "ours explicit"))},
+    _span, lambda p, dev, dt: _span(dict(p, impl="fairseq example"), dev, dt),
+    note="the attention sublayer at the paper's small enwik8 config with every span trimmed to "
+         "a window: ours (fused / op by op) vs fairseq's examples/adaptive_span module"))
+
+
+# ---- torch's fused attention at fairseq's shapes: what a new shape costs ----------------------
+
+def _sdpa(p, device, dtype):
+    """SDPA forward + backward, 8 heads of 64, laid out as each caller hands it over (cuDNN's
+    graphs depend on the strides): fairseq's time-first views with its [b, 8, 1, t] additive
+    mask (``causal``: merged with the future mask), the zoo's batch-first views with a [b, 1, 1,
+    t] mask, AOP1's queries over 1,536 parameter slots. Every row is a shape the process has not
+    seen: its cold column is what a new batch shape costs."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, t, kind = p["batch"], p["L"], p["layout"]
+    leaf = lambda *s: randn(*s, device=device, dtype=dtype, seed=t)  # noqa: E731
+    mask = None
+    if kind == "aop":
+        q = leaf(1, t * b, 8, 64).transpose(1, 2)
+        k, v = leaf(1, 8, 1536, 64), leaf(1, 8, 1536, 64)
+    else:
+        pad = _left_pad(dict(p, padding=True), "cpu")[:, None, None, :]
+        if kind == "zoo":
+            q, k, v = (leaf(b, t, 512).view(b, t, 8, 64).transpose(1, 2) for _ in range(3))
+            mask = torch.zeros(b, 1, 1, t).masked_fill(pad, torch.finfo(dtype).min)
+        else:
+            q, k, v = (leaf(t, b, 512).view(t, b * 8, 64).transpose(0, 1).view(b, 8, t, 64)
+                       for _ in range(3))
+            mask = torch.zeros(b, 1, 1, t).masked_fill(pad.flip(-1) if kind == "causal" else pad,
+                                                       float("-inf"))
+            if kind == "causal":
+                mask = mask + torch.triu(torch.full((t, t), float("-inf")), 1)
+            mask = mask.expand(b, 8, -1, t).contiguous()
+        mask = mask.to(device, dtype)
+    backend = {"choice": None, "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+               "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[p["backend"]]
+    grad = torch.randn(q.shape[:-1] + (64,), device=device, dtype=dtype)
+
+    def call():
+        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
+    return call
+
+
+add(Kernel("sdpa", "new-shapes", {
+    "paper": [dict(layout=lay, backend=be, L=L + 2 * i, batch=8192 // (L + 2 * i))
+              for i, be in enumerate(("choice", "cudnn", "flash", "efficient"))
+              for lay in ("fairseq", "zoo", "aop", "causal") for L in (31, 77)],
+    "tiny": [dict(layout=lay, backend=be, L=5 + i, batch=4) for i, be in
+             enumerate(("choice", "math")) for lay in ("fairseq", "zoo", "aop", "causal")]},
+    _sdpa, note="torch's fused attention under each backend at translation shapes: cold = the "
+    "first call at a shape (cuDNN builds a graph per shape), ms = the shape seen"))
+
+
+# ---- end to end: fairseq-train against the stock baseline -------------------------------------
+
+MT = {"paper": "--task translation --share-decoder-input-output-embed --optimizer adam "
+               "--adam-betas (0.9,0.98) --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 "
+               "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout 0.1 "
+               "--max-tokens 8192 --skip-invalid-size-inputs-valid-test",
+      "tiny": "--task translation --optimizer adam --lr 5e-4 --criterion cross_entropy "
+              "--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 64 --decoder-embed-dim 64 "
+              "--encoder-ffn-embed-dim 128 --decoder-ffn-embed-dim 128 --encoder-attention-heads 4 "
+              "--decoder-attention-heads 4 --max-tokens 512"}
+#: --decoder-normalize-before: the bare ``transformer_lm`` arch is post-norm without a final norm;
+#: the zoo LMs (fairseq's base_lm_architecture) are pre-norm: the baseline gets their layout
+LM = {"paper": "--task language_modeling --sample-break-mode none --tokens-per-sample 512 "
+               "--decoder-normalize-before --decoder-layers 12 --decoder-embed-dim 512 "
+               "--decoder-ffn-embed-dim 2048 --decoder-attention-heads 8 --optimizer adam "
+               "--adam-betas (0.9,0.98) --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 "
+               "--criterion cross_entropy --dropout 0.1 --max-tokens 8192",
+      "tiny": "--task language_modeling --sample-break-mode none --tokens-per-sample 16 "
+              "--decoder-normalize-before --decoder-layers 2 --decoder-embed-dim 64 "
+              "--decoder-ffn-embed-dim 128 --decoder-attention-heads 4 --optimizer adam "
+              "--lr 5e-4 --criterion cross_entropy --max-tokens 64"}
+METHOD = {"paper": "", "tiny": "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16 --aop-slots 16"}
+
+
+def _zoo(arch, method):
+    return {size: f"--user-dir {USER_DIR} --arch {arch} {method.get(size, '')} "
+            f"{METHOD[size]}" for size in ("paper", "tiny")}
+
+
+def _stock(arch):
+    return f"--user-dir {USER_DIR} --arch {arch}"
+
+
+for _arch in ("transformer_synth_dense", "transformer_synth_random",
+              "transformer_synth_factorized_random", "transformer_aop", "transformer_aop_h16",
+              "transformer_collab", "transformer_pkm"):
+    _family = {"synth": "synthesizer", "aop": "aop", "collab": "collab", "pkm": "pkm"}[
+        _arch.split("_")[1]]
+    add(Train(_family, f"mt-{_arch}", "mt", MT, _stock("transformer"), _zoo(_arch, {}),
+              floor="transformer-base", note="transformer-base translation, --max-tokens 8192"))
+for _arch in ("transformer_lm_pkm", "transformer_lm_memplus"):
+    add(Train("pkm", f"lm-{_arch}", "lm", LM, _stock("transformer_lm"),
+              _zoo(_arch, {"paper": "--pkm-n-keys 512"}), warm="interval",
+              note="a 12-layer d 512 LM, 262,144 memory slots, blocks of 512"))
+
+
+def _span_commands():
+    """(ours, fairseq's examples/adaptive_span) at the paper's small enwik8 config: 12 layers,
+    d 512, 8 heads, FFN 2048, span 8192, block 512, batch 64 (tiny: shrunk); same optimizer."""
+    import fairseq
+
+    example = os.path.join(os.path.dirname(fairseq.__file__), "examples", "adaptive_span")
+    out = {}
+    for size, (layers, d, heads, ffn_dim, span, block, batch) in (
+            ("paper", (12, 512, 8, 2048, 8192, 512, 64)), ("tiny", (2, 32, 4, 64, 64, 16, 2))):
+        common = (f"--tokens-per-sample {block} --batch-size {batch} --lr 0.07 --lr-scheduler "
+                  f"fixed --warmup-updates 100 --dropout 0")
+        ours = (f"{common} --user-dir {USER_DIR} --task attnzoo_stream_lm --arch "
+                f"adaptive_span_lm_small --decoder-layers {layers} --decoder-embed-dim {d} "
+                f"--decoder-attention-heads {heads} --decoder-ffn-embed-dim {ffn_dim} --attn-span "
+                f"{span} --adaptive-span-ramp 32 --adaptive-span-init 0 --adaptive-span-loss 2e-6 "
+                "--criterion attnzoo_span_loss --no-layer-spans --optimizer adagrad_clip "
+                "--grad-clip-per-tensor 0.03")
+        theirs = (f"{common} --user-dir {example} --task truncated_bptt_lm --arch adaptive_span "
+                  f"--n-layer {layers} --d-model {d} --n-head {heads} --d-inner {ffn_dim} "
+                  f"--attn-span {span} --emb-dropout 0 --adapt-span-ramp 32 --adapt-span-init 0 "
+                  "--aux-loss-scaler 2e-6 --criterion adaptive_span_loss --optimizer "
+                  "adagrad_with_grad_clip --adagrad-clip 0.03")
+        out[size] = (ours, theirs)
+    return out
+
+
+class _Lazy(dict):
+    """flags per size computed at first use (fairseq's example path needs fairseq imported)."""
+
+    def __init__(self, which):
+        super().__init__()
+        self.which = which
+
+    def get(self, size, default=None):
+        return _span_commands()[size][self.which]
+
+
+add(Train("adaptive_span", "vs-example", "lm", "", _Lazy(1), _Lazy(0), warm="interval",
+          note="adaptive_span_lm vs fairseq's examples/adaptive_span, paper-small enwik8 config"))
+
+
+def own_arch(arch, flags):
+    """``--arch ARCH``: ARCH against the stock baseline of its task, at the paper size."""
+    from fairseq_attnzoo.cli.archs import task_of
+
+    lm = task_of(arch) == "language_modeling"
+    return Train("own", arch, "lm" if lm else "mt", LM if lm else MT,
+                 _stock("transformer_lm" if lm else "transformer"),
+                 {s: f"{v} {flags}" for s, v in _zoo(arch, {}).items()},
+                 warm="interval" if lm else "epoch", floor=None if lm else "transformer-base")
+
+
+# ---- quality at equal updates --------------------------------------------------------------
+
+MEMORY_LM = {"paper": "--task language_modeling --tokens-per-sample 128 --sample-break-mode none "
+                      "--batch-size 8 --decoder-layers 6 --decoder-embed-dim 128 "
+                      "--decoder-ffn-embed-dim 512 --decoder-attention-heads 4 --dropout 0 "
+                      "--lr 2e-3 --adam-betas (0.9,0.98) --lr-scheduler inverse_sqrt "
+                      "--warmup-updates 100 --clip-norm 1.0 --batch-size-valid 8 "
+                      f"--max-valid-steps 100 --user-dir {USER_DIR}",
+             "tiny": "--task language_modeling --tokens-per-sample 16 --sample-break-mode none "
+                     "--batch-size 2 --decoder-layers 2 --decoder-embed-dim 32 "
+                     "--decoder-ffn-embed-dim 64 --decoder-attention-heads 4 --lr 2e-3 "
+                     f"--batch-size-valid 2 --max-valid-steps 2 --user-dir {USER_DIR}"}
+_MEM = {"paper": "--pkm-n-keys 128 --pkm-heads 4 --pkm-knn 16",
+        "tiny": "--pkm-n-keys 8 --pkm-heads 2 --pkm-knn 4 --pkm-k-dim 16"}
+#: XLM: values with their own Adam, constant lr 1e-3, betas (0.9, 0.999), no weight decay
+XLM = ("--optimizer pkm_adam --pkm-values-lr 1e-3 --pkm-values-lr-schedule constant "
+       "--pkm-values-betas (0.9,0.999) --pkm-values-weight-decay 0")
+#: the Memory+ code (facebookresearch/memory): dense value gradients, AdamW (0.9, 0.95), weight
+#: decay 0.1, value lr 1e-3 under the model's schedule
+MEMPLUS = ("--optimizer pkm_adam --pkm-sparse false --pkm-values-lr 1e-3 "
+           "--pkm-values-lr-schedule follow --pkm-values-betas (0.9,0.95) "
+           "--pkm-values-weight-decay 0.1")
+add(Quality("pkm", "memory-lm", "lm", MEMORY_LM, {
+    "dense (attnzoo_lm)": "--arch attnzoo_lm --optimizer adam",
+    "transformer_lm_pkm, XLM recipe": {
+        s: f"--arch transformer_lm_pkm {_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper"
+                                                           else "") for s in _MEM},
+    "transformer_lm_memplus, memory-code recipe (dense values)": {
+        s: f"--arch transformer_lm_memplus {_MEM[s]} {MEMPLUS}" for s in _MEM}},
+    updates={"paper": 1000, "tiny": 4},
+    note="dense vs PKM vs Memory+ character LM on data/wiki-gensim: valid bits per byte"))
+
+
+def _precision_runs(task):
+    """Every zoo arch of ``task`` at the demo size (scripts/demo/config.py), fp16 / bf16 / amp
+    through --precision, 100 updates: the loss must fall and stay finite."""
+    def runs():
+        from fairseq_attnzoo.cli.archs import zoo_archs
+        from scripts.demo import config as demo
+
+        if task == "translation":
+            common = demo.COMMON + " --task translation"
+        elif task == "language_modeling":
+            common = ("--task language_modeling --sample-break-mode none --tokens-per-sample 128 "
+                      "--max-tokens 2048 --decoder-layers 4 --decoder-embed-dim 128 "
+                      "--decoder-ffn-embed-dim 512 --decoder-attention-heads 4 --dropout 0 "
+                      "--optimizer adam --lr 0.001 --lr-scheduler inverse_sqrt "
+                      "--warmup-updates 50 --clip-norm 1.0")
+        else:
+            common = demo.LM_COMMON
+        return {arch: f"--user-dir {USER_DIR} --arch {arch} {common} "
+                      + " ".join(shlex.quote(f) for f in demo.method_flags(arch))
+                      + (" --synth-max-len 128" if "synth" in arch and task != "translation"
+                         else "")
+                for arch in zoo_archs(task=task)}
+    return runs
+
+
+for _task, _data in (("translation", "mt"), ("language_modeling", "lm"),
+                     ("attnzoo_stream_lm", "lm")):
+    add(Quality("precision", f"every-arch-{_task}", _data, "", _precision_runs(_task),
+                updates={"paper": 100, "tiny": 2},
+                note="every zoo arch of the task at the demo size, in --precision: valid loss, "
+                     "loss-scale overflows"))
