@@ -86,7 +86,7 @@ def test_value_dim_not_a_power_of_two_and_one_read_per_token():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_split_over_column_chunks_give_the_same_result(dtype, sparse):
     """A row wider than a program's columns is split over programs (the read at d > READ_COLS; the
-    backward's alternatives that bench_kernels times): the read, the table gradient and the
+    backward's alternatives that the case pkm/launch-sweep times): the read, the table gradient and the
     weight gradient (partial dots summed over the chunks) equal the one-chunk launch's, for
     chunks that divide d and a last chunk that is cut short, and any rows and warps per step."""
     table, idx, w, up = _problem(dtype, d=40)

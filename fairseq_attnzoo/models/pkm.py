@@ -306,8 +306,8 @@ POOL = "pkm_pool"
 @register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
                    tiny={"pkm_n_keys": 8, "pkm_knn": 4, "pkm_k_dim": 16, "pkm_heads": 2},
                    # a token decoded alone and in a batch differs by the rounding of its inputs,
-                   # which can swap two near-equal keys in the top-k: one of k reads changes
-                   # (measured up to 0.20 in log-prob at tiny sizes, CPU and H100; docs/precision.md)
+                   # which can swap two near-equal keys in the top-k: one of k reads changes,
+                   # so the step's outputs differ by more than rounding (docs/precision.md)
                    tolerances={"reduced_precision_step": 0.5})
 def build_pkm(spec):
     """product-key memory: exact top-k over n_keys² product keys, sparse value reads"""
