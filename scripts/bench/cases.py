@@ -457,12 +457,15 @@ LM = {"paper": "--task language_modeling --sample-break-mode none --tokens-per-s
               "--decoder-normalize-before --decoder-layers 2 --decoder-embed-dim 64 "
               "--decoder-ffn-embed-dim 128 --decoder-attention-heads 4 --optimizer adam "
               "--lr 5e-4 --criterion cross_entropy --max-tokens 64"}
-METHOD = {"paper": "", "tiny": "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16 --aop-slots 16"}
+#: toy sizes of each family's own flags (an arch refuses the flags of sublayers it does not build)
+METHOD_TINY = {"pkm": "--pkm-n-keys 16 --pkm-knn 4 --pkm-k-dim 16", "aop": "--aop-slots 16"}
 
 
-def _zoo(arch, method):
-    return {size: f"--user-dir {USER_DIR} --arch {arch} {method.get(size, '')} "
-            f"{METHOD[size]}" for size in ("paper", "tiny")}
+def _zoo(arch, family, method):
+    sizes = {"paper": method.get("paper", ""),
+             "tiny": f"{method.get('tiny', '')} {METHOD_TINY.get(family, '')}"}
+    return {size: f"--user-dir {USER_DIR} --arch {arch} {flags}".strip()
+            for size, flags in sizes.items()}
 
 
 def _stock(arch):
@@ -474,11 +477,11 @@ for _arch in ("transformer_synth_dense", "transformer_synth_random",
               "transformer_collab", "transformer_pkm"):
     _family = {"synth": "synthesizer", "aop": "aop", "collab": "collab", "pkm": "pkm"}[
         _arch.split("_")[1]]
-    add(Train(_family, f"mt-{_arch}", "mt", MT, _stock("transformer"), _zoo(_arch, {}),
+    add(Train(_family, f"mt-{_arch}", "mt", MT, _stock("transformer"), _zoo(_arch, _family, {}),
               floor="transformer-base", note="transformer-base translation, --max-tokens 8192"))
 for _arch in ("transformer_lm_pkm", "transformer_lm_memplus"):
     add(Train("pkm", f"lm-{_arch}", "lm", LM, _stock("transformer_lm"),
-              _zoo(_arch, {"paper": "--pkm-n-keys 512"}), warm="interval",
+              _zoo(_arch, "pkm", {"paper": "--pkm-n-keys 512"}), warm="interval",
               note="a 12-layer d 512 LM, 262,144 memory slots, blocks of 512"))
 
 
@@ -530,7 +533,7 @@ def own_arch(arch, flags):
     lm = task_of(arch) == "language_modeling"
     return Train("own", arch, "lm" if lm else "mt", LM if lm else MT,
                  _stock("transformer_lm" if lm else "transformer"),
-                 {s: f"{v} {flags}" for s, v in _zoo(arch, {}).items()},
+                 {s: f"{v} {flags}" for s, v in _zoo(arch, "", {}).items()},
                  warm="interval" if lm else "epoch", floor=None if lm else "transformer-base")
 
 

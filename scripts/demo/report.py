@@ -225,6 +225,9 @@ def main(argv=None):
     p.add_argument("--docs", default=os.path.join(REPO, "docs/demo"), help="report folder")
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
     a = p.parse_args(argv)
+    import fairseq_attnzoo
+
+    fairseq_attnzoo.enable()  # this script loads our checkpoints through fairseq (compat table)
     try:
         with open(os.path.join(a.out, "results.json")) as f:
             results = {r["arch"]: r for r in json.load(f)}
