@@ -195,13 +195,12 @@ def _check_task(task):
     translation task it cannot train at all."""
     import sys
 
+    from fairseq.tasks import TASK_REGISTRY, FairseqTask
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     from ..cli_hints import program
     from ..errors import ZooConfigError
     from ..tasks.stream_lm import StreamLanguageModelingTask
-
-    from fairseq.tasks import TASK_REGISTRY, FairseqTask
 
     if isinstance(task, StreamLanguageModelingTask) or not isinstance(task, FairseqTask):
         return  # (a script may build the model with any object that has a target_dictionary)
