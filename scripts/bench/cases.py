@@ -8,7 +8,7 @@ import shlex
 import torch
 import torch.nn as nn
 
-from scripts.bench.harness import USER_DIR, Kernel, Quality, Train, fwd_bwd
+from scripts.bench.harness import USER_DIR, Kernel, Quality, Side, Train, fwd_bwd
 
 CASES = []
 add = CASES.append
@@ -16,7 +16,7 @@ add = CASES.append
 #: the stock baseline's sanity floor: (device class, "half" | "fp32", target tokens/s, source).
 #: Below it the harness, the environment or the flags are wrong, not the model.
 FLOORS = {"transformer-base": [
-    ("V100", "half", 35_000, "facebookresearch/fairseq#940: >= 160k wps on 4x V100 --fp16, "
+    ("V100", "half", 40_000, "facebookresearch/fairseq#940: >= 160k wps on 4x V100 --fp16, "
      "transformer_wmt_en_de, 3.5-4k tokens/GPU"),
     ("V100", "fp32", 15_000, "facebookresearch/fairseq#940: ~73k wps on 4x V100 without --fp16"),
     ("H100", "half", 100_000, "fairseq#940's ~40k per V100, scaled to an H100 (at least 2.5x)"),
@@ -472,6 +472,23 @@ def _stock(arch):
     return f"--user-dir {USER_DIR} --arch {arch}"
 
 
+#: the stock baseline itself (stage 1 of a GPU visit): stock fairseq (the plugin never imported)
+#: in --precision, against the same with torch's cuDNN attention deprioritized, the plugin
+#: enabled as --user-dir enables it, and bf16 through the plugin (stock --bf16 asks for a TPU)
+add(Train("baseline", "mt-transformer", "mt", MT, Side("--arch transformer", plugin=False), {
+    "plugin off, cuDNN attention deprioritized": Side(
+        "--arch transformer", plugin=False, env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}),
+    "plugin on": Side(_stock("transformer")),
+    "plugin on, bf16": Side(_stock("transformer"), precision="bf16")},
+    floor="transformer-base", note="stock transformer-base, --max-tokens 8192: the baseline "
+    "against its floor, what loading the plugin and cuDNN attention cost it"))
+#: the A/A controls: a ratio outside the baseline's drift means the harness, not the model
+add(Train("baseline", "a-a-mt", "mt", MT, _stock("transformer"), _stock("transformer"),
+          floor="transformer-base", note="transformer against itself: the ratio must fall "
+          "within the baseline's drift"))
+add(Train("baseline", "a-a-lm", "lm", LM, _stock("transformer_lm"), _zoo("attnzoo_lm", "", {}),
+          warm="interval", note="attnzoo_lm against transformer_lm --decoder-normalize-before "
+          "(the same model): the ratio must fall within the baseline's drift"))
 for _arch in ("transformer_synth_dense", "transformer_synth_random",
               "transformer_synth_factorized_random", "transformer_aop", "transformer_aop_h16",
               "transformer_collab", "transformer_pkm"):
@@ -527,10 +544,18 @@ add(Train("adaptive_span", "vs-example", "lm", "", _Lazy(1), _Lazy(0), warm="int
 
 
 def own_arch(arch, flags):
-    """``--arch ARCH``: ARCH against the stock baseline of its task, at the paper size."""
-    from fairseq_attnzoo.cli.archs import task_of
+    """``--arch ARCH``: ARCH (ours or stock) against the stock baseline of its task, at the paper
+    size."""
+    import fairseq_attnzoo  # noqa: F401  (our arch names)
+    from fairseq.models import ARCH_MODEL_REGISTRY, FairseqLanguageModel
 
-    lm = task_of(arch) == "language_modeling"
+    if arch not in ARCH_MODEL_REGISTRY:
+        raise SystemExit(f"--arch {arch}: no such fairseq arch: `attnzoo-archs` lists ours")
+    task = getattr(ARCH_MODEL_REGISTRY[arch], "zoo_task", None)
+    if task == "attnzoo_stream_lm":
+        raise SystemExit(f"--arch {arch} trains with --task attnzoo_stream_lm, which has no stock "
+                         "baseline: time it with the case adaptive_span/vs-example")
+    lm = issubclass(ARCH_MODEL_REGISTRY[arch], FairseqLanguageModel)
     return Train("own", arch, "lm" if lm else "mt", LM if lm else MT,
                  _stock("transformer_lm" if lm else "transformer"),
                  {s: f"{v} {flags}" for s, v in _zoo(arch, "", {}).items()},

@@ -41,6 +41,8 @@ USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
 RECORDS = os.path.join(REPO, "docs", "benchmarks.jsonl")
 PEAKS_TAG = "ATTNZOO_BENCH_PEAKS"  # the training child's last line: per-update CUDA peaks
 PROFILE_TAG = "ATTNZOO_BENCH_PROFILE"
+SENTENCES_TAG = "ATTNZOO_BENCH_SENTENCES"  # and the sentences trained in each epoch
+PLUGIN_TAG = "ATTNZOO_BENCH_PLUGIN"  # "off": the training child runs stock fairseq
 PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
 Sized = Union[str, Dict[str, str]]  # flags, or flags per --size
 
@@ -65,16 +67,29 @@ class Kernel:
 
 
 @dataclass
+class Side:
+    """One side of a train row: its flags after the case's ``common``, and how its process runs:
+    ``plugin`` False: fairseq without the plugin (no import, no ``--user-dir``: stock fairseq);
+    ``env``: more environment (e.g. a kernel switch); ``precision``: this side's, instead of
+    ``--precision``."""
+    flags: Sized
+    plugin: bool = True
+    env: Dict[str, str] = field(default_factory=dict)
+    precision: Optional[str] = None
+
+
+@dataclass
 class Train:
-    """``runs``: (baseline flags, candidate flags), each a full set after ``common``; ``warm``:
-    "epoch" (time epochs 2+) or "interval" (one shape: time after the first log interval);
-    ``floor``: the key of the baseline's sanity floor in ``cases.FLOORS``."""
+    """``baseline`` and ``candidate``: flags after ``common`` (or a ``Side``); ``candidate`` may be
+    several labelled sides, one row each against the same baseline runs. ``warm``: "epoch" (time
+    epochs 2+) or "interval" (one shape: time after the first log interval); ``floor``: the key of
+    the baseline's sanity floor in ``cases.FLOORS``."""
     family: str
     name: str
     data: str  # "mt" | "lm": --data-mt / --data-lm
     common: Sized
-    baseline: Sized
-    candidate: Sized
+    baseline: Union[Sized, Side]
+    candidate: Union[Sized, Side, Dict[str, Side]]
     warm: str = "epoch"
     floor: Optional[str] = None
     note: str = ""
@@ -97,20 +112,36 @@ class Quality:
 
 # ---- records -------------------------------------------------------------------------------
 
-def environment(device) -> Dict[str, Any]:
+#: environment variables that select kernels or devices: recorded, and a table never lets a run
+#: under them replace the default row (scripts/bench/tables.py)
+KERNEL_ENV = ("TORCH_", "ATTNZOO_", "CUDA_VISIBLE_DEVICES", "CUBLAS_", "CUDNN_", "NVIDIA_TF32",
+              "TRITON_")
+
+
+def kernel_env(env=os.environ) -> Dict[str, str]:
+    return {k: v for k, v in sorted(env.items()) if k.startswith(KERNEL_ENV)
+            and k not in (PEAKS_TAG, PROFILE_TAG, PLUGIN_TAG)}
+
+
+def environment(device, gpus=1) -> Dict[str, Any]:
     import torch
 
     def git(*args):
         out = subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True)
         return out.stdout.strip()
 
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+    cuda = device.type == "cuda"
+    name = (torch.cuda.get_device_name(device) if cuda
             else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    # (BENCH_COMMIT: a copy of the tree without its .git, e.g. on a lent GPU)
+    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_COMMIT", "unknown")
     if git("status", "--porcelain", "--untracked-files=no"):
         commit += "+uncommitted"
     return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "commit": commit}
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            "gpus": gpus if cuda else None,
+            "visible gpus": torch.cuda.device_count() if cuda else None,
+            "commit": commit, "kernel env": kernel_env()}
 
 
 class Recorder:
@@ -229,15 +260,20 @@ def run_kernel(case: Kernel, p: dict, device, dtype, repeats, roofline) -> Dict[
 # ---- train and quality levels: fairseq-train children ---------------------------------------
 
 def train_child(argv):
-    """``fairseq-train argv`` in this process (``--_train``): on CUDA, the peak of every update is
-    read just before fairseq resets it (once per update) and printed last (``PEAKS_TAG``); with
-    ``PROFILE_TAG`` = N in the environment, the N updates after the first N are profiled."""
+    """``fairseq-train argv`` in this process (``--_train``), with the plugin enabled exactly as
+    ``--user-dir`` enables it (before fairseq parses its arguments; ``PLUGIN_TAG`` = "off": stock
+    fairseq, the plugin never imported). On CUDA, the peak of every update is read just before
+    fairseq resets it (once per update) and printed last (``PEAKS_TAG``); with ``PROFILE_TAG`` =
+    "N:epoch" or "N:interval" in the environment, N warm updates are profiled."""
     import argparse as ap
 
     import torch
 
     torch.serialization.add_safe_globals([ap.Namespace])
-    import fairseq_attnzoo  # noqa: F401  (the plugin's fairseq fixes, for the example too)
+    if os.environ.get(PLUGIN_TAG) != "off":
+        import fairseq_attnzoo
+
+        fairseq_attnzoo.enable()  # (importing it only registers names: fairseq then skips --user-dir)
     from fairseq_cli import train
 
     peaks, reset = [], torch.cuda.reset_peak_memory_stats
@@ -247,34 +283,70 @@ def train_child(argv):
         reset(*a, **k)
 
     torch.cuda.reset_peak_memory_stats = read_then_reset
+    sentences = count_sentences()
     if os.environ.get(PROFILE_TAG):
-        profile_updates(int(os.environ[PROFILE_TAG]))
+        n, warm = os.environ[PROFILE_TAG].split(":")
+        profile_updates(int(n), warm)
     sys.argv = ["fairseq-train"] + argv
     try:
         train.cli_main()
     finally:
+        print(SENTENCES_TAG, json.dumps(sentences), flush=True)
         if torch.cuda.is_available():
             print(PEAKS_TAG, json.dumps(peaks or [torch.cuda.max_memory_allocated()]),
                   flush=True)
 
 
-def profile_updates(n: int):
-    """Profile the ``n`` updates after the first ``n``; print their top ops by self device time
-    (CPU: self CPU time), per update: [op, calls, ms, % of the ops' total]."""
+def count_sentences() -> List[int]:
+    """The sentences each epoch trains (the samples fairseq's trainer is handed), filled in as
+    the run goes."""
+    from fairseq.trainer import Trainer
+
+    step, begin, counts = Trainer.train_step, Trainer.begin_epoch, []
+
+    def begin_epoch(self, epoch):
+        counts.append(0)
+        return begin(self, epoch)
+
+    def train_step(self, samples, raise_oom=False):
+        counts[-1] += sum(int(s.get("nsentences", 0)) for s in samples if s)
+        return step(self, samples, raise_oom)
+
+    Trainer.train_step, Trainer.begin_epoch = train_step, begin_epoch
+    return counts
+
+
+def profile_updates(n: int, warm: str):
+    """Profile ``n`` warm updates: from the third update of epoch 2 (``warm`` "epoch": every batch
+    shape seen once) or after the first ``n`` ("interval"). Prints the device's busy share of the
+    wall time (the sum of its kernels' time over the synchronised wall time: well under 100 %
+    means the GPU waits for the host) and the top ops by self device time (CPU: self CPU time),
+    per update: [op, calls, ms, % of the ops' total]."""
     import torch
     from fairseq.trainer import Trainer
 
-    step, calls, cuda = Trainer.train_step, [0], torch.cuda.is_available()
+    step, begin, cuda = Trainer.train_step, Trainer.begin_epoch, torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    state = {"calls": 0, "start": None if warm == "epoch" else n + 1, "t0": 0.0}
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     prof = torch.profiler.profile(activities=acts)
 
+    def begin_epoch(self, epoch):
+        if epoch == 2 and state["start"] is None:
+            state["start"] = state["calls"] + 3
+        return begin(self, epoch)
+
     def train_step(self, samples, raise_oom=False):
-        calls[0] += 1
-        if calls[0] == n + 1:
+        state["calls"] += 1
+        if state["calls"] == state["start"]:
+            sync()
             prof.start()
+            state["t0"] = time.perf_counter()
         out = step(self, samples, raise_oom)
-        if calls[0] == 2 * n:
+        if state["start"] and state["calls"] == state["start"] + n - 1:
+            sync()
+            wall = time.perf_counter() - state["t0"]
             prof.stop()
             key = "self_device_time_total" if cuda else "self_cpu_time_total"
             ops = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)
@@ -282,12 +354,14 @@ def profile_updates(n: int):
                    and (not cuda or str(getattr(e, "device_type", "CPU")).endswith("CPU"))]
             ops.sort(key=lambda e: -getattr(e, key, 0.0))
             total = sum(getattr(e, key, 0.0) for e in ops) or 1.0
-            print(PROFILE_TAG, json.dumps([[e.key[:60], e.count / n, getattr(e, key, 0.0) / n / 1e3,
-                                            100 * getattr(e, key, 0.0) / total]
-                                           for e in ops[:12]]), flush=True)
+            print(PROFILE_TAG, json.dumps({
+                "updates": n, "wall ms per update": 1e3 * wall / n,
+                "busy %": 100 * total / 1e6 / wall if cuda else None,
+                "top": [[e.key[:60], e.count / n, getattr(e, key, 0.0) / n / 1e3,
+                         100 * getattr(e, key, 0.0) / total] for e in ops[:12]]}), flush=True)
         return out
 
-    Trainer.train_step = train_step
+    Trainer.train_step, Trainer.begin_epoch = train_step, begin_epoch
 
 
 def fairseq_log(text: str, tag: str) -> List[dict]:
@@ -308,11 +382,14 @@ def tagged(text, tag):
 
 
 def fairseq_train(flags: List[str], data: str, a, seed: int, stop: List[str], env=None) -> str:
-    """One child ``fairseq-train``; its output, or SystemExit with the tail of its log."""
+    """One child ``fairseq-train`` on ``a.gpus`` GPUs (CUDA) or the CPU; its output, or
+    SystemExit with the tail of its log."""
+    where = (["--cpu"] if a.device == "cpu"
+             else ["--distributed-world-size", str(getattr(a, "gpus", 1))])
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "scripts.bench.harness", "--_train", data, *flags,
                "--seed", str(seed), "--save-dir", tmp, "--no-save", "--log-format", "json",
-               "--num-workers", "0", *stop] + (["--cpu"] if a.device == "cpu" else [])
+               "--num-workers", "0", *stop, *where]
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
     text = out.stdout + out.stderr
@@ -322,18 +399,28 @@ def fairseq_train(flags: List[str], data: str, a, seed: int, stop: List[str], en
     return text
 
 
-def precision_flags(a) -> List[str]:
-    return PRECISIONS[a.precision]
+def side_of(spec) -> Side:
+    return spec if isinstance(spec, Side) else Side(spec)
 
 
-def timed_run(flags, data, a, warm, seed) -> Dict[str, Any]:
-    """One training run timed on warm shapes (module docstring): tokens/s (median of the log
-    intervals), the first pass (tokens/s, and its seconds beyond the warm rate), peak GiB."""
+def timed_run(side: Side, common: List[str], data, a, warm, seed,
+              profile: int = 0) -> Dict[str, Any]:
+    """One training run of ``side`` timed on warm shapes (module docstring): tokens/s (median of
+    the log intervals; per GPU: divided by ``a.gpus``), the first pass (tokens/s, and its seconds
+    beyond the warm rate), peak GiB; ``profile`` > 0: that many warm updates profiled."""
     stop = (["--max-epoch", str(1 + a.epochs), "--max-update", "100000000"] if warm == "epoch"
             else ["--max-update", str(a.updates)])
-    env = {PROFILE_TAG: str(a.profile)} if a.profile else {}
+    env = dict(side.env)
+    if profile:
+        env[PROFILE_TAG] = f"{profile}:{warm}"
+    if not side.plugin:
+        env[PLUGIN_TAG] = "off"
+    flags = common + shlex.split(sized(side.flags, a.size))
+    if not side.plugin and (side.precision or a.precision) == "bf16":
+        raise SystemExit("a plugin-off side cannot train in bf16: stock fairseq's --bf16 turns "
+                         "on --tpu; give that side fp16 or fp32 (--precision)")
     text = fairseq_train(flags + ["--disable-validation", "--log-interval", str(a.log_interval)]
-                         + precision_flags(a) + stop, data, a, seed, [], env)
+                         + PRECISIONS[side.precision or a.precision] + stop, data, a, seed, [], env)
     logs, done = fairseq_log(text, "train_inner"), 0
     for r in logs:  # updates and seconds of each interval
         r["n"], done = int(r["num_updates"]) - done, int(r["num_updates"])
@@ -350,20 +437,25 @@ def timed_run(flags, data, a, warm, seed) -> Dict[str, Any]:
     warm_s = sum(r["s"] for r in hot) / sum(r["n"] for r in hot)
     first_warm = int(hot[0]["num_updates"]) - hot[0]["n"]
     peaks = tagged(text, PEAKS_TAG)
-    return {"tokens/s": statistics.median(float(r["wps"]) for r in hot),
+    gpus = getattr(a, "gpus", 1) if a.device != "cpu" else 1
+    total = statistics.median(float(r["wps"]) for r in hot)
+    return {"tokens/s": total / gpus, "total tokens/s": total,
             "warm updates": sum(r["n"] for r in hot),
+            "sentences": (tagged(text, SENTENCES_TAG) or [None])[0],
             "first pass tokens/s": sum(r["n"] * float(r["wpb"]) for r in cold)
-            / sum(r["s"] for r in cold),
+            / sum(r["s"] for r in cold) / gpus,
             "first pass extra s": sum(r["s"] for r in cold) - warm_s * sum(r["n"] for r in cold),
-            "peak GiB": max(peaks[first_warm:] or peaks) / 2**30 if peaks else None,
+            # (one GPU: the child reads every update's peak; spawned workers cannot: n/a)
+            "peak GiB": max(peaks[first_warm:] or peaks) / 2**30 if peaks and gpus == 1
+            else None,
             "profile": tagged(text, PROFILE_TAG)}
 
 
-def floor_of(case, a, device_name):
+def floor_of(case, a, device_name, precision):
     """(tokens/s, source) of the baseline's sanity floor on this device class, or None."""
     from scripts.bench.cases import FLOORS
 
-    half = "fp32" if a.precision == "fp32" else "half"
+    half = "fp32" if precision == "fp32" else "half"
     for cls, prec, tokens, source in FLOORS.get(case.floor, ()):
         if cls in device_name and prec == half and a.size == "paper":
             return tokens, source
@@ -371,41 +463,66 @@ def floor_of(case, a, device_name):
 
 
 def run_train(case: Train, a, device_name, record):
+    """Baseline and candidate(s) alternating (baseline, candidates..., candidates reversed,
+    baseline, ...), one record per candidate; a baseline below its floor on CUDA gets one more
+    run with ``--profile-below-floor`` warm updates profiled, in the record."""
     common = shlex.split(sized(case.common, a.size))
-    flags = {"baseline": common + shlex.split(sized(case.baseline, a.size)),
-             "candidate": common + shlex.split(sized(case.candidate, a.size))}
+    base = side_of(case.baseline)
+    cands = (dict(case.candidate) if isinstance(case.candidate, dict)
+             else {"": side_of(case.candidate)})
+    sides = {"baseline": base, **{f"candidate {k}": v for k, v in cands.items()}}
     data = a.data_mt if case.data == "mt" else a.data_lm
-    runs: Dict[str, List[dict]] = {"baseline": [], "candidate": []}
-    floor = floor_of(case, a, device_name)
-    for i in range(a.repeats):  # baseline, candidate, candidate, baseline, ...
-        for who in (["baseline", "candidate"] if i % 2 == 0 else ["candidate", "baseline"]):
-            runs[who].append(timed_run(flags[who], data, a, case.warm, a.seed))
+    runs: Dict[str, List[dict]] = {who: [] for who in sides}
+    floor = floor_of(case, a, device_name, base.precision or a.precision)
+    below = None  # the profile of a baseline below its floor
+    for i in range(a.repeats):
+        for who in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            runs[who].append(timed_run(sides[who], common, data, a, case.warm, a.seed,
+                                       profile=a.profile))
             if who == "baseline" and i == 0:
                 b = runs["baseline"][0]["tokens/s"]
                 print(f"baseline: {b:,.0f} tokens/s warm; floor on this device: " + (
                     f"{floor[0]:,} ({floor[1]})" + (" BELOW: suspect" if b < floor[0] else "")
                     if floor else "none known"), flush=True)
+                if floor and b < floor[0] and not a.profile and a.profile_below_floor:
+                    below = timed_run(base, common, data, a, case.warm, a.seed,
+                                      profile=a.profile_below_floor)["profile"]
 
     def med(who, key):
         vals = [r[key] for r in runs[who] if r[key] is not None]
         return statistics.median(vals) if vals else None
 
-    row = {"precision": a.precision}
-    for who, prefix in (("candidate", ""), ("baseline", "baseline ")):
-        for key in ("tokens/s", "first pass tokens/s", "first pass extra s", "peak GiB"):
-            row[prefix + key] = med(who, key)
-    row["speed ratio"] = row["tokens/s"] / row["baseline tokens/s"]
-    row["memory ratio"] = (row["peak GiB"] / row["baseline peak GiB"]
-                           if row["peak GiB"] and row["baseline peak GiB"] else None)
     b = [r["tokens/s"] for r in runs["baseline"]]
-    row["baseline drift %"] = 100 * (b[-1] - b[0]) / b[0]
-    row["warm updates"], row["repeats"] = runs["candidate"][0]["warm updates"], a.repeats
-    row["floor"] = f"{floor[0]:,} ({floor[1]})" if floor else None
-    row["suspect"] = bool(floor and row["baseline tokens/s"] < floor[0])
-    profiles = {who: rs[0]["profile"] for who, rs in runs.items() if rs[0]["profile"]}
-    if profiles:
-        row["profile"] = profiles
-    record(case, row)
+    for label, side in cands.items():
+        who = f"candidate {label}"
+        row = {"run": label} if label else {}
+        row["precision"] = side.precision or a.precision
+        if (base.precision or a.precision) != row["precision"]:
+            row["baseline precision"] = base.precision or a.precision
+        for src, prefix in ((who, ""), ("baseline", "baseline ")):
+            for key in ("tokens/s", "first pass tokens/s", "first pass extra s", "peak GiB",
+                        "sentences"):
+                row[prefix + key] = med(src, key)
+        if a.gpus > 1 and a.device != "cpu":
+            row["gpus"], row["total tokens/s"] = a.gpus, med(who, "total tokens/s")
+        row["speed ratio"] = row["tokens/s"] / row["baseline tokens/s"]
+        row["memory ratio"] = (row["peak GiB"] / row["baseline peak GiB"]
+                               if row["peak GiB"] and row["baseline peak GiB"] else None)
+        # (one baseline run: no drift known)
+        row["baseline drift %"] = 100 * (b[-1] - b[0]) / b[0] if len(b) > 1 else None
+        row["noisy"] = bool(len(b) > 1 and abs(row["baseline drift %"]) > a.max_drift)
+        row["warm updates"], row["repeats"] = runs[who][0]["warm updates"], a.repeats
+        row["plugin"] = "on" if side.plugin else "off"
+        if side.env:
+            row["env"] = dict(side.env)
+        row["floor"] = (f"{floor[0]:,} ({floor[1]})" if floor
+                        else "no floor known" if case.floor else None)
+        row["suspect"] = bool(floor and row["baseline tokens/s"] < floor[0])
+        profiles = {"baseline": runs["baseline"][0]["profile"] or below,
+                    label or "candidate": runs[who][0]["profile"]}
+        if any(profiles.values()):
+            row["profile"] = {k: v for k, v in profiles.items() if v}
+        record(case, row)
 
 
 def run_quality(case: Quality, a, record):
@@ -417,7 +534,7 @@ def run_quality(case: Quality, a, record):
     common = shlex.split(sized(case.common, a.size))
     for i, seed in enumerate(a.seeds):
         for label in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
-            flags = common + shlex.split(sized(runs[label], a.size)) + precision_flags(a)
+            flags = common + shlex.split(sized(runs[label], a.size)) + PRECISIONS[a.precision]
             t0 = time.time()
             text = fairseq_train(flags, data, a, seed, [
                 "--max-update", str(updates), "--validate-interval", "100000000",
@@ -471,10 +588,18 @@ def main(argv=None):
     p.add_argument("--size", choices=["paper", "tiny"], default="paper",
                    help="paper: the sizes people train; tiny: every case shrunk (a dry run)")
     p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16",
-                   help="kernel cases' dtype (default bf16; fp32 on the CPU)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="kernel cases' dtype (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
-                   help="train and quality runs (the CPU trains fp32 whatever is asked)")
+                   help="train and quality runs (default bf16, on the CPU too; a case's side may "
+                   "name its own)")
+    p.add_argument("--gpus", type=int, default=1, help="train and quality: GPUs per run "
+                   "(fairseq's --distributed-world-size; tokens/s is reported per GPU)")
+    p.add_argument("--max-drift", type=float, default=5.0, metavar="PCT",
+                   help="train: a row whose baseline drifts more than this is marked noisy")
+    p.add_argument("--profile-below-floor", type=int, default=20, metavar="N",
+                   help="train: a baseline below its floor gets one more run, N warm updates "
+                   "profiled (0: none)")
     p.add_argument("--repeats", type=int, default=None,
                    help="kernel: timed calls (default 20); train: alternating pairs (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="train: timed epochs after the first")
@@ -488,7 +613,8 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", help="only the quality runs and kernel shapes whose label "
                    "contains one of these strings")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="train: profile N updates after the first N of every run (top ops, in the record)")
+                   help="train: profile N warm updates of every run's first repeat (busy share, "
+                   "top ops; in the record)")
     p.add_argument("--data-mt", default=os.path.join(REPO, "data/libreoffice/bin"))
     p.add_argument("--data-lm", default=os.path.join(REPO, "data/wiki-gensim/bin"))
     p.add_argument("--records", default=RECORDS, help="append the records here ('' = nowhere)")
@@ -505,8 +631,10 @@ def main(argv=None):
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(a.device)
-    if device.type == "cpu":  # (what runs there, recorded as such)
-        a.dtype = a.precision = "fp32"
+    a.dtype = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if device.type == "cpu" and "fp16" in (a.precision, a.dtype):
+        raise SystemExit("fp16 does not train on the CPU (fairseq's --fp16 needs CUDA): pass "
+                         "--precision bf16 or fp32 with --device cpu")
     a.data_mt, a.data_lm = os.path.abspath(a.data_mt), os.path.abspath(a.data_lm)
     cases = select(a.cases) + ([own_arch(a.arch, a.flags)] if a.arch else [])
     for c in cases:
@@ -514,7 +642,7 @@ def main(argv=None):
         if data and not os.path.isdir(data):
             raise SystemExit(f"{c.family}/{c.name}: no binarised data in {data}: run `make data` "
                              f"or pass --data-{c.data}")
-    env = environment(device)
+    env = environment(device, a.gpus)
     record = Recorder(a.records, env, argv, a.size, a.dtype)
     print(f"device {env['device']}, torch {env['torch']}, CUDA {env['cuda']}, commit "
           f"{env['commit']}, size {a.size}", flush=True)

@@ -22,7 +22,9 @@ if [ -n "${DRY:-}" ]; then
     export PYTHONPATH=$PWD PATH=${VENV:-$PWD/.venv}/bin:$PATH TRITON_INTERPRET=1
     PY=python BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
 fi
+# a stage: harness calls separated by ";", each its cases and flags
 declare -A STAGES=(
+    [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; baseline/a-a-mt --precision bf16 --repeats 1"
     [kernels]="device aop/sublayer-vs-ffn pkm/value-read pkm/layer-vs-ffn"
     [attention]="device synthesizer/sublayer-vs-mha synthesizer/table-kernel synthesizer/pad-aware-gather collab/inference-vs-mha adaptive_span/sublayer-vs-example"
     [sweep]="device pkm/launch-sweep"
@@ -63,9 +65,14 @@ run)
     for stage in "$@"; do
         [ -n "${STAGES[$stage]:-}" ] || { echo "unknown stage $stage (bash $0 plan)" >&2; exit 2; }
         # (the patterns are the harness's to expand: no shell globbing)
-        set -f; timeout "${STAGE_SECONDS:-600}" $PY -m scripts.bench ${STAGES[$stage]} \
-            --records "$RECORDS" ${BENCH_ARGS:-}; rc=$?; set +f
-        echo "stage $stage rc $rc"
+        set -f; IFS=';' read -ra CALLS <<< "${STAGES[$stage]}"
+        end=$((SECONDS + ${STAGE_SECONDS:-600}))
+        for call in "${CALLS[@]}"; do
+            # (the CPU of a dry run has no fp16: fp32 there)
+            [ -z "${DRY:-}" ] || call=${call//--precision fp16/--precision fp32}
+            timeout $((end > SECONDS ? end - SECONDS : 1)) $PY -m scripts.bench $call \
+                --records "$RECORDS" ${BENCH_ARGS:-}; echo "stage $stage: $call: rc $?"
+        done; set +f
     done
     ;;
 *)
