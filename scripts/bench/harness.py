@@ -391,7 +391,8 @@ def fairseq_train(flags: List[str], data: str, a, seed: int, stop: List[str], en
                "--seed", str(seed), "--save-dir", tmp, "--no-save", "--log-format", "json",
                "--num-workers", "0", *stop, *where]
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+                             env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
+                             [REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
     text = out.stdout + out.stderr
     if out.returncode != 0:
         raise SystemExit(f"fairseq-train failed ({out.returncode}): {shlex.join(cmd)}\n"
