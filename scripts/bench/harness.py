@@ -119,8 +119,10 @@ KERNEL_ENV = ("TORCH_", "ATTNZOO_", "CUDA_VISIBLE_DEVICES", "CUBLAS_", "CUDNN_",
 
 
 def kernel_env(env=os.environ) -> Dict[str, str]:
-    return {k: v for k, v in sorted(env.items()) if k.startswith(KERNEL_ENV)
-            and k not in (PEAKS_TAG, PROFILE_TAG, PLUGIN_TAG)}
+    """The variables of ``env`` that select kernels (not the harness's own tags, nor
+    ``TORCH_CUDA_ARCH_LIST``, which only builds extensions)."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith(KERNEL_ENV) and k not in (
+        PEAKS_TAG, PROFILE_TAG, PLUGIN_TAG, SENTENCES_TAG, "TORCH_CUDA_ARCH_LIST")}
 
 
 def environment(device, gpus=1) -> Dict[str, Any]:
@@ -133,15 +135,26 @@ def environment(device, gpus=1) -> Dict[str, Any]:
     cuda = device.type == "cuda"
     name = (torch.cuda.get_device_name(device) if cuda
             else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
-    # (BENCH_COMMIT: a copy of the tree without its .git, e.g. on a lent GPU)
-    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_COMMIT", "unknown")
-    if git("status", "--porcelain", "--untracked-files=no"):
+    # (BENCH_COMMIT: the commit of a copied tree whose .git is absent or stale, e.g. on a lent GPU)
+    commit = os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
+    if not os.environ.get("BENCH_COMMIT") and git("status", "--porcelain",
+                                                   "--untracked-files=no"):
         commit += "+uncommitted"
     return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if cuda else None,
             "gpus": gpus if cuda else None,
             "visible gpus": torch.cuda.device_count() if cuda else None,
             "commit": commit, "kernel env": kernel_env()}
+
+
+def without_records(argv):
+    """``argv`` without ``--records PATH``: where a run wrote its records is not how to rerun it."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and not arg.startswith("--records"):
+            out.append(arg)
+        skip = arg == "--records"
+    return out
 
 
 class Recorder:
@@ -151,7 +164,7 @@ class Recorder:
     def __init__(self, path, env, argv, size, dtype):
         self.path, self.run = path, datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M:%S UTC")
-        command = "python -m scripts.bench " + " ".join(shlex.quote(a) for a in argv)
+        command = "python -m scripts.bench " + " ".join(shlex.quote(a) for a in without_records(argv))
         self.head = {**env, "run": self.run, "size": size, "dtype": dtype, "command": command}
 
     def __call__(self, case, row: Dict[str, Any]):

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from scripts.bench.harness import RECORDS, REPO
+from scripts.bench.harness import RECORDS, REPO, kernel_env
 
 DOCS = [os.path.join(REPO, "docs", "performance.md")]
 BLOCK = re.compile(r"(<!-- bench: (\S+) -->\n)(.*?)(<!-- /bench -->)", re.S)
@@ -24,9 +24,10 @@ COLUMNS = {  # the columns of each level, in order (those no row has are left ou
     "kernel": ["case", "shape", "ms", "baseline ms", "ratio", "cold ms", "baseline cold ms",
                "peak MiB", "baseline peak MiB", "GB/s", "GFLOP/s", "% roofline", "host syncs",
                "skipped"],
-    "train": ["case", "precision", "baseline tokens/s", "tokens/s", "speed ratio",
-              "baseline drift %", "baseline first pass tokens/s", "first pass tokens/s",
-              "first pass extra s", "baseline peak GiB", "peak GiB", "memory ratio",
+    "train": ["case", "run", "baseline precision", "precision", "baseline tokens/s", "tokens/s",
+              "speed ratio", "baseline drift %", "baseline first pass tokens/s",
+              "first pass tokens/s", "first pass extra s", "baseline peak GiB", "peak GiB",
+              "memory ratio", "baseline sentences", "sentences", "gpus", "total tokens/s",
               "warm updates", "repeats", "floor"],
     "quality": ["case", "run", "precision", "updates", "params", "sparse value params", "valid loss",
                 "mean", "valid bleu", "overflows", "usage"]}
@@ -39,10 +40,33 @@ def load(path=RECORDS):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def env_text(r) -> str:
+    """The kernel-selecting environment a record ran under ("" for the defaults)."""
+    return " ".join(f"{k}={v}" for k, v in kernel_env(r.get("kernel env") or {}).items())
+
+
 def identity(r):
+    """A row of a table: a run under another kernel environment is another row, never a
+    replacement of the default one."""
     row = r["row"]
-    return (r["case"], r["device"], r["size"], r.get("dtype"), row.get("shape"),
+    return (r["case"], r["device"], r["size"], r.get("dtype"), env_text(r), row.get("shape"),
             row.get("run"), row.get("precision"), row.get("seed"))
+
+
+def profile_lines(rows) -> str:
+    """One line per profiled side: the GPU's busy share of the wall time and the top ops."""
+    seen, out = set(), []
+    for row in rows:
+        for who, p in (row.get("profile") or {}).items():
+            text = (f"{p['updates']} warm updates, {p['wall ms per update']:.1f} ms each"
+                    + (f", GPU busy {p['busy %']:.0f} % of the wall time" if p.get("busy %")
+                       is not None else "") + "; top ops by device time per update: "
+                    + ", ".join(f"{op} {ms:.2f} ms" for op, _, ms, _ in p["top"][:5]))
+            if (who, text) not in seen:
+                seen.add((who, text))
+                out.append(f"- profile of the {who} (under the profiler, which slows the "
+                           f"host): {text}\n")
+    return "".join(out)
 
 
 def format_table(rows, cols=None, cell=None) -> str:
@@ -100,9 +124,9 @@ def render(pattern, records):
         latest[identity(r)] = r
     groups = {}
     for r in latest.values():
-        groups.setdefault((r["device"], r["size"], r.get("dtype")), []).append(r)
+        groups.setdefault((r["device"], r["size"], r.get("dtype"), env_text(r)), []).append(r)
     out = []
-    for (device, size, dtype), rs in sorted(groups.items()):
+    for (device, size, dtype, env), rs in sorted(groups.items()):
         level = rs[0]["level"]
         rows = (quality_rows(rs) if level == "quality"
                 else [{**r["row"], "case": r["case"]} for r in rs])
@@ -112,11 +136,16 @@ def render(pattern, records):
             cols.remove("case")
         what = f"dtype {dtype}" if level == "kernel" else f"size {size}"
         out.append(f"**{device}**, {what}" + (f", size {size}" if level == "kernel" else "")
-                   + ":\n")
+                   + (f", environment `{env}`" if env else "") + ":\n")
         if any(row.get("suspect") for row in rows):
             out.append("**Suspect**: a baseline ran below its sanity floor (the floor column); "
                        "these ratios stand only once that is explained.\n")
+        if any(row.get("noisy") for row in rows):
+            out.append("**Noisy**: a baseline drifted more than the harness allows between its "
+                       "first and last run; rerun before reading these ratios.\n")
         out.append(format_table(rows, cols, lambda c, v: fmt(c, v)))
+        if level == "train" and profile_lines(rows):
+            out.append("\n" + profile_lines(rows))
         runs = sorted({(r["run"], r["commit"], r["torch"], r["cuda"], r["command"]) for r in rs})
         out.append("\n" + "".join(f"- {run}, commit {commit}, torch {torch}, CUDA {cuda}: "
                                   f"`{command}`\n" for run, commit, torch, cuda, command in runs))
