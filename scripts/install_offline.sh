@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
 # Install fairseq-fixed and its missing dependencies on a machine with torch but no package index
 # (e.g. a GPU box), from a folder of downloaded wheels and sdists; then our plugin runs from the
-# checkout (PYTHONPATH). Prepare the folder where pip works (docs/performance.md, "Offline clusters"):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl hydra-core==1.3.2 omegaconf==2.3.0 bitarray cffi tensorboardX
-#   pip download --no-deps --no-binary :all: -d .whl antlr4-python3-runtime==4.9.3
-#   (and the fairseq-fixed 0.12.3.1 sdist, fairseq_fixed-0.12.3.1.tar.gz, into the same folder)
-# Usage: bash scripts/install_offline.sh [WHEEL_DIR=.whl] [TARGET=/tmp/site]
-#        export PYTHONPATH=TARGET:$PWD PATH=TARGET/bin:$PATH
+# checkout (PYTHONPATH). docs/performance.md, "Offline clusters":
+#   bash scripts/install_offline.sh --download DIR [PYTHON_VERSION=3.12]   where pip works: the
+#        fairseq-fixed sdist and the wheels such a machine lacks, into DIR (copy it over)
+#   bash scripts/install_offline.sh [DIR=.whl] [TARGET=/tmp/site]   there (nothing to do when
+#        fairseq already imports); then export PYTHONPATH=TARGET:$PWD PATH=TARGET/bin:$PATH
 set -euo pipefail
+if [ "${1:-}" = --download ]; then
+  DL=(${PYBIN:-python3} -m pip download -q --no-deps --disable-pip-version-check -d "$2")
+  "${DL[@]}" --only-binary=:all: --python-version "${3:-3.12}" --implementation cp \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_28_x86_64 hydra-core==1.3.2 omegaconf==2.3.0 bitarray regex cffi \
+      tensorboardX
+  # (the sdists' metadata is built here: PYBIN needs setuptools and wheel, e.g. the .venv's python)
+  "${DL[@]}" --no-binary :all: --no-build-isolation antlr4-python3-runtime==4.9.3 \
+      fairseq-fixed==0.12.3.1
+  exit 0
+fi
 WHL=${1:-.whl}
 TARGET=${2:-/tmp/site}
+if PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import fairseq, hydra" 2>/dev/null
+then
+  echo "fairseq already importable from $TARGET"
+  exit 0
+fi
 PIP=(python3 -m pip install -q --no-index --no-deps --no-cache-dir --disable-pip-version-check
      --target "$TARGET")
 "${PIP[@]}" --no-compile "$WHL"/*.whl
@@ -47,4 +61,5 @@ fi
 env -u CUDA_HOME MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --upgrade --no-build-isolation \
   "$SDIST"
 [ -z "${SRC:-}" ] || rm -rf "$SRC"
-python3 -c "import fairseq, torch; print('fairseq', fairseq.__version__, '| torch', torch.__version__)"
+python3 -c "import fairseq, torch; print('fairseq', fairseq.__version__, '| torch', torch.__version__,
+'| CUDA', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else '')"

@@ -68,8 +68,8 @@ def test_train_timing_is_warm_shapes_only_with_the_training_peak(monkeypatch):
     monkeypatch.setattr(harness, "fairseq_train", lambda *a, **k: log + "\n" + harness.PEAKS_TAG
                         + " " + json.dumps(peaks) + "\n")
     a = type("A", (), dict(epochs=2, updates=0, log_interval=2, profile=0, precision="fp16",
-                           device="cuda"))
-    r = harness.timed_run([], "data", a, "epoch", 1)
+                           device="cuda", size="paper", gpus=1))
+    r = harness.timed_run(harness.Side(""), [], "data", a, "epoch", 1)
     # epoch 2's intervals end at updates 12..20 (12 dropped), epoch 3's at 22..30: 9 of 2
     assert r["tokens/s"] == 1000 + 22 and r["warm updates"] == 18
     assert r["first pass tokens/s"] == pytest.approx(500)
@@ -77,66 +77,138 @@ def test_train_timing_is_warm_shapes_only_with_the_training_peak(monkeypatch):
                                                     rel=0.05)
     assert r["peak GiB"] == 3  # not epoch 1's 9, not the last update's 1
     monkeypatch.setattr(harness, "fairseq_train", lambda *a, **k: log)  # the CPU: no peaks
-    assert harness.timed_run([], "data", a, "epoch", 1)["peak GiB"] is None
+    assert harness.timed_run(harness.Side(""), [], "data", a, "epoch", 1)["peak GiB"] is None
     monkeypatch.setattr(harness, "fairseq_train", lambda *a, **k: _fake_log(1, 10, 2,
                                                                             lambda e, n: 1))
     with pytest.raises(SystemExit, match="too few to time warm shapes"):
-        harness.timed_run([], "data", a, "epoch", 1)
+        harness.timed_run(harness.Side(""), [], "data", a, "epoch", 1)
 
 
-def test_a_baseline_below_its_floor_marks_the_table_suspect(monkeypatch, capsys):
+def test_a_baseline_below_its_floor_marks_the_table_suspect_and_is_profiled(monkeypatch, capsys):
     """The baseline runs first and is printed beside the stock model's expected range on that
-    device class (with its source); below it, the record and the generated table say suspect.
-    Alternating repeats give the ratio and the baseline's drift."""
+    device class (with its source); below it, the record and the generated table say suspect, and
+    one more baseline run profiles its warm updates (the record keeps the profile). Alternating
+    repeats give the ratio and the baseline's drift; a drift over 5 % marks the row noisy."""
     from scripts.bench import harness
-    from scripts.bench.cases import CASES
+    from scripts.bench.cases import own_arch
     from scripts.bench.tables import render
 
-    speeds = iter([40_000, 60_000, 70_000, 44_000])  # baseline, arch, arch, baseline
+    speeds = iter([40_000, 0, 60_000, 70_000, 44_000])  # baseline, profiled, arch, arch, baseline
     order = []
 
-    def fake_run(flags, data, a, warm, seed):
-        order.append("transformer_aop" if "transformer_aop" in flags else "transformer")
+    def fake_run(side, common, data, a, warm, seed, profile=0):
+        order.append(("transformer_aop" if "transformer_aop" in str(side.flags)
+                      else "transformer") + (f" profiled {profile}" if profile else ""))
         return {"tokens/s": float(next(speeds)), "first pass tokens/s": 1.0,
-                "first pass extra s": 2.0, "peak GiB": 4.0, "warm updates": 9, "profile": None}
+                "first pass extra s": 2.0, "peak GiB": 4.0, "warm updates": 9, "sentences": 163,
+                "profile": {"updates": profile, "wall ms per update": 90.0, "busy %": 15.0,
+                            "top": [["aten::mm", 200, 3.0, 19.0]]} if profile else None}
 
     monkeypatch.setattr(harness, "timed_run", fake_run)
-    case = next(c for c in CASES if c.name == "mt-transformer_aop")
-    a = type("A", (), dict(size="paper", precision="bf16", repeats=2, data_mt="d", seed=1))
+    a = type("A", (), dict(size="paper", precision="bf16", repeats=2, data_mt="d", seed=1,
+                           profile=0, profile_below_floor=20, gpus=1, device="cuda"))
     records = []
-    harness.run_train(case, a, "NVIDIA H100 80GB HBM3", lambda c, row: records.append(row))
-    assert order == ["transformer", "transformer_aop", "transformer_aop", "transformer"]
+    harness.run_train(own_arch("transformer_aop", ""), a, "NVIDIA H100 80GB HBM3",
+                      lambda c, row: records.append(row))
+    assert order == ["transformer", "transformer profiled 20", "transformer_aop",
+                     "transformer_aop", "transformer"]
     out = capsys.readouterr().out
     assert "baseline: 40,000 tokens/s warm; floor on this device: 100,000" in out
     assert "fairseq#940" in out and "BELOW: suspect" in out
     row = records[0]
     assert row["suspect"] and row["speed ratio"] == pytest.approx(65_000 / 42_000)
     assert row["baseline drift %"] == pytest.approx(10.0) and row["memory ratio"] == 1.0
-    record = {"case": "aop/mt-transformer_aop", "level": "train", "device": "H100", "size":
-              "paper", "dtype": "bf16", "run": "r", "commit": "c", "torch": "t", "cuda": "13",
-              "command": "python -m scripts.bench aop", "row": row}
-    assert "**Suspect**" in render("aop/*", [record])
+    assert row["noisy"] and row["profile"]["baseline"]["busy %"] == 15.0
+    record = {"case": "own/transformer_aop", "level": "train", "device": "H100", "size": "paper",
+              "dtype": "bf16", "run": "r", "commit": "c", "torch": "t", "cuda": "13",
+              "command": "python -m scripts.bench --arch transformer_aop", "row": row}
+    table = render("own/*", [record])
+    assert "**Suspect**" in table and "**Noisy**" in table
+    assert "profile of the baseline" in table and "GPU busy 15 %" in table
+
+
+def test_a_kernel_environment_is_its_own_table_never_a_replacement():
+    """A run under a kernel-selecting variable (cuDNN attention off) is recorded with it and shown
+    beside the default run, not in its place; a build-only variable changes nothing."""
+    from scripts.bench.harness import kernel_env
+    from scripts.bench.tables import render
+
+    assert kernel_env({"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1", "HOME": "/root",
+                       "TORCH_CUDA_ARCH_LIST": "9.0a"}) == {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}
+    base = {"case": "aop/sublayer-vs-ffn", "level": "kernel", "device": "H100", "size": "paper",
+            "dtype": "bf16", "run": "r", "commit": "c", "torch": "t", "cuda": "13",
+            "command": "python -m scripts.bench aop/sublayer-vs-ffn",
+            "kernel env": {"TORCH_CUDA_ARCH_LIST": "9.0a"}, "row": {"shape": "s", "ms": 1.0}}
+    off = dict(base, **{"kernel env": {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}},
+               row={"shape": "s", "ms": 2.0})
+    table = render("aop/*", [base, off])
+    assert "| s | 1.000 |" in table and "| s | 2.000 |" in table
+    assert table.count("environment `TORCH_CUDNN_SDPA_DEPRIORITIZED=1`") == 1
+
+
+def test_user_errors_are_one_line():
+    """fp16 on the CPU and a plugin-off side in bf16 (stock --bf16 asks for a TPU) are refused
+    in one line each, naming what to pass instead."""
+    from scripts.bench import harness
+
+    with pytest.raises(SystemExit, match="fp16 does not train on the CPU.*--precision bf16"):
+        harness.main(["device", "--device", "cpu", "--precision", "fp16",
+                      "--records", ""])
+    a = type("A", (), dict(size="paper", precision="bf16", epochs=1, log_interval=1, device="cpu",
+                           gpus=1))
+    with pytest.raises(SystemExit, match="plugin-off side cannot train in bf16.*fp16 or fp32"):
+        harness.timed_run(harness.Side("--arch transformer", plugin=False), [], "d", a, "epoch", 1)
+
+
+@pytest.fixture(scope="module")
+def mt163(tmp_path_factory):
+    """Toy translation data of 163 training sentences: not a multiple of fairseq's batch multiple
+    (8), so stock fairseq 0.12 drops the last batch of every epoch and the plugin keeps it."""
+    from zoo_testlib import make_parallel_text, preprocess
+
+    root = str(tmp_path_factory.mktemp("mt163"))
+    make_parallel_text(root, n_train=163)
+    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{root}/train",
+                "--validpref", f"{root}/valid", "--testpref", f"{root}/test",
+                "--destdir", f"{root}/bin", "--joined-dictionary", "--workers", "1"])
+    return f"{root}/bin"
 
 
 @pytest.mark.slow
-def test_train_and_quality_rows_dry_run(mt_data, lm_data, tmp_path, capsys):
-    """End to end on the CPU at toy size: a train row (baseline and arch alternating, real
-    fairseq-train children, the warm / cold split, peak "n/a") and a quality row (valid loss at
-    equal updates, one record per run and seed)."""
+def test_every_level_dry_runs_in_bf16_both_sides_through_the_same_fairseq(mt163, lm_data, tmp_path,
+                                                                          capsys):
+    """End to end on the CPU at toy size in bf16 (stock --bf16 asks for a TPU; the plugin, enabled
+    in every child as --user-dir enables it, trains it on the CPU): a train row whose baseline and
+    arch train the same 163 sentences an epoch (the batch-tail fix on both sides: before, only
+    the arch's child applied it), the A/A control ``--arch transformer``, a quality row and
+    decode rows (fairseq-generate warm, with the precision it ran)."""
     from scripts.bench.harness import main
 
     out = tmp_path / "r.jsonl"
-    main(["aop/mt-transformer_aop", "pkm/memory-lm", "--size", "tiny", "--device", "cpu",
-          "--repeats", "1", "--epochs", "1", "--log-interval", "1", "--data-mt", mt_data,
-          "--data-lm", lm_data, "--only", "dense (attnzoo", "--records", str(out)])
-    train, quality = _records(out)
+    common = ["--size", "tiny", "--device", "cpu", "--precision", "bf16", "--repeats", "1",
+              "--epochs", "1", "--log-interval", "1", "--data-mt", mt163, "--data-lm", lm_data,
+              "--records", str(out)]
+    main(["--arch", "transformer_aop", "pkm/memory-lm", "--only", "dense (attnzoo", *common])
+    main(["--arch", "transformer", *common])
+    main(["translation/decode", "--only", "synth_random", "beam 1", *common])
+    quality, train, a_a, decode = _records(out)
     row = train["row"]
-    assert train["case"] == "aop/mt-transformer_aop" and row["precision"] == "fp32"
+    assert train["case"] == "own/transformer_aop" and row["precision"] == "bf16"
+    assert row["sentences"] == row["baseline sentences"] == 163
     assert row["tokens/s"] > 0 and row["baseline tokens/s"] > 0 and row["warm updates"] > 0
-    assert row["first pass tokens/s"] > 0 and row["peak GiB"] is None and row["floor"] is None
+    assert row["first pass tokens/s"] > 0 and row["peak GiB"] is None
+    assert row["floor"] == "no floor known" and row["baseline drift %"] is None
     assert "floor on this device: none known" in capsys.readouterr().out
-    assert quality["row"]["run"] == "dense (attnzoo_lm)" and quality["row"]["updates"] == 4
-    assert 0 < quality["row"]["valid loss"] < 20 and quality["row"]["params"] > 0
+    assert quality["row"]["run"] == "dense (attnzoo_lm)" and quality["row"]["precision"] == "bf16"
+    assert quality["row"]["updates"] == 4 and 0 < quality["row"]["valid loss"] < 20
+    assert a_a["case"] == "own/transformer" and a_a["row"]["sentences"] == 163
+    assert a_a["row"]["speed ratio"] > 0
+    assert decode["case"] == "translation/decode" and decode["level"] == "decode"
+    d = decode["row"]
+    assert d["run"] == "transformer_synth_random, beam 1" and d["precision"] == "fp32"
+    assert d["tokens/s"] > 0 and d["sentences/s"] > 0 and d["baseline tokens/s"] > 0
+    for r in (quality, train, a_a, decode):
+        assert r["gpus"] is None and r["cudnn"] is None and isinstance(r["kernel env"], dict)
 
 
 def test_the_docs_tables_are_the_records(tmp_path):
@@ -154,52 +226,32 @@ def test_the_docs_tables_are_the_records(tmp_path):
     assert tables.main([str(doc)]) == 0 and doc.read_text() == text
 
 
-def test_every_case_has_a_tiny_size_and_the_harness_stays_small():
-    """Every row kind dry-runs at ``--size tiny``; every stage of the offline driver names cases
-    that exist; scripts/bench stays within its line budget."""
+def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_small(capsys):
+    """Every row kind dry-runs at ``--size tiny``; every call of every stage of the offline
+    driver names cases that exist and parses, and its count of fairseq processes (what a GPU
+    visit's time is planned by) is printed; the Python harness stays within its line budget."""
     import glob
     import os
-    import subprocess
+    import re
+    import shlex
 
     from scripts.bench.cases import CASES
-    from scripts.bench.harness import Kernel, select
+    from scripts.bench.harness import Kernel, main
 
-    plan = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), "plan"],
-                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert len(plan) >= 10
-    for line in plan:
-        assert select(line.split(": ", 1)[1].split()), line
+    text = open(os.path.join(REPO, "scripts", "bench", "stages.sh")).read()
+    stages = dict(re.findall(r'\[([\w-]+)\]="([^"]+)"', text))
+    assert len(stages) >= 10 and set(stages) == set(re.search(
+        r"ORDER=\(([^)]*)\)", text).group(1).split())
+    for name, calls in stages.items():
+        for call in calls.split(";"):
+            assert main([*shlex.split(call), "--count"]) == 0, (name, call)
+    counts = capsys.readouterr().out
+    assert "baseline/mt-transformer: 4 fairseq processes" in counts
+    assert "translation/train: 6 fairseq processes" in counts  # (the baseline, synth x3, aop x2)
 
-    assert {c.level for c in CASES} == {"kernel", "train", "quality"}
+    assert {c.level for c in CASES} == {"kernel", "train", "decode", "quality"}
     for c in CASES:
         if isinstance(c, Kernel):
             assert c.shapes["tiny"], c.name
-    files = glob.glob(os.path.join(REPO, "scripts", "bench", "*.*"))
+    files = glob.glob(os.path.join(REPO, "scripts", "bench", "*.py"))
     assert sum(len(open(f).readlines()) for f in files) <= 1500
-
-
-def test_host_syncs_are_counted_as_they_would_be_on_cuda():
-    """The ``host syncs`` column: what would make the host wait for a GPU, counted on the CPU: a
-    device value read back, an output sized by the data, boolean-mask indexing. Reading a tensor
-    that would stay on the host there (a shape, ``torch.tensor(...)``) is no sync."""
-    import torch
-
-    from scripts.bench.syncs import HostTensors
-
-    syncs = []
-
-    def count(func, sync):
-        if sync:
-            syncs.append(func.overloadpacket.__name__)
-
-    x = torch.randn(5, 3)
-    with HostTensors().counting(count):
-        bool(x.sum() > 0)
-        x[x > 0]
-        (x > 0).nonzero()
-        torch.bincount(torch.tensor([1, 2]).to(x.device) * (x[0, 0] > 0).long())
-        x.repeat_interleave(2, dim=0)
-        shape = torch._shape_as_tensor(x)
-        int(shape[0]) + int(torch.tensor(3)) + int(torch.tensor(3) * 2)
-        x.view(int(shape[0]), -1).argmax().item()
-    assert syncs == ["_local_scalar_dense", "index", "nonzero", "bincount", "_local_scalar_dense"]

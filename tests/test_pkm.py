@@ -272,10 +272,10 @@ def test_a_training_step_syncs_with_the_device_once(padded):
     output by the data (``nonzero``, ``bincount``) drains the GPU's queue. A memory layer's forward
     and backward need one: the ``nonzero`` that finds the tokens kept (the row ranges of the
     value gradient are found by a binary search, ``pkm_triton.row_ranges``). Counted on the CPU
-    with the benchmark's CUDA classification (``scripts/bench/syncs.py``: the search's
+    with the benchmark's CUDA classification (``tests/syncs_testlib.py``: the search's
     candidate pairs, built once on the host, are no sync)."""
     from fairseq_attnzoo.modules import pkm
-    from scripts.bench.syncs import HostTensors
+    from syncs_testlib import HostTensors
 
     syncs = []
 
@@ -1073,3 +1073,30 @@ def test_fp16_reads_the_fp32_slots_more_often_than_bf16(mt_data):
     medians = {str(d): statistics.median(v) for d, v in worst.items()}
     assert medians["torch.float16"] <= 0.01, medians
     assert medians["torch.float16"] <= medians["torch.bfloat16"], medians
+
+
+def test_host_syncs_are_counted_as_they_would_be_on_cuda():
+    """tests/syncs_testlib.py: what would make the host wait for a GPU, counted on the CPU: a
+    device value read back, an output sized by the data, boolean-mask indexing. Reading a tensor
+    that would stay on the host there (a shape, ``torch.tensor(...)``) is no sync."""
+    import torch
+
+    from syncs_testlib import HostTensors
+
+    syncs = []
+
+    def count(func, sync):
+        if sync:
+            syncs.append(func.overloadpacket.__name__)
+
+    x = torch.randn(5, 3)
+    with HostTensors().counting(count):
+        bool(x.sum() > 0)
+        x[x > 0]
+        (x > 0).nonzero()
+        torch.bincount(torch.tensor([1, 2]).to(x.device) * (x[0, 0] > 0).long())
+        x.repeat_interleave(2, dim=0)
+        shape = torch._shape_as_tensor(x)
+        int(shape[0]) + int(torch.tensor(3)) + int(torch.tensor(3) * 2)
+        x.view(int(shape[0]), -1).argmax().item()
+    assert syncs == ["_local_scalar_dense", "index", "nonzero", "bincount", "_local_scalar_dense"]

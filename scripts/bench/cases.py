@@ -8,7 +8,7 @@ import shlex
 import torch
 import torch.nn as nn
 
-from scripts.bench.harness import USER_DIR, Kernel, Quality, Side, Train, fwd_bwd
+from scripts.bench.harness import USER_DIR, Decode, Kernel, Quality, Side, Train, fwd_bwd
 
 CASES = []
 add = CASES.append
@@ -55,15 +55,6 @@ class SelfAttention(nn.Module):
 
     def forward(self, x):
         return self.att(x, x, x, key_padding_mask=self.pad, need_weights=False)[0]
-
-
-def mha(p, device, dtype, forward_only=False, pad=None):
-    from fairseq.modules import MultiheadAttention
-
-    m = on(SelfAttention(MultiheadAttention(p["d"], p["heads"], self_attention=True), pad),
-           device, dtype)
-    return fwd_bwd(m.eval() if forward_only else m, attn_input(p, device, dtype),
-                   forward_only=forward_only)
 
 
 def attn_input(p, device, dtype):
@@ -239,29 +230,6 @@ add(Kernel("pkm", "layer-vs-ffn", {
 
 # ---- Synthesizer ----------------------------------------------------------------------------
 
-def _synth(p, device, dtype):
-    from fairseq_attnzoo.models.synthesizer import VARIANTS
-    from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
-
-    components, frozen = VARIANTS[p["variant"]]
-    m = SynthesizerAttention(p["d"], p["heads"], components=components, max_len=p["N"],
-                             freeze_random=frozen)
-    return fwd_bwd(on(SelfAttention(m), device, dtype), attn_input(p, device, dtype))
-
-
-def _variants():
-    from fairseq_attnzoo.models.synthesizer import VARIANTS
-
-    return list(VARIANTS)
-
-
-add(Kernel("synthesizer", "sublayer-vs-mha", {
-    "paper": _grid(dict(batch=8, d=512, heads=8, N=512), L=(128, 256, 512), variant=_variants()),
-    "tiny": _grid(dict(batch=2, d=32, heads=2, N=16), L=(16,), variant=_variants())},
-    _synth, mha, note="every variant (N = --synth-max-len 512) vs fairseq's MultiheadAttention, "
-    "batch 8, no mask"))
-
-
 def _left_pad(p, device):
     g = torch.Generator().manual_seed(4)
     lead = torch.randint(0, p["L"] // 3 + 1, (p["batch"],), generator=g)
@@ -289,52 +257,6 @@ add(Kernel("synthesizer", "table-kernel", {
     _table_kernel("sdpa"), _table_kernel("table"),
     note="Random / Factorized Random, --synth-table-kernel sdpa vs table, a --max-tokens 8192 "
          "batch, with and without left padding: what `auto` should pick on a device"))
-
-
-def _gather(way):
-    def make(p, device, dtype):
-        from fairseq_attnzoo.modules.synthesizer import _select_positions
-
-        h, n, b, t = p["heads"], p["N"], p["batch"], p["L"]
-        table = randn(h, n, n, device=device, dtype=dtype, seed=3)
-        pad = torch.randint(0, p["pad"] + 1, (b,), generator=torch.Generator().manual_seed(3))
-        pos = (torch.arange(t)[None] - pad[:, None]).clamp(min=0).to(device)
-        heads = torch.arange(h, device=device)
-        weights = randn(b, h, t, t, device=device, dtype=dtype, grad=False)
-
-        def call():
-            table.grad = None
-            r = (_select_positions(table.flatten(1, 2), pos[:, :, None] * n + pos[:, None, :])
-                 if way == "index_select" else
-                 table[heads[None, :, None, None], pos[:, None, :, None], pos[:, None, None, :]])
-            (r * weights).sum().backward()
-        return call
-    return make
-
-
-add(Kernel("synthesizer", "pad-aware-gather", {
-    "paper": [dict(heads=8, N=512, batch=256, L=32, pad=12)],
-    "tiny": [dict(heads=2, N=16, batch=4, L=8, pad=3)]},
-    _gather("index_select"), _gather("advanced indexing"),
-    note="Random's pad-aware R[h, qpos, kpos] of a left-padded batch: index_select (ours) vs "
-         "advanced indexing"))
-
-
-# ---- collaborative heads -------------------------------------------------------------------
-
-def _collab(p, device, dtype):
-    from fairseq_attnzoo.modules.collab import CollaborativeAttention
-
-    m = on(SelfAttention(CollaborativeAttention(p["d"], p["heads"], p["Dk"])), device, dtype)
-    return fwd_bwd(m.eval(), attn_input(p, device, dtype), forward_only=True)
-
-
-add(Kernel("collab", "inference-vs-mha", {
-    "paper": [dict(d=512, heads=8, batch=8, L=128, Dk=k) for k in (512, 256, 128, 64)],
-    "tiny": [dict(d=32, heads=4, batch=2, L=8, Dk=k) for k in (32, 16)]},
-    _collab, lambda p, dev, dt: mha(p, dev, dt, forward_only=True),
-    note="collaborative heads at shared key dims D~k vs fairseq's MultiheadAttention, forward, "
-         "eval mode"))
 
 
 # ---- adaptive span -------------------------------------------------------------------------
@@ -382,58 +304,6 @@ add(Kernel("adaptive_span", "sublayer-vs-example", {
     _span, lambda p, dev, dt: _span(dict(p, impl="fairseq example"), dev, dt),
     note="the attention sublayer at the paper's small enwik8 config with every span trimmed to "
          "a window: ours (fused / op by op) vs fairseq's examples/adaptive_span module"))
-
-
-# ---- torch's fused attention at fairseq's shapes: what a new shape costs ----------------------
-
-def _sdpa(p, device, dtype):
-    """SDPA forward + backward, 8 heads of 64, laid out as each caller hands it over (cuDNN's
-    graphs depend on the strides): fairseq's time-first views with its [b, 8, 1, t] additive
-    mask (``causal``: merged with the future mask), the zoo's batch-first views with a [b, 1, 1,
-    t] mask, AOP1's queries over 1,536 parameter slots. Every row is a shape the process has not
-    seen: its cold column is what a new batch shape costs."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    b, t, kind = p["batch"], p["L"], p["layout"]
-    leaf = lambda *s: randn(*s, device=device, dtype=dtype, seed=t)  # noqa: E731
-    mask = None
-    if kind == "aop":
-        q = leaf(1, t * b, 8, 64).transpose(1, 2)
-        k, v = leaf(1, 8, 1536, 64), leaf(1, 8, 1536, 64)
-    else:
-        pad = _left_pad(dict(p, padding=True), "cpu")[:, None, None, :]
-        if kind == "zoo":
-            q, k, v = (leaf(b, t, 512).view(b, t, 8, 64).transpose(1, 2) for _ in range(3))
-            mask = torch.zeros(b, 1, 1, t).masked_fill(pad, torch.finfo(dtype).min)
-        else:
-            q, k, v = (leaf(t, b, 512).view(t, b * 8, 64).transpose(0, 1).view(b, 8, t, 64)
-                       for _ in range(3))
-            mask = torch.zeros(b, 1, 1, t).masked_fill(pad.flip(-1) if kind == "causal" else pad,
-                                                       float("-inf"))
-            if kind == "causal":
-                mask = mask + torch.triu(torch.full((t, t), float("-inf")), 1)
-            mask = mask.expand(b, 8, -1, t).contiguous()
-        mask = mask.to(device, dtype)
-    backend = {"choice": None, "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
-               "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[p["backend"]]
-    grad = torch.randn(q.shape[:-1] + (64,), device=device, dtype=dtype)
-
-    def call():
-        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
-    return call
-
-
-add(Kernel("sdpa", "new-shapes", {
-    "paper": [dict(layout=lay, backend=be, L=L + 2 * i, batch=8192 // (L + 2 * i))
-              for i, be in enumerate(("choice", "cudnn", "flash", "efficient"))
-              for lay in ("fairseq", "zoo", "aop", "causal") for L in (31, 77)],
-    "tiny": [dict(layout=lay, backend=be, L=5 + i, batch=4) for i, be in
-             enumerate(("choice", "math")) for lay in ("fairseq", "zoo", "aop", "causal")]},
-    _sdpa, note="torch's fused attention under each backend at translation shapes: cold = the "
-    "first call at a shape (cuDNN builds a graph per shape), ms = the shape seen"))
 
 
 # ---- end to end: fairseq-train against the stock baseline -------------------------------------
@@ -489,17 +359,30 @@ add(Train("baseline", "a-a-mt", "mt", MT, _stock("transformer"), _stock("transfo
 add(Train("baseline", "a-a-lm", "lm", LM, _stock("transformer_lm"), _zoo("attnzoo_lm", "", {}),
           warm="interval", note="attnzoo_lm against transformer_lm --decoder-normalize-before "
           "(the same model): the ratio must fall within the baseline's drift"))
-for _arch in ("transformer_synth_dense", "transformer_synth_random",
-              "transformer_synth_factorized_random", "transformer_aop", "transformer_aop_h16",
-              "transformer_collab", "transformer_pkm"):
-    _family = {"synth": "synthesizer", "aop": "aop", "collab": "collab", "pkm": "pkm"}[
-        _arch.split("_")[1]]
-    add(Train(_family, f"mt-{_arch}", "mt", MT, _stock("transformer"), _zoo(_arch, _family, {}),
-              floor="transformer-base", note="transformer-base translation, --max-tokens 8192"))
-for _arch in ("transformer_lm_pkm", "transformer_lm_memplus"):
-    add(Train("pkm", f"lm-{_arch}", "lm", LM, _stock("transformer_lm"),
-              _zoo(_arch, "pkm", {"paper": "--pkm-n-keys 512"}), warm="interval",
-              note="a 12-layer d 512 LM, 262,144 memory slots, blocks of 512"))
+#: every translation arch and every memory LM, against the stock model of its task (one case
+#: each: the baseline runs once for all of them)
+MT_ARCHS = {a: _zoo(a, {"synth": "synthesizer"}.get(a.split("_")[1], a.split("_")[1]), {})
+            for a in ("transformer_synth_dense", "transformer_synth_random",
+                      "transformer_synth_factorized_random", "transformer_aop",
+                      "transformer_aop_h16", "transformer_collab", "transformer_pkm")}
+LM_ARCHS = {a: _zoo(a, "pkm", {"paper": "--pkm-n-keys 512"})
+            for a in ("transformer_lm_pkm", "transformer_lm_memplus")}
+add(Train("translation", "train", "mt", MT, _stock("transformer"), MT_ARCHS,
+          floor="transformer-base", note="every translation arch vs transformer at "
+          "transformer-base, --max-tokens 8192"))
+add(Train("lm", "train", "lm", LM, _stock("transformer_lm"), LM_ARCHS, warm="interval",
+          note="the memory LMs (262,144 slots) vs a 12-layer d 512 transformer_lm, blocks of 512"))
+#: decoding as translation users decode (beam 5, and greedy), on the test split; tiny: hypotheses
+#: capped at 20 tokens (an untrained toy model would otherwise decode to fairseq's 200)
+add(Decode("translation", "decode", "mt", MT, _stock("transformer"), MT_ARCHS, {
+    f"beam {k}": {"paper": f"--beam {k} --max-tokens 8192",
+                  "tiny": f"--beam {k} --max-tokens 512 --max-len-b 20"} for k in (5, 1)},
+    note="fairseq-generate of each arch's transformer-base checkpoint (1,000 updates) vs the "
+    "transformer's, test split"))
+add(Decode("lm", "eval", "lm", LM, _stock("transformer_lm"), LM_ARCHS, {"eval-lm": {
+    "paper": "--tokens-per-sample 512 --max-tokens 8192",
+    "tiny": "--tokens-per-sample 16 --max-tokens 64"}},
+    note="fairseq-eval-lm of each memory LM's checkpoint (1,000 updates) vs transformer_lm's"))
 
 
 def _span_commands():
@@ -528,18 +411,8 @@ def _span_commands():
     return out
 
 
-class _Lazy(dict):
-    """flags per size computed at first use (fairseq's example path needs fairseq imported)."""
-
-    def __init__(self, which):
-        super().__init__()
-        self.which = which
-
-    def get(self, size, default=None):
-        return _span_commands()[size][self.which]
-
-
-add(Train("adaptive_span", "vs-example", "lm", "", _Lazy(1), _Lazy(0), warm="interval",
+add(Train("adaptive_span", "vs-example", "lm", "", lambda size: _span_commands()[size][1],
+          lambda size: _span_commands()[size][0], warm="interval",  # (fairseq imported first)
           note="adaptive_span_lm vs fairseq's examples/adaptive_span, paper-small enwik8 config"))
 
 

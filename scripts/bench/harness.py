@@ -1,24 +1,10 @@
-"""The benchmark harness: one way to declare a row (scripts/bench/cases.py), three levels.
-
-``Kernel``  a sublayer or kernel, forward + backward (or forward) against its baseline or a peer at
-            named shapes, alternating in one process: the first call (cold: compilation, plan
-            building) and the median of the repeats (warm), the ratio, the peak CUDA memory of
-            one call, and, for a case that counts its bytes or FLOPs, its share of the device's
-            measured roofline (the ``device/copy`` and ``device/matmul`` rows of the same run).
-``Train``   end-to-end ``fairseq-train`` of an arch against its stock baseline, same data and
-            flags, alternating (baseline, arch, arch, baseline, ...) in one invocation. Speed is
-            timed on warm shapes only: after one full pass over the batches (fairseq's epoch 1;
-            a case whose batches all have one shape: after the first log interval), over the log
-            intervals that follow, with ``--disable-validation --no-save``; the first pass is a
-            column of its own. Peak memory is the largest per-update CUDA peak of the timed updates
-            (fairseq resets the peak every update: the child reads it just before), "n/a" off
-            CUDA. The baseline runs first and is printed beside its sanity floor (``FLOORS``).
-``Quality`` ``fairseq-train`` runs at equal updates and seeds: the valid loss fairseq reports at
-            the last update (base 2: bits per token), parameters, slot usage.
-
-Each row is appended as a JSON line (device, torch and CUDA versions, commit, the exact command,
-the figures) to ``--records`` (docs/benchmarks.jsonl); ``python -m scripts.bench.tables``
-renders the tables of docs/performance.md from them. See docs/performance.md for the commands.
+"""The benchmark harness: one way to declare a row (scripts/bench/cases.py), four levels:
+``Kernel`` (a module against its baseline or a peer at named shapes, in one process), ``Train``
+(``fairseq-train`` of an arch against its stock baseline, timed on warm shapes), ``Decode``
+(``fairseq-generate`` / ``fairseq-eval-lm`` of their checkpoints) and ``Quality`` (valid loss at
+equal updates and seeds). Each row is appended as a JSON line to ``--records``
+(docs/benchmarks.jsonl); ``python -m scripts.bench.tables`` renders docs/performance.md's tables
+from them. What each level measures, and why so: docs/performance.md.
 """
 
 import argparse
@@ -27,6 +13,7 @@ import fnmatch
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -42,12 +29,16 @@ RECORDS = os.path.join(REPO, "docs", "benchmarks.jsonl")
 PEAKS_TAG = "ATTNZOO_BENCH_PEAKS"  # the training child's last line: per-update CUDA peaks
 PROFILE_TAG = "ATTNZOO_BENCH_PROFILE"
 SENTENCES_TAG = "ATTNZOO_BENCH_SENTENCES"  # and the sentences trained in each epoch
+DECODE_TAG = "ATTNZOO_BENCH_DECODE"  # a decode child's warm pass
 PLUGIN_TAG = "ATTNZOO_BENCH_PLUGIN"  # "off": the training child runs stock fairseq
+MAX_DRIFT = 5.0  # % between a baseline's first and last run: more, and the row is "noisy"
 PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
-Sized = Union[str, Dict[str, str]]  # flags, or flags per --size
+Sized = Union[str, Dict[str, str], Callable]  # flags, flags per --size, or a function of it
 
 
 def sized(value, size: str):
+    if callable(value):
+        return value(size)
     return value.get(size, value.get("paper")) if isinstance(value, dict) else value
 
 
@@ -77,6 +68,10 @@ class Side:
     env: Dict[str, str] = field(default_factory=dict)
     precision: Optional[str] = None
 
+    @staticmethod
+    def of(spec):
+        return spec if isinstance(spec, Side) else Side(spec)
+
 
 @dataclass
 class Train:
@@ -89,11 +84,17 @@ class Train:
     data: str  # "mt" | "lm": --data-mt / --data-lm
     common: Sized
     baseline: Union[Sized, Side]
-    candidate: Union[Sized, Side, Dict[str, Side]]
+    candidate: Union[Sized, Side, Dict[str, Union[Sized, Side]]]
     warm: str = "epoch"
     floor: Optional[str] = None
     note: str = ""
     level: str = "train"
+
+    def __post_init__(self):  # flags become Sides, and one candidate the only one, unlabelled
+        several = isinstance(self.candidate, dict) and "paper" not in self.candidate
+        self.baseline, self.candidate = Side.of(self.baseline), (
+            {k: Side.of(v) for k, v in self.candidate.items()} if several
+            else {"": Side.of(self.candidate)})
 
 
 @dataclass
@@ -110,6 +111,23 @@ class Quality:
     level: str = "quality"
 
 
+@dataclass
+class Decode:
+    """``fairseq-generate`` ("mt") or ``fairseq-eval-lm`` ("lm") of each candidate's checkpoint
+    (``updates[size]`` updates) against the baseline's; a row per candidate and ``runs`` label
+    (its decode flags), timed warm: a second pass in the process, by fairseq's own timer."""
+    family: str
+    name: str
+    data: str
+    common: Sized
+    baseline: Sized
+    candidate: Dict[str, Sized]
+    runs: Dict[str, Sized]
+    updates: Dict[str, int] = field(default_factory=lambda: {"paper": 1000, "tiny": 4})
+    note: str = ""
+    level: str = "decode"
+
+
 # ---- records -------------------------------------------------------------------------------
 
 #: environment variables that select kernels or devices: recorded, and a table never lets a run
@@ -119,10 +137,9 @@ KERNEL_ENV = ("TORCH_", "ATTNZOO_", "CUDA_VISIBLE_DEVICES", "CUBLAS_", "CUDNN_",
 
 
 def kernel_env(env=os.environ) -> Dict[str, str]:
-    """The variables of ``env`` that select kernels (not the harness's own tags, nor
-    ``TORCH_CUDA_ARCH_LIST``, which only builds extensions)."""
+    """``env``'s kernel-selecting variables (not our tags; ``TORCH_CUDA_ARCH_LIST`` only builds)."""
     return {k: v for k, v in sorted(env.items()) if k.startswith(KERNEL_ENV) and k not in (
-        PEAKS_TAG, PROFILE_TAG, PLUGIN_TAG, SENTENCES_TAG, "TORCH_CUDA_ARCH_LIST")}
+        PEAKS_TAG, PROFILE_TAG, PLUGIN_TAG, SENTENCES_TAG, DECODE_TAG, "TORCH_CUDA_ARCH_LIST")}
 
 
 def environment(device, gpus=1) -> Dict[str, Any]:
@@ -147,8 +164,7 @@ def environment(device, gpus=1) -> Dict[str, Any]:
             "commit": commit, "kernel env": kernel_env()}
 
 
-def without_records(argv):
-    """``argv`` without ``--records PATH``: where a run wrote its records is not how to rerun it."""
+def without_records(argv):  # (where a run wrote its records is not how to rerun it)
     out, skip = [], False
     for arg in argv:
         if not skip and not arg.startswith("--records"):
@@ -158,13 +174,12 @@ def without_records(argv):
 
 
 class Recorder:
-    """Appends one JSON line per row to ``path`` as the row finishes (a run cut off by a time
-    limit keeps the rows it finished)."""
+    """Appends a JSON line per row to ``path`` as the row finishes (a run cut off keeps them)."""
 
     def __init__(self, path, env, argv, size, dtype):
         self.path, self.run = path, datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M:%S UTC")
-        command = "python -m scripts.bench " + " ".join(shlex.quote(a) for a in without_records(argv))
+        command = "python -m scripts.bench " + shlex.join(without_records(argv))
         self.head = {**env, "run": self.run, "size": size, "dtype": dtype, "command": command}
 
     def __call__(self, case, row: Dict[str, Any]):
@@ -179,16 +194,30 @@ class Recorder:
 
 # ---- kernel level --------------------------------------------------------------------------
 
-def timed(call, device) -> float:
-    """Milliseconds of one ``call()`` (on CUDA: to the end of the work it queued)."""
+def timed(call, device, n: int = 1) -> float:
+    """Milliseconds of one ``call()``, the mean of ``n`` back to back (on CUDA: CUDA events around
+    them, so the host's launch time overlaps the device's work as in training)."""
     import torch
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    call()
-    sync()
-    return 1000 * (time.perf_counter() - t0)
+    cuda = device.type == "cuda"
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (0, 0)
+    torch.cuda.synchronize() if cuda else None
+    t0 = start.record() if cuda else time.perf_counter()
+    for _ in range(n):
+        call()
+    if not cuda:
+        return 1000 * (time.perf_counter() - t0) / n
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def warm_shared(device):
+    """Set up what any call needs once (allocator, BLAS, autograd) before either cold call."""
+    import torch
+
+    x = torch.ones(64, 64, device=device, requires_grad=True)
+    (torch.nn.functional.linear(x, x).softmax(-1) @ x).sum().backward()
 
 
 def peak_mib(call, device):
@@ -205,51 +234,35 @@ def peak_mib(call, device):
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def fwd_bwd(module, *inputs, forward_only=False):
+def fwd_bwd(module, *inputs):
     """A call: ``module(*inputs)`` (its first output) summed and back-propagated, gradients
-    cleared first (``forward_only``: under no_grad)."""
-    import torch
-
+    cleared first."""
     def call():
-        if forward_only:
-            with torch.no_grad():
-                module(*inputs)
-            return
         module.zero_grad(set_to_none=True)
         out = module(*inputs)
         (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
     return call
 
 
-def host_syncs(call) -> int:
-    """How many ops of one ``call()`` would make the host wait for a GPU (scripts/bench/syncs.py;
-    counted on any device)."""
-    from scripts.bench.syncs import HostTensors
-
-    n = [0]
-    with HostTensors().counting(lambda func, sync: n.__setitem__(0, n[0] + sync)):
-        call()
-    return n[0]
-
-
-def shape_text(p: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in p.items())
-
-
-def run_kernel(case: Kernel, p: dict, device, dtype, repeats, roofline) -> Dict[str, Any]:
-    row = {"shape": shape_text(p)}
+def run_kernel(case: Kernel, p: dict, device, dtype, repeats, roofline,
+               index: int = 0) -> Dict[str, Any]:
+    """One shape: each side's first call (cold; which side goes first alternates with ``index``),
+    then ``repeats`` samples of each, alternating, each sample a batch of calls long enough
+    (>= 10 ms) for the clock."""
+    row = {"shape": ", ".join(f"{k} {v}" for k, v in p.items())}
     try:
+        warm_shared(device)
         cand = case.candidate(p, device, dtype)
         calls = {"": cand}
         if case.baseline:
             calls["baseline "] = case.baseline(p, device, dtype)
-        cold = {k: timed(c, device) for k, c in calls.items()}
-        for c in calls.values():
-            c()
+        order = list(calls) if index % 2 == 0 else list(calls)[::-1]
+        cold = {k: timed(calls[k], device) for k in order}
+        batch = {k: max(1, int(10 / max(timed(c, device), 1e-3))) for k, c in calls.items()}
         warm = {k: [] for k in calls}
         for i in range(repeats):  # alternating, and the order too: drift hits both alike
-            for k in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
-                warm[k].append(timed(calls[k], device))
+            for k in (order if i % 2 == 0 else order[::-1]):
+                warm[k].append(timed(calls[k], device, batch[k]))
     except ImportError as e:  # an optional peer
         return {**row, "skipped": f"not installed: {e.name}"}
     except RuntimeError as e:  # a kernel or backend this device or case does not have
@@ -266,27 +279,18 @@ def run_kernel(case: Kernel, p: dict, device, dtype, repeats, roofline) -> Dict[
         row["GB/s" if kind == "bytes" else "GFLOP/s"] = rate
         if roofline.get(kind):
             row["% roofline"] = 100 * rate / roofline[kind]
-    row["host syncs"] = host_syncs(cand)
     return row
 
 
 # ---- train and quality levels: fairseq-train children ---------------------------------------
 
 def train_child(argv):
-    """``fairseq-train argv`` in this process (``--_train``), with the plugin enabled exactly as
-    ``--user-dir`` enables it (before fairseq parses its arguments; ``PLUGIN_TAG`` = "off": stock
-    fairseq, the plugin never imported). On CUDA, the peak of every update is read just before
-    fairseq resets it (once per update) and printed last (``PEAKS_TAG``); with ``PROFILE_TAG`` =
-    "N:epoch" or "N:interval" in the environment, N warm updates are profiled."""
-    import argparse as ap
-
+    """``fairseq-train argv`` in this process (``--_train``; ``child_setup`` first). Printed last:
+    the CUDA peak of every update, read just before fairseq resets it (``PEAKS_TAG``), the
+    sentences of each epoch; ``PROFILE_TAG`` "N:epoch" or "N:interval": N warm updates profiled."""
     import torch
 
-    torch.serialization.add_safe_globals([ap.Namespace])
-    if os.environ.get(PLUGIN_TAG) != "off":
-        import fairseq_attnzoo
-
-        fairseq_attnzoo.enable()  # (importing it only registers names: fairseq then skips --user-dir)
+    child_setup()
     from fairseq_cli import train
 
     peaks, reset = [], torch.cuda.reset_peak_memory_stats
@@ -310,9 +314,53 @@ def train_child(argv):
                   flush=True)
 
 
+def child_setup():
+    """What every child does first: torch's checkpoint loader told about argparse (as the plugin
+    does), and the plugin enabled exactly as ``--user-dir`` enables it, before fairseq parses its
+    arguments (importing it only registers names, and fairseq then skips its ``--user-dir``);
+    ``PLUGIN_TAG`` = "off": stock fairseq, the plugin never imported."""
+    import argparse as ap
+
+    import torch
+
+    torch.serialization.add_safe_globals([ap.Namespace])
+    if os.environ.get(PLUGIN_TAG) != "off":
+        import fairseq_attnzoo
+
+        fairseq_attnzoo.enable()
+
+
+def decode_child(tool: str, argv):
+    """``fairseq-{tool} argv`` twice in this process (``--_decode``): the second (warm) pass timed
+    by fairseq's own timer, its CUDA peak read; printed last (``DECODE_TAG``)."""
+    import torch
+
+    child_setup()
+    from fairseq_cli import eval_lm, generate
+
+    module = generate if tool == "generate" else eval_lm
+    timers = []
+
+    class Timer(module.StopwatchMeter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            timers.append(self)
+
+    module.StopwatchMeter = Timer
+    cuda = torch.cuda.is_available() and "--cpu" not in argv
+    for warm in (False, True):
+        if warm and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        sys.argv = [f"fairseq-{tool}"] + argv
+        module.cli_main()
+    print(DECODE_TAG, json.dumps({"tokens": timers[-1].n, "seconds": timers[-1].sum,
+                                  "peak MiB": torch.cuda.max_memory_allocated() / 2**20
+                                  if cuda else None}), flush=True)
+
+
 def count_sentences() -> List[int]:
-    """The sentences each epoch trains (the samples fairseq's trainer is handed), filled in as
-    the run goes."""
+    """The sentences each epoch trains (as the trainer is handed them), filled in as it goes."""
     from fairseq.trainer import Trainer
 
     step, begin, counts = Trainer.train_step, Trainer.begin_epoch, []
@@ -330,11 +378,9 @@ def count_sentences() -> List[int]:
 
 
 def profile_updates(n: int, warm: str):
-    """Profile ``n`` warm updates: from the third update of epoch 2 (``warm`` "epoch": every batch
-    shape seen once) or after the first ``n`` ("interval"). Prints the device's busy share of the
-    wall time (the sum of its kernels' time over the synchronised wall time: well under 100 %
-    means the GPU waits for the host) and the top ops by self device time (CPU: self CPU time),
-    per update: [op, calls, ms, % of the ops' total]."""
+    """Profile ``n`` warm updates (from epoch 2's third, or after the first ``n``): the GPU's busy
+    share of the wall time (well under 100 %: it waits for the host) and the top ops by self device
+    time (CPU: self CPU time) per update: [op, calls, ms, % of the ops' total]."""
     import torch
     from fairseq.trainer import Trainer
 
@@ -394,27 +440,35 @@ def tagged(text, tag):
     return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
 
 
-def fairseq_train(flags: List[str], data: str, a, seed: int, stop: List[str], env=None) -> str:
-    """One child ``fairseq-train`` on ``a.gpus`` GPUs (CUDA) or the CPU; its output, or
-    SystemExit with the tail of its log."""
-    where = (["--cpu"] if a.device == "cpu"
-             else ["--distributed-world-size", str(getattr(a, "gpus", 1))])
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "scripts.bench.harness", "--_train", data, *flags,
-               "--seed", str(seed), "--save-dir", tmp, "--no-save", "--log-format", "json",
-               "--num-workers", "0", *stop, *where]
-        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                             env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
+def child(kind: str, argv: List[str], a, env=None) -> str:
+    """A child (``--_train``, ``--_decode TOOL``): its output, or SystemExit with its tail."""
+    cmd = [sys.executable, "-m", "scripts.bench.harness", kind, *argv] + (
+        ["--cpu"] if a.device == "cpu" else
+        ["--distributed-world-size", str(getattr(a, "gpus", 1))] if kind == "--_train" else [])
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
                              [REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
     text = out.stdout + out.stderr
     if out.returncode != 0:
-        raise SystemExit(f"fairseq-train failed ({out.returncode}): {shlex.join(cmd)}\n"
+        raise SystemExit(f"{kind[3:]} failed ({out.returncode}): {shlex.join(cmd)}\n"
                          f"{text[-4000:]}")
     return text
 
 
-def side_of(spec) -> Side:
-    return spec if isinstance(spec, Side) else Side(spec)
+def fairseq_train(flags: List[str], data: str, a, seed: int, stop: List[str], env=None,
+                  save_dir=None) -> str:
+    """One child ``fairseq-train`` (``save_dir``: its checkpoints there, else none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save = (["--save-dir", save_dir, "--no-epoch-checkpoints"] if save_dir
+                else ["--save-dir", tmp, "--no-save"])
+        return child("--_train", [data, *flags, "--seed", str(seed), *save, "--log-format",
+                                  "json", "--num-workers", "0", *stop], a, env)
+
+
+def only(labelled: dict, a) -> dict:
+    """The entries whose label has one of ``--only``'s strings (all without it; "" always)."""
+    words = getattr(a, "only", None)
+    return {k: v for k, v in labelled.items() if not (words and k) or any(w in k for w in words)}
 
 
 def timed_run(side: Side, common: List[str], data, a, warm, seed,
@@ -476,14 +530,29 @@ def floor_of(case, a, device_name, precision):
     return None
 
 
+def compare(cand: List[dict], base: List[dict], keys, peak: str) -> Dict[str, Any]:
+    """A row: the medians of ``keys`` over the candidate's and the baseline's runs, the ratios, the
+    baseline's drift between its first and last run (None after one) and whether it is noisy."""
+    row: Dict[str, Any] = {}
+    for runs, prefix in ((cand, ""), (base, "baseline ")):
+        for key in keys:
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            row[prefix + key] = statistics.median(vals) if vals else None
+    row["speed ratio"] = row["tokens/s"] / row["baseline tokens/s"]
+    row["memory ratio"] = (row[peak] / row["baseline " + peak]
+                           if row[peak] and row["baseline " + peak] else None)
+    b = [r["tokens/s"] for r in base]
+    row["baseline drift %"] = 100 * (b[-1] - b[0]) / b[0] if len(b) > 1 else None
+    row["noisy"] = bool(len(b) > 1 and abs(row["baseline drift %"]) > MAX_DRIFT)
+    return row
+
+
 def run_train(case: Train, a, device_name, record):
     """Baseline and candidate(s) alternating (baseline, candidates..., candidates reversed,
     baseline, ...), one record per candidate; a baseline below its floor on CUDA gets one more
     run with ``--profile-below-floor`` warm updates profiled, in the record."""
     common = shlex.split(sized(case.common, a.size))
-    base = side_of(case.baseline)
-    cands = (dict(case.candidate) if isinstance(case.candidate, dict)
-             else {"": side_of(case.candidate)})
+    base, cands = case.baseline, only(case.candidate, a)
     sides = {"baseline": base, **{f"candidate {k}": v for k, v in cands.items()}}
     data = a.data_mt if case.data == "mt" else a.data_lm
     runs: Dict[str, List[dict]] = {who: [] for who in sides}
@@ -502,29 +571,17 @@ def run_train(case: Train, a, device_name, record):
                     below = timed_run(base, common, data, a, case.warm, a.seed,
                                       profile=a.profile_below_floor)["profile"]
 
-    def med(who, key):
-        vals = [r[key] for r in runs[who] if r[key] is not None]
-        return statistics.median(vals) if vals else None
-
-    b = [r["tokens/s"] for r in runs["baseline"]]
     for label, side in cands.items():
         who = f"candidate {label}"
         row = {"run": label} if label else {}
         row["precision"] = side.precision or a.precision
         if (base.precision or a.precision) != row["precision"]:
             row["baseline precision"] = base.precision or a.precision
-        for src, prefix in ((who, ""), ("baseline", "baseline ")):
-            for key in ("tokens/s", "first pass tokens/s", "first pass extra s", "peak GiB",
-                        "sentences"):
-                row[prefix + key] = med(src, key)
+        row.update(compare(runs[who], runs["baseline"], ("tokens/s", "first pass tokens/s",
+                                                         "first pass extra s", "peak GiB",
+                                                         "sentences"), "peak GiB"))
         if a.gpus > 1 and a.device != "cpu":
-            row["gpus"], row["total tokens/s"] = a.gpus, med(who, "total tokens/s")
-        row["speed ratio"] = row["tokens/s"] / row["baseline tokens/s"]
-        row["memory ratio"] = (row["peak GiB"] / row["baseline peak GiB"]
-                               if row["peak GiB"] and row["baseline peak GiB"] else None)
-        # (one baseline run: no drift known)
-        row["baseline drift %"] = 100 * (b[-1] - b[0]) / b[0] if len(b) > 1 else None
-        row["noisy"] = bool(len(b) > 1 and abs(row["baseline drift %"]) > a.max_drift)
+            row["gpus"], row["total tokens/s"] = a.gpus, runs[who][0]["total tokens/s"]
         row["warm updates"], row["repeats"] = runs[who][0]["warm updates"], a.repeats
         row["plugin"] = "on" if side.plugin else "off"
         if side.env:
@@ -539,12 +596,55 @@ def run_train(case: Train, a, device_name, record):
         record(case, row)
 
 
-def run_quality(case: Quality, a, record):
-    runs = case.runs() if callable(case.runs) else case.runs
-    if a.only:
-        runs = {k: v for k, v in runs.items() if any(w in k for w in a.only)}
+def decode_precision(a) -> str:
+    """fairseq-generate and eval-lm have an fp16 path (``--fp16``) but none for bf16 (they
+    ignore ``--bf16``): decode rows run fp16 on CUDA when training is half precision, else fp32."""
+    return "fp16" if a.device != "cpu" and a.precision != "fp32" else "fp32"
+
+
+def run_decode(case: Decode, a, record):
     data = a.data_mt if case.data == "mt" else a.data_lm
-    updates = a.updates_override or case.updates.get(a.size, case.updates["paper"])
+    tool = "generate" if case.data == "mt" else "eval_lm"
+    common = shlex.split(sized(case.common, a.size))
+    updates = case.updates.get(a.size, case.updates["paper"])
+    precision = decode_precision(a)
+    if precision != a.precision:
+        print(f"decode: fairseq-{tool.replace('_', '-')} has no {a.precision} path; decoding in "
+              f"{precision}", flush=True)
+    sides, labels = {"baseline": case.baseline, **only(case.candidate, a)}, only(case.runs, a)
+    runs = {(who, label): [] for who in sides for label in labels}
+    with tempfile.TemporaryDirectory() as tmp:
+        for who, flags in sides.items():
+            fairseq_train(common + shlex.split(sized(flags, a.size)) + PRECISIONS[a.precision],
+                          data, a, a.seed, ["--max-update", str(updates), "--disable-validation",
+                                            "--max-epoch", "1000000"], save_dir=f"{tmp}/{who}")
+        for i in range(a.repeats):  # alternating: baseline, candidates, candidates, baseline
+            for who in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                for label, flags in labels.items():
+                    text = child("--_decode", [
+                        tool, data, "--path", f"{tmp}/{who}/checkpoint_last.pt", "--gen-subset",
+                        "test", "--quiet", "--num-workers", "0",
+                        *shlex.split(sized(flags, a.size)), *PRECISIONS[precision]], a)
+                    done = tagged(text, DECODE_TAG)
+                    sent = re.findall(r"Translated ([\d,]+) s", text)
+                    runs[who, label].append({
+                        "tokens/s": done["tokens"] / done["seconds"], "peak MiB": done["peak MiB"],
+                        "sentences/s": int(sent[-1].replace(",", "")) / done["seconds"]
+                        if sent else None})
+
+    for who in list(sides)[1:]:
+        for label in labels:
+            row = {"run": f"{who}, {label}", "precision": precision, "updates": updates}
+            row.update(compare(runs[who, label], runs["baseline", label],
+                               ("tokens/s", "sentences/s", "peak MiB"), "peak MiB"))
+            row["repeats"] = a.repeats
+            record(case, row)
+
+
+def run_quality(case: Quality, a, record):
+    runs = only(case.runs() if callable(case.runs) else case.runs, a)
+    data = a.data_mt if case.data == "mt" else a.data_lm
+    updates = case.updates.get(a.size, case.updates["paper"])
     common = shlex.split(sized(case.common, a.size))
     for i, seed in enumerate(a.seeds):
         for label in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
@@ -574,6 +674,18 @@ def run_quality(case: Quality, a, record):
 
 # ---- the command line ------------------------------------------------------------------------
 
+def processes(c, a) -> int:
+    """The fairseq processes case ``c`` starts (kernel cases: none), for a visit's time budget."""
+    sides = 1 + len(only(c.candidate, a)) if isinstance(c, (Train, Decode)) else 0
+    if isinstance(c, Train):
+        return (a.repeats or 2) * sides
+    if isinstance(c, Decode):
+        return sides + (a.repeats or 2) * sides * len(only(c.runs, a))
+    if isinstance(c, Quality):
+        return len(a.seeds) * len(only(c.runs() if callable(c.runs) else c.runs, a))
+    return 0
+
+
 def select(patterns: List[str]):
     from scripts.bench.cases import CASES
 
@@ -591,11 +703,15 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_train"]:
         return train_child(argv[1:])
+    if argv[:1] == ["--_decode"]:
+        return decode_child(argv[1], argv[2:])
     p = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.split(
         "\n\n")[0], epilog="docs/performance.md: what each case measures, and the commands.")
     p.add_argument("cases", nargs="*", help="case names, families or patterns (aop, 'mt/*', "
                    "pkm/memory-lm): --list names them")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--count", action="store_true", help="print the fairseq processes each case "
+                   "would start (with these flags) and exit")
     p.add_argument("--arch", help="time your own arch against the stock baseline of its task "
                    "(with --flags for it)")
     p.add_argument("--flags", default="", help="more fairseq-train flags for --arch's runs")
@@ -609,8 +725,6 @@ def main(argv=None):
                    "name its own)")
     p.add_argument("--gpus", type=int, default=1, help="train and quality: GPUs per run "
                    "(fairseq's --distributed-world-size; tokens/s is reported per GPU)")
-    p.add_argument("--max-drift", type=float, default=5.0, metavar="PCT",
-                   help="train: a row whose baseline drifts more than this is marked noisy")
     p.add_argument("--profile-below-floor", type=int, default=20, metavar="N",
                    help="train: a baseline below its floor gets one more run, N warm updates "
                    "profiled (0: none)")
@@ -620,12 +734,10 @@ def main(argv=None):
     p.add_argument("--updates", type=int, default=300,
                    help="train cases of one shape: updates per run (the first interval is cold)")
     p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--updates-override", type=int, default=None, metavar="N",
-                   help="quality: train every run N updates instead of the case's")
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="quality: one run per seed")
     p.add_argument("--seed", type=int, default=1, help="train: the seed of every run")
-    p.add_argument("--only", nargs="+", help="only the quality runs and kernel shapes whose label "
-                   "contains one of these strings")
+    p.add_argument("--only", nargs="+", help="only the candidates, runs and kernel shapes whose "
+                   "label contains one of these strings")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="train: profile N warm updates of every run's first repeat (busy share, "
                    "top ops; in the record)")
@@ -638,6 +750,10 @@ def main(argv=None):
     if a.list:
         for c in CASES:
             print(f"{c.level:8} {c.family}/{c.name}  {c.note}")
+        return 0
+    if a.count:
+        for c in select(a.cases):
+            print(f"{c.family}/{c.name}: {processes(c, a)} fairseq processes")
         return 0
     if not a.cases and not a.arch:
         p.error("name the cases to run (--list), or --arch ARCH")
@@ -665,11 +781,11 @@ def main(argv=None):
     for c in sorted(cases, key=lambda c: c.family != "device"):  # rooflines first
         print(f"\n== {c.level} {c.family}/{c.name}", flush=True)
         if isinstance(c, Kernel):
-            for shape in c.shapes[a.size]:
-                if a.only and not any(w in shape_text(shape) for w in a.only):
+            for i, shape in enumerate(c.shapes[a.size]):
+                if not only({", ".join(f"{k} {v}" for k, v in shape.items()): 0}, a):
                     continue
                 torch.manual_seed(0)
-                row = run_kernel(c, shape, device, dtype, a.repeats or 20, roofline)
+                row = run_kernel(c, shape, device, dtype, a.repeats or 20, roofline, i)
                 if c.family == "device" and "GB/s" in row:
                     roofline["bytes"] = row["GB/s"]
                 elif c.family == "device" and "GFLOP/s" in row:
@@ -678,6 +794,9 @@ def main(argv=None):
         elif isinstance(c, Train):
             a.repeats = a.repeats or 2
             run_train(c, a, env["device"], record)
+        elif isinstance(c, Decode):
+            a.repeats = a.repeats or 2
+            run_decode(c, a, record)
         else:
             run_quality(c, a, record)
     return 0

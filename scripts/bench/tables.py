@@ -22,13 +22,16 @@ DOCS = [os.path.join(REPO, "docs", "performance.md")]
 BLOCK = re.compile(r"(<!-- bench: (\S+) -->\n)(.*?)(<!-- /bench -->)", re.S)
 COLUMNS = {  # the columns of each level, in order (those no row has are left out)
     "kernel": ["case", "shape", "ms", "baseline ms", "ratio", "cold ms", "baseline cold ms",
-               "peak MiB", "baseline peak MiB", "GB/s", "GFLOP/s", "% roofline", "host syncs",
+               "peak MiB", "baseline peak MiB", "GB/s", "GFLOP/s", "% roofline",
                "skipped"],
     "train": ["case", "run", "baseline precision", "precision", "baseline tokens/s", "tokens/s",
               "speed ratio", "baseline drift %", "baseline first pass tokens/s",
               "first pass tokens/s", "first pass extra s", "baseline peak GiB", "peak GiB",
               "memory ratio", "baseline sentences", "sentences", "gpus", "total tokens/s",
               "warm updates", "repeats", "floor"],
+    "decode": ["case", "run", "precision", "baseline tokens/s", "tokens/s", "speed ratio",
+               "baseline sentences/s", "sentences/s", "baseline drift %", "baseline peak MiB",
+               "peak MiB", "memory ratio", "updates", "repeats"],
     "quality": ["case", "run", "precision", "updates", "params", "sparse value params", "valid loss",
                 "mean", "valid bleu", "overflows", "usage"]}
 

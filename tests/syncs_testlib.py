@@ -1,5 +1,5 @@
 """Which ops would make the host wait for a GPU (a device value read back, an output sized by the
-data), counted on any device: the ``host syncs`` column of kernel rows and tests/test_pkm.py."""
+data), counted on any device (tests/test_pkm.py: a PKM training step syncs once)."""
 
 #: ops that make the host wait for the device on CUDA, whatever device the count runs on: a
 #: value read back (``.item()``, ``bool(t)``, ``float(t)``, ``torch.equal``), or an output whose
