@@ -165,12 +165,8 @@ def environment(device, gpus=1) -> Dict[str, Any]:
 
 
 def without_records(argv):  # (where a run wrote its records is not how to rerun it)
-    out, skip = [], False
-    for arg in argv:
-        if not skip and not arg.startswith("--records"):
-            out.append(arg)
-        skip = arg == "--records"
-    return out
+    return [x for i, x in enumerate(argv) if not x.startswith("--records")
+            and (i == 0 or argv[i - 1] != "--records")]
 
 
 class Recorder:
@@ -379,8 +375,8 @@ def count_sentences() -> List[int]:
 
 def profile_updates(n: int, warm: str):
     """Profile ``n`` warm updates (from epoch 2's third, or after the first ``n``): the GPU's busy
-    share of the wall time (well under 100 %: it waits for the host) and the top ops by self device
-    time (CPU: self CPU time) per update: [op, calls, ms, % of the ops' total]."""
+    share of the wall time (well under 100 %: it waits for the host), the top ops by self device
+    time (CPU: self CPU time) and, on CUDA, by the host's self time."""
     import torch
     from fairseq.trainer import Trainer
 
@@ -407,17 +403,21 @@ def profile_updates(n: int, warm: str):
             sync()
             wall = time.perf_counter() - state["t0"]
             prof.stop()
-            key = "self_device_time_total" if cuda else "self_cpu_time_total"
             ops = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)
                    and not e.key.startswith("ProfilerStep")
                    and (not cuda or str(getattr(e, "device_type", "CPU")).endswith("CPU"))]
-            ops.sort(key=lambda e: -getattr(e, key, 0.0))
-            total = sum(getattr(e, key, 0.0) for e in ops) or 1.0
+
+            def top(key):  # [op, calls, ms, % of the ops' total] per update, and the total
+                total = sum(getattr(e, key, 0.0) for e in ops) or 1.0
+                return total, [[e.key[:60], e.count / n, getattr(e, key, 0.0) / n / 1e3,
+                                100 * getattr(e, key, 0.0) / total]
+                               for e in sorted(ops, key=lambda e: -getattr(e, key, 0.0))[:10]]
+            device, host = top("self_device_time_total" if cuda else "self_cpu_time_total"), \
+                top("self_cpu_time_total")
             print(PROFILE_TAG, json.dumps({
                 "updates": n, "wall ms per update": 1e3 * wall / n,
-                "busy %": 100 * total / 1e6 / wall if cuda else None,
-                "top": [[e.key[:60], e.count / n, getattr(e, key, 0.0) / n / 1e3,
-                         100 * getattr(e, key, 0.0) / total] for e in ops[:12]]}), flush=True)
+                "busy %": 100 * device[0] / 1e6 / wall if cuda else None,
+                "top": device[1], "host top": host[1] if cuda else None}), flush=True)
         return out
 
     Trainer.train_step, Trainer.begin_epoch = train_step, begin_epoch
@@ -596,18 +596,13 @@ def run_train(case: Train, a, device_name, record):
         record(case, row)
 
 
-def decode_precision(a) -> str:
-    """fairseq-generate and eval-lm have an fp16 path (``--fp16``) but none for bf16 (they
-    ignore ``--bf16``): decode rows run fp16 on CUDA when training is half precision, else fp32."""
-    return "fp16" if a.device != "cpu" and a.precision != "fp32" else "fp32"
-
-
 def run_decode(case: Decode, a, record):
     data = a.data_mt if case.data == "mt" else a.data_lm
     tool = "generate" if case.data == "mt" else "eval_lm"
     common = shlex.split(sized(case.common, a.size))
     updates = case.updates.get(a.size, case.updates["paper"])
-    precision = decode_precision(a)
+    # (fairseq-generate and eval-lm have --fp16 but ignore --bf16: fp16 on CUDA, else fp32)
+    precision = "fp16" if a.device != "cpu" and a.precision != "fp32" else "fp32"
     if precision != a.precision:
         print(f"decode: fairseq-{tool.replace('_', '-')} has no {a.precision} path; decoding in "
               f"{precision}", flush=True)

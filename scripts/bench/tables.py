@@ -64,7 +64,10 @@ def profile_lines(rows) -> str:
             text = (f"{p['updates']} warm updates, {p['wall ms per update']:.1f} ms each"
                     + (f", GPU busy {p['busy %']:.0f} % of the wall time" if p.get("busy %")
                        is not None else "") + "; top ops by device time per update: "
-                    + ", ".join(f"{op} {ms:.2f} ms" for op, _, ms, _ in p["top"][:5]))
+                    + ", ".join(f"{op} {ms:.2f} ms" for op, _, ms, _ in p["top"][:5])
+                    + ("; by host time: " + ", ".join(f"{op} {ms:.2f} ms" for op, _, ms, _ in
+                                                      p["host top"][:5]) if p.get("host top")
+                       else ""))
             if (who, text) not in seen:
                 seen.add((who, text))
                 out.append(f"- profile of the {who} (under the profiler, which slows the "
