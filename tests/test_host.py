@@ -209,9 +209,60 @@ def test_translation_takes_the_host_options(mt_data):
         assert incremental_vs_full(model, tokens, enc, task.target_dictionary.pad()) <= 1e-5
 
 
+def test_collab_rope_incremental_and_relative(monkeypatch):
+    """Collaborative heads rotate each head's mixed query q diag(m_i) and the shared keys: the
+    scores depend on distances only (a sequence shifted by 5 positions scores the same), the
+    content-bias columns are not rotated, and decoding needs the cache offset."""
+    from fairseq_attnzoo.modules.collab import CollaborativeAttention
+
+    torch.manual_seed(0)
+    for qk_bias in (False, True):  # with and without the content-bias columns
+        attn = CollaborativeAttention(16, 2, key_dim=8, qk_bias=qk_bias,
+                                      rope_theta=100.0).eval()
+        x = torch.randn(6, 2, 16)
+        future = torch.triu(torch.full((6, 6), float("-inf")), 1)
+        full = attn(x, x, x, attn_mask=future)[0]
+        assert (full - _steps(attn, x)).abs().max().item() < 1e-5
+        state = {}  # five tokens decoded first: the next six see themselves at positions 5..10
+        attn(torch.zeros(5, 2, 16), None, None, incremental_state=state)
+        buf = attn._get_buffer(state)
+        buf["_padding"] = torch.ones(2, 5, dtype=torch.bool)  # masked: only the offset remains
+        shifted = torch.cat([attn(x[t: t + 1], None, None, incremental_state=state)[0]
+                             for t in range(6)])
+        assert (full - shifted).abs().max().item() < 1e-5
+    forward = RotaryEmbedding.forward
+    monkeypatch.setattr(RotaryEmbedding, "forward",
+                        lambda self, x, offset=0, seq_dim=-2: forward(self, x, 0, seq_dim))
+    assert (full - _steps(attn, x)).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("arch,flags", [
+    ("attnzoo_lm", ["--decoder-self-attn", "collab"]),
+    ("attnzoo_lm", ["--decoder-self-attn", "synth_dense_vanilla", "--synth-max-len", "128"]),
+    ("transformer_collab", []),
+])
+def test_methods_with_a_qk_product_rotate_it(arch, flags, data_for, monkeypatch):
+    """collab and the Synthesizer's vanilla part under --rope: incremental == full, and not
+    without the cache offset (the rotation is really applied)."""
+    from zoo_testlib import is_lm
+
+    args, task, model, _ = build(arch, data_for(arch), flags + ["--rope"] + lm_extra(arch))
+    model.eval()
+    net = sweep_batch(task, args)["net_input"]
+    with torch.no_grad():
+        tokens, enc = decoder_inputs(model, arch, net)
+        pad = task.target_dictionary.pad()
+        assert incremental_vs_full(model, tokens, enc, pad) <= 1e-5
+        forward = RotaryEmbedding.forward
+        monkeypatch.setattr(RotaryEmbedding, "forward",
+                            lambda self, x, offset=0, seq_dim=-2: forward(self, x, 0, seq_dim))
+        assert incremental_vs_full(model, tokens, enc, pad) > 1e-3
+    assert is_lm(arch) or model.decoder.layers[0].encoder_attn.rotary is None
+
+
 @pytest.mark.parametrize("arch,flags,fix", [
-    ("attnzoo_lm", ["--decoder-self-attn", "collab", "--rope"], "--decoder-self-attn mha or sdpa"),
     ("attnzoo_lm", ["--decoder-self-attn", "synth_random", "--rope"], "drop --rope"),
+    ("attnzoo_lm", ["--decoder-self-attn", "synth_dense", "--rope"], "add the vanilla component"),
     ("attnzoo_lm", ["--rope", "--rope-theta", "0"], "--rope-theta must be positive"),
 ])
 def test_host_refusals_are_one_line(arch, flags, fix, lm_data):

@@ -87,8 +87,10 @@ HOST_FLAGS = {
              f"(torch nn.RMSNorm, g * x / sqrt(mean(x^2) + eps), eps {RMSNORM_EPS:g} as the "
              "memory code's lingua/transformer.py, statistics in float32)"),
     "rope": (False, "rotary position embeddings (RoPE, Su et al. 2021) on the queries and keys "
-             "of every self-attention that forms q.k scores (mha, sdpa); encoder-decoder "
-             "attention is not rotated; methods without q.k scores refuse it (default off; "
+             "of every self-attention that forms q.k scores (mha, sdpa, collab, the vanilla part of "
+             "synth* mixtures); encoder-decoder attention is not rotated; a synth* without the "
+             "vanilla part refuses it; aop (an FFN over position-free slots) is unaffected "
+             "(default off; "
              "attnzoo_lm_llama: on). Learned/sinusoidal positions stay unless "
              "--no-token-positional-embeddings"),
     "rope_theta": (10000.0, "RoPE base theta: pair i turns by m * theta^(-2i/d_head) (default "
@@ -100,8 +102,9 @@ HOST_FLAGS = {
 }
 
 #: attention sublayers that rotate queries and keys under --rope (the others have no q.k product
-#: to rotate, or positions of their own): the one-line refusal names them
-ROPE_ATTENTION = ("mha", "sdpa")
+#: to rotate, or positions of their own): the one-line refusal names them. The synth* family
+#: decides itself: its vanilla component is rotated, a mixture without one is refused
+ROPE_ATTENTION = ("mha", "sdpa", "collab")
 
 
 def add_host_args(parser):
@@ -141,7 +144,8 @@ def _check_host(args, names: Dict[str, List[str]]):
     if float(_host(args, "rope_theta")) <= 0:
         raise ZooConfigError(f"--rope-theta must be positive, got {args.rope_theta!r}")
     for attr in ("encoder_self_attn", "decoder_self_attn"):
-        other = sorted(set(names.get(attr, [])) - set(ROPE_ATTENTION))
+        other = sorted(n for n in set(names.get(attr, [])) - set(ROPE_ATTENTION)
+                       if not n.startswith("synth"))
         if other:
             raise ZooConfigError(
                 f"--rope is not implemented for the {', '.join(other)} self-attention (no "
@@ -149,15 +153,23 @@ def _check_host(args, names: Dict[str, List[str]]):
                 f"{' or '.join(ROPE_ATTENTION)}")
 
 
+def host_rope_theta(spec) -> Optional[float]:
+    """For an attention builder: the RoPE base when --rope is on and ``spec`` is a
+    self-attention (encoder-decoder attention is never rotated), else None."""
+    if spec.slot != "self_attn" or not _host(spec.args, "rope"):
+        return None
+    return float(_host(spec.args, "rope_theta"))
+
+
 def host_attention(spec):
     """The stock slot's attention when a host option changes it: the shared-base multi-head
     attention (same parameter names as fairseq's MultiheadAttention, which has no rotary hook)."""
     from ..modules.sdpa import ZooMultiheadAttention
 
-    rope = _host(spec.args, "rope") and spec.slot == "self_attn"
     return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,
-                                 kdim=spec.kdim, vdim=spec.kdim, bias=bool(_host(spec.args, "proj_bias")),
-                                 rope_theta=float(_host(spec.args, "rope_theta")) if rope else None)
+                                 kdim=spec.kdim, vdim=spec.kdim,
+                                 bias=bool(_host(spec.args, "proj_bias")),
+                                 rope_theta=host_rope_theta(spec))
 
 
 def _host_norms(module, cfg, names):

@@ -626,3 +626,41 @@ for _task, _data in (("translation", "mt"), ("language_modeling", "lm"),
                 updates={"paper": 100, "tiny": 2},
                 note="every zoo arch of the task at the demo size, in --precision: valid loss, "
                      "loss-scale overflows"))
+
+
+# ---- the Llama host (issue 47): both hosts at equal updates, speed of the new LM archs ----------
+
+#: attnzoo_lm_llama at attnzoo_lm's parameters: MEMORY_LM's layer is 198,272 (paper: d 128, FFN
+#: 512, biases, two LayerNorms); SwiGLU hidden 344 (FFN 516, multiple of 8) gives 197,888 (no
+#: biases, two RMSNorm gains); tiny: 8,544 against 8,768 (hidden 48)
+_LLAMA_FFN = {"paper": "--decoder-ffn-embed-dim 516 --swiglu-multiple-of 8",
+              "tiny": "--decoder-ffn-embed-dim 72 --swiglu-multiple-of 8"}
+#: transformer_lm_pkm in the Llama host through the host flags (its memory in the middle layer)
+_PKM_LLAMA = {s: "--arch transformer_lm_pkm --norm rmsnorm --rope --rope-theta 500000 "
+                 "--no-proj-bias --decoder-normalize-before --no-token-positional-embeddings "
+                 f"--decoder-ffn {'swiglu,swiglu,swiglu,pkm,swiglu,swiglu' if s == 'paper' else 'swiglu,pkm'} "
+                 f"{_LLAMA_FFN[s]} {_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper" else "")
+              for s in _MEM}
+add(Quality("llama", "hosts", "lm", MEMORY_LM, {
+    "dense, fairseq host (attnzoo_lm)": "--arch attnzoo_lm --optimizer adam",
+    "dense, Llama host (attnzoo_lm_llama, equal parameters)": {
+        s: f"--arch attnzoo_lm_llama {_LLAMA_FFN[s]} --optimizer adam" for s in _MEM},
+    "transformer_lm_pkm, fairseq host, XLM recipe": {
+        s: f"--arch transformer_lm_pkm {_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper"
+                                                           else "") for s in _MEM},
+    "transformer_lm_pkm, Llama host, XLM recipe": _PKM_LLAMA,
+    "transformer_lm_memplus, fairseq host, memory-code recipe": {
+        s: f"--arch transformer_lm_memplus {_MEM[s]} {MEMPLUS}" for s in _MEM},
+    "transformer_lm_memplus_llama, memory-code recipe": {
+        s: f"--arch transformer_lm_memplus_llama {_LLAMA_FFN[s]} {_MEM[s]} {MEMPLUS}"
+        for s in _MEM}},
+    updates={"paper": 1000, "tiny": 4},
+    note="fairseq host vs Llama host (RMSNorm, SwiGLU, RoPE, no biases), dense / PKM / Memory+ "
+         "character LM on data/wiki-gensim: valid bits per byte"))
+for _arch in ("attnzoo_lm_llama", "transformer_lm_memplus_llama"):
+    add(Train("llama", f"lm-{_arch}", "lm", LM, _stock("transformer_lm"),
+              _zoo(_arch, "pkm" if "memplus" in _arch else "",
+                   {"paper": "--pkm-n-keys 512 --dropout 0" if "memplus" in _arch
+                    else "--dropout 0"}), warm="interval",
+              note="the Llama-host LM (its dropout 0; the baseline's 0.1) against transformer_lm: "
+                   "a 12-layer d 512 LM, blocks of 512"))
