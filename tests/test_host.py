@@ -264,12 +264,19 @@ def test_methods_with_a_qk_product_rotate_it(arch, flags, data_for, monkeypatch)
     ("attnzoo_lm", ["--decoder-self-attn", "synth_random", "--rope"], "drop --rope"),
     ("attnzoo_lm", ["--decoder-self-attn", "synth_dense", "--rope"], "add the vanilla component"),
     ("attnzoo_lm", ["--rope", "--rope-theta", "0"], "--rope-theta must be positive"),
+    ("attnzoo_lm", ["--rope-theta", "500"], "add --rope or drop --rope-theta"),
 ])
 def test_host_refusals_are_one_line(arch, flags, fix, lm_data):
     with pytest.raises(ValueError) as err:
         build(arch, lm_data, flags)
     msg = str(err.value)
     assert fix in msg and "\n" not in msg
+
+
+def test_llama_without_rope_builds_without_rotation(lm_data):
+    args, _, model, _ = build("attnzoo_lm_llama", lm_data, ["--no-rope"])
+    assert not args.rope and args.rope_theta == 10000.0
+    assert model.decoder.layers[0].self_attn.rotary is None
 
 
 def test_defaults_and_old_checkpoint_configs_build_the_same_model(lm_data):

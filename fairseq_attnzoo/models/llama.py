@@ -5,10 +5,14 @@ no biases, no dropout), the host facebookresearch/memory puts its memory layers 
 SwiGLU's 2/3 rounding). Every method that takes the host options can be put in it by its flags;
 ``transformer_lm_memplus_llama`` (:mod:`.pkm`) is Memory+ there."""
 
+from .registry import Derived
 from .transformer import register_arch
 
 #: the Llama host over attnzoo_lm's defaults (every other option: the user's, else fairseq's)
-LLAMA = dict(norm="rmsnorm", rope=True, rope_theta=500000.0, proj_bias=False,
+LLAMA = dict(norm="rmsnorm", rope=True, proj_bias=False,
+             # 500000 with its RoPE (--no-rope: the flag's default, so nothing is refused)
+             rope_theta=Derived(lambda args: 500000.0 if args.rope else 10000.0,
+                                "500000 with --rope"),
              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
              decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_layers=24,
              decoder_attention_heads=16)

@@ -140,6 +140,9 @@ def _check_host(args, names: Dict[str, List[str]]):
     if str(_host(args, "norm")) not in ("layernorm", "rmsnorm"):
         raise ZooConfigError(f"--norm must be layernorm or rmsnorm, got {args.norm!r}")
     if not _host(args, "rope"):
+        if float(_host(args, "rope_theta")) != HOST_FLAGS["rope_theta"][0]:
+            raise ZooConfigError(f"--rope-theta {args.rope_theta} has no effect without --rope: "
+                                 "add --rope or drop --rope-theta")
         return
     if float(_host(args, "rope_theta")) <= 0:
         raise ZooConfigError(f"--rope-theta must be positive, got {args.rope_theta!r}")
