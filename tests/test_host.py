@@ -335,3 +335,28 @@ def test_llama_lm_trains_and_fairseq_generate_decodes_it(arch, lm_data, tmp_path
                 assert int(logits.argmax()) == ids[t + 1], (line, t)
                 checked += 1
     assert checked >= 4  # generated tokens checked (continuations end at eos)
+
+
+def test_hydra_model_config_builds_the_llama_host(lm_data):
+    """fairseq-hydra-train's path: a model config (DictConfig) naming only the arch and sizes,
+    as examples/pkm_lm/config/transformer_lm_memplus_llama.yaml does, builds the Llama host."""
+    from fairseq import models, options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    from zoo_testlib import tiny_flags
+
+    args = options.parse_args_and_arch(options.get_training_parser(),
+                                       tiny_flags("transformer_lm_memplus_llama", lm_data))
+    cfg = OmegaConf.create({"_name": "transformer_lm_memplus_llama", "decoder_layers": 2,
+                            "decoder_embed_dim": 32, "decoder_ffn_embed_dim": 64,
+                            "decoder_attention_heads": 4, "pkm_n_keys": 8, "pkm_knn": 4,
+                            "pkm_heads": 2, "swiglu_multiple_of": 8})
+    task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
+    model = models.build_model(cfg, task)
+    layers = model.decoder.layers
+    assert [type(layer.ffn).__name__ for layer in layers] == ["ProductKeyMemory"] * 2
+    assert all(layer.normalize_before and isinstance(layer.final_layer_norm, RMSNorm)
+               for layer in layers)
+    assert layers[0].self_attn.rotary.theta == 500000.0 and model.decoder.embed_positions is None
+    assert layers[0].ffn.values is layers[1].ffn.values  # one shared value pool
