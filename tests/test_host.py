@@ -103,7 +103,7 @@ def test_rotary_importable_without_fairseq():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---- RoPE under incremental decoding --------------------------------------------------------------
+# ---- RoPE under incremental decoding -----------------------------------------------------------
 
 def _steps(attn, x):
     state, outs = {}, []
@@ -126,7 +126,7 @@ def test_rope_incremental_needs_the_cache_offset(monkeypatch):
     assert (full - _steps(attn, x)).abs().max().item() > 1e-2
 
 
-# ---- the archs -----------------------------------------------------------------------------------
+# ---- the archs ---------------------------------------------------------------------------------
 
 def _vocab(model):
     return model.decoder.embed_tokens.num_embeddings

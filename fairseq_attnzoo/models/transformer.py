@@ -87,11 +87,10 @@ HOST_FLAGS = {
              f"(torch nn.RMSNorm, g * x / sqrt(mean(x^2) + eps), eps {RMSNORM_EPS:g} as the "
              "memory code's lingua/transformer.py, statistics in float32)"),
     "rope": (False, "rotary position embeddings (RoPE, Su et al. 2021) on the queries and keys "
-             "of every self-attention that forms q.k scores (mha, sdpa, collab, the vanilla part of "
-             "synth* mixtures); encoder-decoder attention is not rotated; a synth* without the "
-             "vanilla part refuses it; aop (an FFN over position-free slots) is unaffected "
-             "(default off; "
-             "attnzoo_lm_llama: on). Learned/sinusoidal positions stay unless "
+             "of every self-attention that forms q.k scores (mha, sdpa, collab, the vanilla part "
+             "of synth* mixtures); encoder-decoder attention is not rotated; a synth* without "
+             "the vanilla part refuses it; aop (an FFN over position-free slots) is unaffected "
+             "(default off; attnzoo_lm_llama: on). Learned/sinusoidal positions stay unless "
              "--no-token-positional-embeddings"),
     "rope_theta": (10000.0, "RoPE base theta: pair i turns by m * theta^(-2i/d_head) (default "
                    "10000 as lingua's BaseTransformerArgs; attnzoo_lm_llama: 500000 as the "

@@ -636,11 +636,11 @@ for _task, _data in (("translation", "mt"), ("language_modeling", "lm"),
 _LLAMA_FFN = {"paper": "--decoder-ffn-embed-dim 516 --swiglu-multiple-of 8",
               "tiny": "--decoder-ffn-embed-dim 72 --swiglu-multiple-of 8"}
 #: transformer_lm_pkm in the Llama host through the host flags (its memory in the middle layer)
+_PKM_FFN = {"paper": "swiglu,swiglu,swiglu,pkm,swiglu,swiglu", "tiny": "swiglu,pkm"}
 _PKM_LLAMA = {s: "--arch transformer_lm_pkm --norm rmsnorm --rope --rope-theta 500000 "
                  "--no-proj-bias --decoder-normalize-before --no-token-positional-embeddings "
-                 f"--decoder-ffn {'swiglu,swiglu,swiglu,pkm,swiglu,swiglu' if s == 'paper' else 'swiglu,pkm'} "
-                 f"{_LLAMA_FFN[s]} {_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper" else "")
-              for s in _MEM}
+                 f"--decoder-ffn {_PKM_FFN[s]} {_LLAMA_FFN[s]} {_MEM[s]} {XLM}"
+                 + (" --pkm-k-dim 64" if s == "paper" else "") for s in _MEM}
 add(Quality("llama", "hosts", "lm", MEMORY_LM, {
     "dense, fairseq host (attnzoo_lm)": "--arch attnzoo_lm --optimizer adam",
     "dense, Llama host (attnzoo_lm_llama, equal parameters)": {
