@@ -247,6 +247,7 @@ def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_sma
             assert main([*shlex.split(call), "--count"]) == 0, (name, call)
     counts = capsys.readouterr().out
     assert "baseline/mt-transformer: 4 fairseq processes" in counts
+    assert "own/transformer: 2 fairseq processes" in counts  # (the A/A control)
     assert "translation/train: 4 fairseq processes" in counts  # (the baseline, synth x3)
 
     assert {c.level for c in CASES} == {"kernel", "train", "decode", "quality"}

@@ -90,7 +90,7 @@ train)
                 --pkm-query-batchnorm)
         OPTIM=(--optimizer pkm_adam --pkm-values-lr 1e-3 --pkm-values-lr-schedule constant
                --pkm-values-betas "(0.9, 0.999)" --pkm-values-weight-decay 0) ;;
-    transformer_lm_memplus)
+    transformer_lm_memplus|transformer_lm_memplus_llama)
         # Memory+ preset (shared pool, swilu output, 1024² slots, d_q = d/2, 3 spread layers)
         # with the memory code's optimiser (lingua/optim.py, apps/main/configs/
         # pkplus_373m_1024k.yaml): one AdamW, betas (0.9, 0.95), weight decay 0.1 on every
@@ -114,16 +114,19 @@ train)
     if [[ "${FP16:-0}" == 1 ]]; then
         # fp16 gives dense value gradients (--pkm-sparse auto); pkm_adam needs unflattened params
         PRECISION=(--fp16)
-        [[ "$ARCH" == transformer_lm_pkm || "$ARCH" == transformer_lm_memplus ]] &&
+        [[ "$ARCH" == transformer_lm_pkm || "$ARCH" == transformer_lm_memplus* ]] &&
             PRECISION+=(--fp16-no-flatten-grads)
     fi
     UPDATE_FREQ="${UPDATE_FREQ:-$(( (8 + WORLD - 1) / WORLD ))}"
     run mkdir -p "$SAVE"
-    # model: 12 layers, d 1024, 16 heads, FFN 4096, dropout 0.1 (not on a memory's output)
+    # model: 12 layers, d 1024, 16 heads, FFN 4096, dropout 0.1 (not on a memory's output),
+    # tied embeddings; the Llama-host archs (*_llama) keep their host: no dropout, untied
+    HOST=(--share-decoder-input-output-embed --dropout 0.1)
+    [[ "$ARCH" == *_llama* ]] && HOST=()
     run "$PYTHON" -m fairseq_cli.train "$DATA/bin" --user-dir "$USER_DIR" \
         --task language_modeling --arch "$ARCH" \
         --decoder-layers 12 --decoder-embed-dim 1024 --decoder-ffn-embed-dim 4096 \
-        --decoder-attention-heads 16 --share-decoder-input-output-embed --dropout 0.1 \
+        --decoder-attention-heads 16 "${HOST[@]}" \
         "${METHOD[@]}" "${OPTIM[@]}" \
         --tokens-per-sample 512 --sample-break-mode none \
         --adam-betas "$BETAS" \

@@ -15,7 +15,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.collab import MIXING_INITS, PROJ_INITS, SCALINGS, CollaborativeAttention
 from .sublayers import register_sublayer, require
-from .transformer import register_arch
+from .transformer import host_rope_theta, register_arch
 
 
 @dataclass
@@ -59,7 +59,7 @@ def build_collab(spec):
         spec.embed_dim, spec.num_heads, resolve_key_dim(o.collab_key_dim, spec.embed_dim),
         dropout=spec.attention_dropout, kdim=spec.kdim, vdim=spec.kdim,
         mixing_init=o.collab_mixing_init, qk_bias=o.collab_qk_bias, scaling=o.collab_scaling,
-        proj_init=o.collab_proj_init)
+        proj_init=o.collab_proj_init, rope_theta=host_rope_theta(spec))
 
 
 COLLAB_SLOTS = dict(encoder_self_attn="collab", decoder_self_attn="collab", cross_attn="collab")

@@ -44,6 +44,7 @@ from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_triton import KERNELS
 from .registry import Derived
 from .sublayers import register_sublayer, require, to_bool
+from .llama import LLAMA, llama_post
 from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
@@ -394,21 +395,22 @@ def memory_layers(value: Optional[str], n_layers: int, flag: str) -> List[int]:
     return layers
 
 
-def memory_slots(args, side: str) -> str:
-    """--pkm-{side}-layers -> the per-layer --{side}-ffn list ("ffn,pkm,ffn,...")."""
+def memory_slots(args, side: str, dense: str = "ffn") -> str:
+    """--pkm-{side}-layers -> the per-layer --{side}-ffn list ("ffn,pkm,ffn,..."; ``dense``: the
+    FFN of the other layers)."""
     n_layers = int(getattr(args, f"{side}_layers"))
     layers = memory_layers(getattr(args, f"pkm_{side}_layers", None), n_layers,
                            f"--pkm-{side}-layers")
-    return ",".join("pkm" if i in layers else "ffn" for i in range(n_layers)) or "ffn"
+    return ",".join("pkm" if i in layers else dense for i in range(n_layers)) or dense
 
 
-def _memory_slots(side: str) -> Derived:
+def _memory_slots(side: str, dense: str = "ffn") -> Derived:
     """The preset value of --{side}-ffn: :func:`memory_slots` when --{side}-ffn is not given."""
-    return Derived(lambda args: memory_slots(args, side),
-                   f"pkm where --pkm-{side}-layers says, else ffn")
+    return Derived(lambda args: memory_slots(args, side, dense),
+                   f"pkm where --pkm-{side}-layers says, else {dense}")
 
 
-def _check_selection(*sides: str):
+def _check_selection(*sides: str, dense: str = "ffn"):
     """``post``: --pkm-{side}-layers and an explicit --{side}-ffn must agree (checkpoints store
     both, so a loaded model passes)."""
 
@@ -417,7 +419,7 @@ def _check_selection(*sides: str):
             if getattr(args, f"pkm_{side}_layers", None) is None:
                 continue
             given = getattr(args, f"{side}_ffn")
-            if given != memory_slots(args, side):
+            if given != memory_slots(args, side, dense):
                 raise ValueError(f"--pkm-{side}-layers and --{side}-ffn disagree ({given}): give "
                                  "only one of them")
 
@@ -453,3 +455,18 @@ MEMPLUS = {"pkm_shared_values": True, "pkm_init": "memplus", "pkm_qk_norm": Fals
                                 "d_model / 2")}
 register_arch("attnzoo_lm", "transformer_lm_memplus", post=_check_selection("decoder"),
               decoder_ffn=_memory_slots("decoder"), **MEMPLUS)
+
+
+def _memplus_llama_post(args):
+    llama_post(args)
+    _check_selection("decoder", dense="swiglu")(args)
+
+
+#: transformer_lm_memplus_llama: Memory+ (MEMPLUS) in the host the memory code puts it in
+#: (attnzoo_lm_llama: RMSNorm pre-norm, SwiGLU, RoPE, no biases, no dropout), at
+#: pkplus_373m_1024k.yaml's sizes: dim 1024, 24 layers, 16 heads, rope_theta 500000, memories in
+#: layers 4, 12, 20 ("spread" of 24), 1024 half-keys, k_dim 512, shared values, swilu output
+#: (whose two Linears keep their biases, as in the memory code). The values' own rate
+#: (value_fixed_lr 0.001) is an optimizer's: --optimizer pkm_adam (--pkm-values-lr 1e-3 default).
+register_arch("attnzoo_lm", "transformer_lm_memplus_llama", post=_memplus_llama_post,
+              decoder_ffn=_memory_slots("decoder", "swiglu"), **{**LLAMA, **MEMPLUS})

@@ -5,14 +5,16 @@ useful as the fast vanilla path and as the reference the generic tests check the
 
 from ..modules.sdpa import ZooMultiheadAttention
 from .sublayers import register_sublayer
-from .transformer import register_arch
+from .transformer import _host, host_rope_theta, register_arch
 
 
 @register_sublayer("sdpa", slots=("self_attn", "cross_attn"))
 def build_sdpa(spec):
     """multi-head dot-product attention through F.scaled_dot_product_attention"""
     return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,
-                                 kdim=spec.kdim, vdim=spec.kdim)
+                                 kdim=spec.kdim, vdim=spec.kdim,
+                                 bias=bool(_host(spec.args, "proj_bias")),
+                                 rope_theta=host_rope_theta(spec))
 
 
 # vanilla attention everywhere through the shared base: checks the base's masks and caches in the

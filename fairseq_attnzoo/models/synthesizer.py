@@ -35,7 +35,7 @@ from ..modules.synthesizer import (
 )
 from .sublayers import (SublayerSpec, build_options, note_length_limit, register_sublayer,
                         require)
-from .transformer import register_arch
+from .transformer import host_rope_theta, register_arch
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,8 @@ def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> Synthesiz
         spec.embed_dim, spec.num_heads, components=components, max_len=o.synth_max_len,
         dropout=spec.attention_dropout, freeze_random=freeze or o.synth_freeze_random,
         factor_a=o.synth_factor_a, factor_b=o.synth_factor_b, rank=o.synth_rank,
-        share_heads=o.synth_share_heads, table_kernel=str(o.synth_table_kernel))
+        share_heads=o.synth_share_heads, table_kernel=str(o.synth_table_kernel),
+        rope_theta=host_rope_theta(spec))
     if len(components) > 1:
         _log_mixture(module, f"mix_{spec.side[:3]}{spec.layer_idx}_{components[0]}")
     return module

@@ -6,6 +6,10 @@ forward pass calls the slot modules chosen in :mod:`fairseq_attnzoo.models.subla
 names equal the stock transformer's (``self_attn``, ``fc1``, ``fc2``, ``encoder_attn``...), so a
 stock ``transformer`` checkpoint loads into ``attnzoo_transformer`` unchanged; a replaced FFN lives
 under ``ffn``.
+
+Host options (:data:`HOST_FLAGS`, each off by default, so every existing arch and checkpoint is
+unchanged): ``--norm rmsnorm``, ``--rope`` / ``--rope-theta``, ``--no-proj-bias``; with the
+``swiglu`` FFN sublayer they make the Llama host (``attnzoo_lm_llama``).
 """
 
 import argparse
@@ -37,6 +41,8 @@ from fairseq.modules.transformer_layer import (
 )
 
 from .. import compat
+from ..errors import ZooConfigError
+from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm
 from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
 from .sublayers import (
     SublayerSpec,
@@ -72,6 +78,112 @@ def _check_supported(cfg):
                          "sublayer is replaced")
 
 
+# ---- host options: the norm, rotary positions, bias-free projections ---------------------------
+
+#: flag attribute -> (default, help); defaults are filled by the base arch functions, so a
+#: checkpoint written before these flags existed builds the model it was trained as
+HOST_FLAGS = {
+    "norm": ("layernorm", "the layers' norm: layernorm (fairseq's LayerNorm, default) or rmsnorm "
+             f"(torch nn.RMSNorm, g * x / sqrt(mean(x^2) + eps), eps {RMSNORM_EPS:g} as the "
+             "memory code's lingua/transformer.py, statistics in float32)"),
+    "rope": (False, "rotary position embeddings (RoPE, Su et al. 2021) on the queries and keys "
+             "of every self-attention that forms q.k scores (mha, sdpa, collab, the vanilla part "
+             "of synth* mixtures); encoder-decoder attention is not rotated; a synth* without "
+             "the vanilla part refuses it; aop (an FFN over position-free slots) is unaffected "
+             "(default off; attnzoo_lm_llama: on). Learned/sinusoidal positions stay unless "
+             "--no-token-positional-embeddings"),
+    "rope_theta": (10000.0, "RoPE base theta: pair i turns by m * theta^(-2i/d_head) (default "
+                   "10000 as lingua's BaseTransformerArgs; attnzoo_lm_llama: 500000 as the "
+                   "memory code's dense_373m.yaml / pkplus_373m_1024k.yaml)"),
+    "proj_bias": (True, "biases in the host's projections: attention q/k/v/out and the FFN "
+                  "(fc1/fc2, swiglu's w1/w2/w3); --no-proj-bias drops them (default on; "
+                  "attnzoo_lm_llama: off). A method's own layers keep theirs"),
+}
+
+#: attention sublayers that rotate queries and keys under --rope (the others have no q.k product
+#: to rotate, or positions of their own): the one-line refusal names them. The synth* family
+#: decides itself: its vanilla component is rotated, a mixture without one is refused
+ROPE_ATTENTION = ("mha", "sdpa", "collab")
+
+
+def add_host_args(parser):
+    """The host flags (no argparse defaults: presets and the base arch fill them)."""
+    for attr, (default, help) in HOST_FLAGS.items():
+        flag = "--" + attr.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+        elif attr == "norm":
+            parser.add_argument(flag, choices=["layernorm", "rmsnorm"], help=help)
+        else:
+            parser.add_argument(flag, type=type(default), help=help)
+
+
+def fill_host_defaults(args):
+    for attr, (default, _) in HOST_FLAGS.items():
+        if getattr(args, attr, None) is None:
+            setattr(args, attr, default)
+
+
+def _host(cfg, attr):
+    value = getattr(cfg, attr, None)
+    return HOST_FLAGS[attr][0] if value is None else value
+
+
+def stock_host(cfg) -> bool:
+    """No host option changes fairseq's own modules (the stock MHA can be built)."""
+    return not _host(cfg, "rope") and _host(cfg, "proj_bias")
+
+
+def _check_host(args, names: Dict[str, List[str]]):
+    """One line for a host option a chosen sublayer cannot honour (never ignored silently)."""
+    if str(_host(args, "norm")) not in ("layernorm", "rmsnorm"):
+        raise ZooConfigError(f"--norm must be layernorm or rmsnorm, got {args.norm!r}")
+    if not _host(args, "rope"):
+        if float(_host(args, "rope_theta")) != HOST_FLAGS["rope_theta"][0]:
+            raise ZooConfigError(f"--rope-theta {args.rope_theta} has no effect without --rope: "
+                                 "add --rope or drop --rope-theta")
+        return
+    if float(_host(args, "rope_theta")) <= 0:
+        raise ZooConfigError(f"--rope-theta must be positive, got {args.rope_theta!r}")
+    for attr in ("encoder_self_attn", "decoder_self_attn"):
+        other = sorted(n for n in set(names.get(attr, [])) - set(ROPE_ATTENTION)
+                       if not n.startswith("synth"))
+        if other:
+            raise ZooConfigError(
+                f"--rope is not implemented for the {', '.join(other)} self-attention (no "
+                f"rotated q.k product there): drop --rope or use --{attr.replace('_', '-')} "
+                f"{' or '.join(ROPE_ATTENTION)}")
+
+
+def host_rope_theta(spec) -> Optional[float]:
+    """For an attention builder: the RoPE base when --rope is on and ``spec`` is a
+    self-attention (encoder-decoder attention is never rotated), else None."""
+    if spec.slot != "self_attn" or not _host(spec.args, "rope"):
+        return None
+    return float(_host(spec.args, "rope_theta"))
+
+
+def host_attention(spec):
+    """The stock slot's attention when a host option changes it: the shared-base multi-head
+    attention (same parameter names as fairseq's MultiheadAttention, which has no rotary hook)."""
+    from ..modules.sdpa import ZooMultiheadAttention
+
+    return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,
+                                 kdim=spec.kdim, vdim=spec.kdim,
+                                 bias=bool(_host(spec.args, "proj_bias")),
+                                 rope_theta=host_rope_theta(spec))
+
+
+def _host_norms(module, cfg, names):
+    """Replace the LayerNorms ``names`` of ``module`` by RMSNorm under ``--norm rmsnorm``."""
+    if _host(cfg, "norm") != "rmsnorm":
+        return
+    for name in names:
+        old = getattr(module, name, None)
+        if old is not None:
+            setattr(module, name, RMSNorm(old.normalized_shape[0]))
+
+
 def _as_namespace(args):
     """fairseq-hydra-train hands ``build_model`` the model config as an omegaconf DictConfig.
     fairseq's ``TransformerConfig.from_namespace`` copies the keys it does not know through
@@ -102,6 +214,15 @@ def _spec(cfg, slot: str, side: str, idx: int, causal: bool) -> SublayerSpec:
         kdim=cfg.encoder.embed_dim if slot == "cross_attn" else part.embed_dim, args=cfg)
 
 
+def _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size):
+    """fairseq's fc1/fc2 (``build_fc1``) without the bias (--no-proj-bias)."""
+    import torch.nn as nn
+    from fairseq.modules.quant_noise import quant_noise
+
+    return quant_noise(nn.Linear(input_dim, output_dim, bias=False), p=q_noise,
+                       block_size=qn_block_size)
+
+
 class _ZooLayerMixin:
     """FFN slot shared by encoder and decoder layers."""
 
@@ -113,11 +234,15 @@ class _ZooLayerMixin:
     def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
         if self.zoo_names[f"{self.zoo_side}_ffn"] != "ffn":
             return None  # replaced: built as self.ffn below
+        if not _host(self.zoo_cfg, "proj_bias"):
+            return _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size)
         return super().build_fc1(input_dim, output_dim, q_noise, qn_block_size)
 
     def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
         if self.zoo_names[f"{self.zoo_side}_ffn"] != "ffn":
             return None
+        if not _host(self.zoo_cfg, "proj_bias"):
+            return _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size)
         return super().build_fc2(input_dim, output_dim, q_noise, qn_block_size)
 
     def _build_ffn(self, cfg):
@@ -153,15 +278,19 @@ class ZooEncoderLayer(_ZooLayerMixin, TransformerEncoderLayerBase):
     def __init__(self, cfg, layer_idx: int):
         # plain attributes may be set before nn.Module.__init__ (fairseq does the same with cfg)
         self.zoo_layer_idx = layer_idx
+        self.zoo_cfg = cfg
         self.zoo_names = {a: layer_names(cfg, a)[layer_idx] for a in ("encoder_self_attn", "encoder_ffn")}
         super().__init__(cfg)
         self._build_ffn(cfg)
+        _host_norms(self, cfg, ("self_attn_layer_norm", "final_layer_norm"))
 
     def build_self_attention(self, embed_dim, cfg):
         name = self.zoo_names["encoder_self_attn"]
+        spec = _spec(cfg, "self_attn", "encoder", self.zoo_layer_idx, False)
         if name == "mha":
-            return super().build_self_attention(embed_dim, cfg)
-        return build_sublayer(name, _spec(cfg, "self_attn", "encoder", self.zoo_layer_idx, False))
+            return super().build_self_attention(embed_dim, cfg) if stock_host(cfg) else \
+                host_attention(spec)
+        return build_sublayer(name, spec)
 
     def forward(self, x, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
         if attn_mask is not None:  # as stock: 1 = blocked -> large negative (finite)
@@ -186,23 +315,31 @@ class ZooDecoderLayer(_ZooLayerMixin, TransformerDecoderLayerBase):
 
     def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False, decoder_only=False):
         self.zoo_layer_idx = layer_idx
+        self.zoo_cfg = cfg
         attrs = ["decoder_self_attn", "decoder_ffn"] + ([] if decoder_only else ["cross_attn"])
         self.zoo_names = {a: layer_names(cfg, a)[layer_idx] for a in attrs}
         self.zoo_names.setdefault("cross_attn", "mha")
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
         self._build_ffn(cfg)
+        _host_norms(self, cfg, ("self_attn_layer_norm", "encoder_attn_layer_norm",
+                                "final_layer_norm"))
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         name = self.zoo_names["decoder_self_attn"]
+        spec = _spec(cfg, "self_attn", "decoder", self.zoo_layer_idx, True)
         if name == "mha":
-            return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
-        return build_sublayer(name, _spec(cfg, "self_attn", "decoder", self.zoo_layer_idx, True))
+            if stock_host(cfg) or add_bias_kv or add_zero_attn:
+                return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
+            return host_attention(spec)
+        return build_sublayer(name, spec)
 
     def build_encoder_attention(self, embed_dim, cfg):
         name = self.zoo_names["cross_attn"]
+        spec = _spec(cfg, "cross_attn", "decoder", self.zoo_layer_idx, False)
         if name == "mha":
-            return super().build_encoder_attention(embed_dim, cfg)
-        return build_sublayer(name, _spec(cfg, "cross_attn", "decoder", self.zoo_layer_idx, False))
+            return super().build_encoder_attention(embed_dim, cfg) if stock_host(cfg) else \
+                host_attention(spec)
+        return build_sublayer(name, spec)
 
     def forward(self, x, encoder_out: Optional[Tensor] = None,
                 encoder_padding_mask: Optional[Tensor] = None,
@@ -253,6 +390,10 @@ def _wrap_layer(layer, cfg):
 
 
 class ZooTransformerEncoder(TransformerEncoderBase):
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        _host_norms(self, cfg, ("layernorm_embedding", "layer_norm"))
+
     def build_encoder_layer(self, cfg):
         idx = getattr(self, "_zoo_next_layer", 0)
         self._zoo_next_layer = idx + 1
@@ -261,6 +402,10 @@ class ZooTransformerEncoder(TransformerEncoderBase):
 
 class ZooTransformerDecoder(TransformerDecoderBase):
     decoder_only = False
+
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        _host_norms(self, cfg, ("layernorm_embedding", "layer_norm"))
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         idx = getattr(self, "_zoo_next_layer", 0)
@@ -300,6 +445,7 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         add_sublayer_args(parser)
+        add_host_args(parser)
 
     @classmethod
     def build_model(cls, args, task):
@@ -307,7 +453,7 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
         args = _as_namespace(args)
         _check_supported(args)
         with sharing_scope():  # one model: shared state, and each method's options built once
-            validate_sublayer_args(args)
+            _check_host(args, validate_sublayer_args(args))
             return super().build_model(args, task)
 
     @classmethod
@@ -330,6 +476,7 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
     def add_args(cls, parser):
         gen_parser_from_dataclass(parser, TransformerLanguageModelConfig(), delete_default=True)
         add_sublayer_args(parser, decoder_only=True)
+        add_host_args(parser)
 
     @classmethod
     def build_model(cls, args, task):
@@ -337,7 +484,7 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
         args = _as_namespace(args)
         _check_supported(args)
         with sharing_scope():  # one model: shared state, and each method's options built once
-            validate_sublayer_args(args, decoder_only=True)
+            _check_host(args, validate_sublayer_args(args, decoder_only=True))
             model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
             model.decoder = ZooLMDecoder(TransformerConfig.from_namespace(args),
                                          task.target_dictionary, model.decoder.embed_tokens,
@@ -348,11 +495,13 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
 def zoo_mt_base(args):
     base_architecture(args)
     fill_sublayer_defaults(args)
+    fill_host_defaults(args)
 
 
 def zoo_lm_base(args):
     base_lm_architecture(args)
     fill_sublayer_defaults(args, decoder_only=True)
+    fill_host_defaults(args)
 
 
 # the base arch functions of the two models (every other arch: register_arch, a preset over these)

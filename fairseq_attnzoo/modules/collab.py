@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .attention import AttnContext, ZooAttention
 from .constants import cached_constant
+from .rotary import RotaryEmbedding
 from .sdpa import init_like_fairseq_mha
 
 MIXING_INITS = ("random", "concatenate", "xavier", "ones")
@@ -88,8 +89,13 @@ class CollaborativeAttention(ZooAttention):
     def __init__(self, embed_dim: int, num_heads: int, key_dim: int, dropout: float = 0.0,
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
                  mixing_init: str = "random", bias: bool = True, qk_bias: bool = False,
-                 scaling: str = "key_dim", proj_init: str = "mha"):
+                 scaling: str = "key_dim", proj_init: str = "mha",
+                 rope_theta: Optional[float] = None):
         super().__init__(embed_dim, num_heads, dropout)
+        # RoPE over the D̃k shared features, applied to each head's mixed query q diag(m_i) and to
+        # the shared keys: (R_m q diag(m_i)) · (R_n k) = q diag(m_i) R_(n-m) k, relative again
+        # (rotating q before the mixing would not be: diag(m_i) does not commute with R)
+        self.rotary = None if rope_theta is None else RotaryEmbedding(key_dim, rope_theta)
         # user-facing checks (one line naming the flag) are the fairseq options' validate()
         assert key_dim > 0, f"key_dim (D̃k) {key_dim}"
         assert mixing_init in MIXING_INITS and scaling in SCALINGS and proj_init in PROJ_INITS, \
@@ -135,8 +141,19 @@ class CollaborativeAttention(ZooAttention):
         if ctx.static_kv:  # encoder output: computed once per sentence
             return (ctx.cache_static("k", lambda: make_k(x_kv)),
                     ctx.cache_static("v", lambda: self.v_proj(x_kv)))
-        kv = ctx.cache(k=make_k(x_kv), v=self.v_proj(x_kv))
+        k = make_k(x_kv)
+        if self.rotary is not None:  # at the keys' own positions, once, then cached
+            k = self._rotated(k, ctx.offset)
+        kv = ctx.cache(k=k, v=self.v_proj(x_kv))
         return kv["k"], kv["v"]
+
+    def _rotated(self, x: Tensor, offset: int) -> Tensor:
+        """RoPE on the first D̃k features of ``x [..., T, F]`` (the content-bias columns after
+        them carry no position)."""
+        d = self.key_dim
+        if x.size(-1) == d:
+            return self.rotary(x, offset)
+        return torch.cat([self.rotary(x[..., :d], offset), x[..., d:]], -1)
 
     def _content_width(self) -> int:
         """The H content features and the zero columns after them, up to a multiple of 8 of the
@@ -169,6 +186,8 @@ class CollaborativeAttention(ZooAttention):
                                                         mixing.device)], -1)
         # q_i = X W̃Q diag(m_i): [B, 1, Tq, D̃k] * [1, H, 1, D̃k] -> [B, H, Tq, D̃k]
         q = q.unsqueeze(1) * mixing[None, :, None, :]
+        if self.rotary is not None and not ctx.static_kv:
+            q = self._rotated(q, ctx.offset)
         k = k.unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # one key tensor for all heads
         out = ctx.attend(q, k, self.split_heads(v), scale=self.scaling)
         return self.out_proj(self.merge_heads(out))

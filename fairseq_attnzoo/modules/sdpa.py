@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .attention import AttnContext, ZooAttention
+from .rotary import RotaryEmbedding
 
 
 def init_like_fairseq_mha(input_projections, out_proj: nn.Linear):
@@ -30,11 +31,16 @@ class ZooMultiheadAttention(ZooAttention):
 
     Same parameters and names as fairseq's ``MultiheadAttention`` (q_proj/k_proj/v_proj/out_proj),
     so weights are interchangeable; a test checks the outputs agree. It is the reference for the
-    base's masking and caching, and the "vanilla" component of mixtures."""
+    base's masking and caching, and the "vanilla" component of mixtures.
+
+    ``rope_theta``: rotary position embeddings (:mod:`.rotary`) on queries and keys of
+    self-attention, base theta (None: none; encoder-decoder attention is never rotated: its
+    queries and keys index different sequences). ``bias=False``: projections without biases."""
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, kdim=None, vdim=None,
-                 bias: bool = True):
+                 bias: bool = True, rope_theta: Optional[float] = None):
         super().__init__(embed_dim, num_heads, dropout)
+        self.rotary = None if rope_theta is None else RotaryEmbedding(self.head_dim, rope_theta)
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
@@ -48,10 +54,17 @@ class ZooMultiheadAttention(ZooAttention):
         if ctx.static_kv:
             return (ctx.cache_static("k", lambda: self.split_heads(self.k_proj(x_kv))),
                     ctx.cache_static("v", lambda: self.split_heads(self.v_proj(x_kv))))
-        kv = ctx.cache(k=self.k_proj(x_kv), v=self.v_proj(x_kv))
+        k = self.k_proj(x_kv)
+        if self.rotary is not None:  # rotated once, at the keys' own positions, then cached
+            b, t, _ = k.shape
+            k = self.rotary(k.view(b, t, self.num_heads, -1), ctx.offset, seq_dim=-3).flatten(2)
+        kv = ctx.cache(k=k, v=self.v_proj(x_kv))
         return self.split_heads(kv["k"]), self.split_heads(kv["v"])
 
     def compute(self, x_q, x_kv, ctx):
         q = self.split_heads(self.q_proj(x_q))
+        if self.rotary is not None and not ctx.static_kv:
+            # the step's queries sit after the ctx.offset cached positions (RoPE: relative)
+            q = self.rotary(q, ctx.offset)
         k, v = self.keys_values(x_kv, ctx)
         return self.out_proj(self.merge_heads(ctx.attend(q, k, v)))

@@ -39,6 +39,7 @@ from torch import Tensor
 from .attention import AttnContext, ZooAttention
 from .constants import cached_constant
 from .precision import fp32_softmax
+from .rotary import RotaryEmbedding
 
 #: the logit synthesizers; several of them make a mixture
 COMPONENTS = ("dense", "random", "factorized_dense", "factorized_random", "vanilla")
@@ -124,9 +125,17 @@ class SynthesizerAttention(ZooAttention):
     def __init__(self, embed_dim: int, num_heads: int, components: Sequence[str] = ("random",),
                  max_len: int = 256, dropout: float = 0.0, freeze_random: bool = False,
                  factor_a: Optional[int] = None, factor_b: Optional[int] = None, rank: int = 32,
-                 share_heads: bool = False, bias: bool = True, table_kernel: str = "auto"):
+                 share_heads: bool = False, bias: bool = True, table_kernel: str = "auto",
+                 rope_theta: Optional[float] = None):
         super().__init__(embed_dim, num_heads, dropout)
         components = tuple(components)
+        if rope_theta is not None and "vanilla" not in components:
+            raise ValueError(f"rotary positions need a q.k product: the Synthesizer "
+                             f"{'+'.join(components)} has none (its tables are its positions); "
+                             "drop --rope or add the vanilla component")
+        # RoPE on the vanilla component's Q and K only: the synthesized tables stay absolute
+        self.rotary = None if rope_theta is None else RotaryEmbedding(embed_dim // num_heads,
+                                                                      rope_theta)
         assert table_kernel in TABLE_KERNELS, f"table_kernel {table_kernel!r}"
         self.table_kernel = table_kernel
         # user-facing checks (one line naming the flag) are the fairseq options' validate()
@@ -280,6 +289,8 @@ class SynthesizerAttention(ZooAttention):
             elif name == "vanilla":  # Q K^T / sqrt(d_k), alpha folded into the one scaling
                 scale = self.head_dim ** -0.5
                 q = self.split_heads(self.q_proj(x_q))
+                if self.rotary is not None:
+                    q = self.rotary(q, ctx.offset)
                 dots.append(([q * (scale if w is None else w * scale)], [k]))
             elif name == "factorized_random" and fused and not shared:  # R1[qpos] . R2[kpos]
                 r1 = self._by_position(self.R1, qpos, off, tq)
@@ -375,6 +386,9 @@ class SynthesizerAttention(ZooAttention):
         new = {"v": self.v_proj(x_q)}  # G(X)
         if "vanilla" in self.components:
             new["k"] = self.k_proj(x_q)
+            if self.rotary is not None:  # at the keys' own positions, once, then cached
+                new["k"] = self.rotary(new["k"].unflatten(-1, (self.num_heads, -1)), ctx.offset,
+                                       seq_dim=-3).flatten(-2)
         full = ctx.cache(**new)  # incremental: all values so far; extends the padding mask
         v = full["v"]
         tk = v.size(1)

@@ -1,6 +1,5 @@
-"""Every benchmark row, declared once (the harness: scripts/bench/harness.py; what each measures
-and why: docs/performance.md). ``paper``: the sizes of the papers and of people's training;
-``tiny``: the same rows shrunk, the CPU dry run the tests make."""
+"""Every benchmark row, declared once (docs/performance.md: what each measures, and why), at
+``paper`` size (the papers' and people's) and ``tiny`` (shrunk: the CPU dry run of the tests)."""
 
 import os
 import shlex
@@ -116,8 +115,7 @@ def _kernels(device):
 
 
 def _read_problem(p, device, dtype):
-    """The value read ``out[n] = Σ_j w[n, j] V[idx[n, j]]`` at the case's size: table, indices,
-    weights."""
+    """The value read ``out[n] = Σ_j w[n, j] V[idx[n, j]]``: table, indices, weights."""
     size, m, n, d = p["n_keys"] ** 2, p["heads"] * p["knn"], p["tokens"], p["d"]
     g = torch.Generator().manual_seed(0)
     table = (torch.randn(size, d, generator=g) * d ** -0.5).to(device, dtype)
@@ -262,8 +260,7 @@ add(Kernel("synthesizer", "table-kernel", {
 # ---- adaptive span -------------------------------------------------------------------------
 
 class SpanBlock(nn.Module):
-    """An adaptive-span attention over a block and the cache before it, output only: ours, or
-    fairseq's examples/adaptive_span module (with its key position embeddings)."""
+    """Adaptive-span attention over a block and its cache: ours, or fairseq's example's."""
 
     def __init__(self, att, memory, key_pe=None):
         super().__init__()
@@ -352,26 +349,21 @@ add(Train("baseline", "mt-transformer", "mt", MT, Side("--arch transformer", plu
     "plugin on, bf16": Side(_stock("transformer"), precision="bf16")},
     floor="transformer-base", note="stock transformer-base, --max-tokens 8192: the baseline "
     "against its floor, what loading the plugin and cuDNN attention cost it"))
-#: the A/A controls: a ratio outside the baseline's drift means the harness, not the model
-add(Train("baseline", "a-a-mt", "mt", MT, _stock("transformer"), _stock("transformer"),
-          floor="transformer-base", note="transformer against itself: the ratio must fall "
-          "within the baseline's drift"))
-add(Train("baseline", "a-a-lm", "lm", LM, _stock("transformer_lm"), _zoo("attnzoo_lm", "", {}),
-          warm="interval", note="attnzoo_lm against transformer_lm --decoder-normalize-before "
-          "(the same model): the ratio must fall within the baseline's drift"))
 #: every translation arch and every memory LM, against the stock model of its task (one case
 #: each: the baseline runs once for all of them)
 MT_ARCHS = {a: _zoo(a, {"synth": "synthesizer"}.get(a.split("_")[1], a.split("_")[1]), {})
             for a in ("transformer_synth_dense", "transformer_synth_random",
                       "transformer_synth_factorized_random", "transformer_aop",
                       "transformer_aop_h16", "transformer_collab", "transformer_pkm")}
-LM_ARCHS = {a: _zoo(a, "pkm", {"paper": "--pkm-n-keys 512"})
-            for a in ("transformer_lm_pkm", "transformer_lm_memplus")}
+LM_ARCHS = {a: _zoo(a, "pkm", {"paper": "--pkm-n-keys 512"}) for a in (
+    "transformer_lm_pkm", "transformer_lm_memplus", "transformer_lm_memplus_llama")}
+LM_ARCHS["attnzoo_lm_llama"] = _zoo("attnzoo_lm_llama", "", {})
 add(Train("translation", "train", "mt", MT, _stock("transformer"), MT_ARCHS,
           floor="transformer-base", note="every translation arch vs transformer at "
           "transformer-base, --max-tokens 8192"))
 add(Train("lm", "train", "lm", LM, _stock("transformer_lm"), LM_ARCHS, warm="interval",
-          note="the memory LMs (262,144 slots) vs a 12-layer d 512 transformer_lm, blocks of 512"))
+          note="the memory LMs (262,144 slots) and the Llama-host LMs vs a 12-layer d 512 "
+          "transformer_lm, blocks of 512"))
 #: decoding as translation users decode (beam 5, and greedy), on the test split; tiny: hypotheses
 #: capped at 20 tokens (an untrained toy model would otherwise decode to fairseq's 200)
 add(Decode("translation", "decode", "mt", MT, _stock("transformer"), MT_ARCHS, {
@@ -417,15 +409,14 @@ add(Train("adaptive_span", "vs-example", "lm", "", lambda size: _span_commands()
 
 
 def own_arch(arch, flags):
-    """``--arch ARCH``: ARCH (ours or stock) against the stock baseline of its task, at the paper
-    size."""
+    """``--arch ARCH`` (ours or stock) against its task's stock baseline (A/A: ``transformer``
+    against ``transformer``, ``attnzoo_lm`` against ``transformer_lm``, the same model)."""
     import fairseq_attnzoo  # noqa: F401  (our arch names)
     from fairseq.models import ARCH_MODEL_REGISTRY, FairseqLanguageModel
 
     if arch not in ARCH_MODEL_REGISTRY:
         raise SystemExit(f"--arch {arch}: no such fairseq arch: `attnzoo-archs` lists ours")
-    task = getattr(ARCH_MODEL_REGISTRY[arch], "zoo_task", None)
-    if task == "attnzoo_stream_lm":
+    if getattr(ARCH_MODEL_REGISTRY[arch], "zoo_task", None) == "attnzoo_stream_lm":
         raise SystemExit(f"--arch {arch} trains with --task attnzoo_stream_lm, which has no stock "
                          "baseline: time it with the case adaptive_span/vs-example")
     lm = issubclass(ARCH_MODEL_REGISTRY[arch], FairseqLanguageModel)
@@ -457,20 +448,32 @@ XLM = ("--optimizer pkm_adam --pkm-values-lr 1e-3 --pkm-values-lr-schedule const
 MEMPLUS = ("--optimizer pkm_adam --pkm-sparse false --pkm-values-lr 1e-3 "
            "--pkm-values-lr-schedule follow --pkm-values-betas (0.9,0.95) "
            "--pkm-values-weight-decay 0.1")
+#: the Llama host at attnzoo_lm's parameters: a SwiGLU hidden of 344 (--decoder-ffn-embed-dim 516,
+#: multiple of 8) gives 197,888 a layer against the fairseq host's 198,272 (tiny: 8,544 / 8,768)
+_LLAMA = {"paper": "--decoder-ffn-embed-dim 516 --swiglu-multiple-of 8",
+          "tiny": "--decoder-ffn-embed-dim 72 --swiglu-multiple-of 8"}
+_PKM_LLAMA_FFN = {"paper": "swiglu,swiglu,swiglu,pkm,swiglu,swiglu", "tiny": "swiglu,pkm"}
+_PKM = {s: f"{_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper" else "") for s in _MEM}
 add(Quality("pkm", "memory-lm", "lm", MEMORY_LM, {
     "dense (attnzoo_lm)": "--arch attnzoo_lm --optimizer adam",
-    "transformer_lm_pkm, XLM recipe": {
-        s: f"--arch transformer_lm_pkm {_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper"
-                                                           else "") for s in _MEM},
+    "dense, Llama host (attnzoo_lm_llama, equal parameters)": {
+        s: f"--arch attnzoo_lm_llama {_LLAMA[s]} --optimizer adam" for s in _MEM},
+    "transformer_lm_pkm, XLM recipe": {s: f"--arch transformer_lm_pkm {_PKM[s]}" for s in _MEM},
+    "transformer_lm_pkm, Llama host, XLM recipe": {  # (the host flags on the pkm arch)
+        s: f"--arch transformer_lm_pkm --norm rmsnorm --rope --rope-theta 500000 --no-proj-bias "
+           f"--no-token-positional-embeddings --decoder-ffn {_PKM_LLAMA_FFN[s]} {_LLAMA[s]} "
+           f"{_PKM[s]}" for s in _MEM},
     "transformer_lm_memplus, memory-code recipe (dense values)": {
-        s: f"--arch transformer_lm_memplus {_MEM[s]} {MEMPLUS}" for s in _MEM}},
+        s: f"--arch transformer_lm_memplus {_MEM[s]} {MEMPLUS}" for s in _MEM},
+    "transformer_lm_memplus_llama, memory-code recipe": {
+        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} {MEMPLUS}" for s in _MEM}},
     updates={"paper": 1000, "tiny": 4},
-    note="dense vs PKM vs Memory+ character LM on data/wiki-gensim: valid bits per byte"))
+    note="dense vs PKM vs Memory+ character LM on data/wiki-gensim, in fairseq's host and the "
+    "Llama host (RMSNorm, SwiGLU, RoPE, no biases): valid bits per byte"))
 
 
 def _precision_runs(task):
-    """Every zoo arch of ``task`` at the demo size (scripts/demo/config.py), fp16 / bf16 / amp
-    through --precision, 100 updates: the loss must fall and stay finite."""
+    """Every zoo arch of ``task`` at the demo size (scripts/demo/config.py), 100 updates."""
     def runs():
         from fairseq_attnzoo.cli.archs import zoo_archs
         from scripts.demo import config as demo

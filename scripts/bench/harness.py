@@ -684,10 +684,10 @@ def processes(c, a) -> int:
 def select(patterns: List[str]):
     from scripts.bench.cases import CASES
 
-    chosen = [c for c in CASES if any(fnmatch.fnmatch(f"{c.family}/{c.name}", p) or p == c.family
-                                      for p in patterns)]
-    unknown = [p for p in patterns if not any(
-        fnmatch.fnmatch(f"{c.family}/{c.name}", p) or p == c.family for c in CASES)]
+    def hit(c, p):
+        return fnmatch.fnmatch(f"{c.family}/{c.name}", p) or p == c.family
+    chosen = [c for c in CASES if any(hit(c, p) for p in patterns)]
+    unknown = [p for p in patterns if not any(hit(c, p) for c in CASES)]
     if unknown:
         raise SystemExit(f"no case matches {', '.join(unknown)}: `python -m scripts.bench --list` "
                          "names them")
@@ -746,12 +746,12 @@ def main(argv=None):
         for c in CASES:
             print(f"{c.level:8} {c.family}/{c.name}  {c.note}")
         return 0
-    if a.count:
-        for c in select(a.cases):
-            print(f"{c.family}/{c.name}: {processes(c, a)} fairseq processes")
-        return 0
     if not a.cases and not a.arch:
         p.error("name the cases to run (--list), or --arch ARCH")
+    cases = select(a.cases) + ([own_arch(a.arch, a.flags)] if a.arch else [])
+    if a.count:
+        return print("\n".join(f"{c.family}/{c.name}: {processes(c, a)} fairseq processes"
+                                for c in cases)) or 0
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -761,7 +761,6 @@ def main(argv=None):
         raise SystemExit("fp16 does not train on the CPU (fairseq's --fp16 needs CUDA): pass "
                          "--precision bf16 or fp32 with --device cpu")
     a.data_mt, a.data_lm = os.path.abspath(a.data_mt), os.path.abspath(a.data_lm)
-    cases = select(a.cases) + ([own_arch(a.arch, a.flags)] if a.arch else [])
     for c in cases:
         data = {"mt": a.data_mt, "lm": a.data_lm}.get(getattr(c, "data", ""))
         if data and not os.path.isdir(data):

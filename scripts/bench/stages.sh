@@ -21,12 +21,12 @@ fi
 ORDER=(baseline mt-bf16-synth mt-bf16-rest mt-fp16-synth mt-fp16-rest lm span kernels decode
        attention sweep memory-lm precision)
 declare -A STAGES=(
-    [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; baseline/a-a-mt --precision bf16 --repeats 1"
-    [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; baseline/a-a-mt --precision bf16 --repeats 1 --epochs 1"
+    [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; --arch transformer --precision bf16 --repeats 1"
+    [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; --arch transformer --precision bf16 --repeats 1 --epochs 1"
     [mt-bf16-rest]="translation/train --only aop collab pkm --precision bf16 --repeats 1 --epochs 1"
     [mt-fp16-synth]="translation/train --only synth --precision fp16 --repeats 1 --epochs 1"
     [mt-fp16-rest]="translation/train --only aop collab pkm --precision fp16 --repeats 1 --epochs 1"
-    [lm]="baseline/a-a-lm --repeats 1 ; lm/train --precision bf16 --repeats 1"
+    [lm]="--arch attnzoo_lm --precision bf16 --repeats 1 ; lm/train --precision bf16 --repeats 1"
     [span]="adaptive_span/vs-example --precision bf16 --repeats 1"
     [kernels]="device aop/sublayer-vs-ffn pkm/value-read pkm/layer-vs-ffn"
     [decode]="translation/decode --precision fp16 --repeats 1 ; lm/eval --precision fp16 --repeats 1"
