@@ -242,3 +242,40 @@ def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
     assert "dictionary of 1,204 symbols" in line and "data-bin/other's has 96" in line
     assert hint_for(AssertionError("Must specify batch size either with --max-tokens or "
                                    "--batch-size")).startswith("no batch size: pass --max-tokens")
+
+
+PKM_TINY = ["--arch", "transformer_pkm", "--pkm-n-keys", "8", "--pkm-k-dim", "8", "--pkm-heads",
+            "2", "--pkm-knn", "4", "--disable-validation", "--no-epoch-checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def pkm_checkpoint(mt_data, tmp_path_factory):
+    """A transformer_pkm checkpoint trained one update with --optimizer pkm_adam."""
+    save = str(tmp_path_factory.mktemp("pkm_ckpt"))
+    code, lines = cli("fairseq-train", mt_data, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--max-update", "1", "--optimizer", "pkm_adam", "--lr", "1e-3",
+                      *TINY_MT, *PKM_TINY, "--save-dir", save)
+    assert code == 0, lines[-5:]
+    return save
+
+
+def _resume(mt_data, save, *flags):
+    return cli("fairseq-train", mt_data, "--user-dir", USER_DIR, "--cpu", "--max-tokens", "500",
+               "--max-update", "2", "--lr", "1e-3", *TINY_MT, *PKM_TINY, "--save-dir", save,
+               *flags)
+
+
+def test_resume_with_another_optimizer(mt_data, pkm_checkpoint):
+    """Used to end in fairseq's 20-line AssertionError traceback."""
+    code, lines = _resume(mt_data, pkm_checkpoint, "--optimizer", "adam")
+    assert_one_line(code, lines, "trained with --optimizer pkm_adam", "this run has --optimizer "
+                    "adam", "--reset-optimizer")
+
+
+def test_resume_with_another_embedding_width_names_the_flags(mt_data, pkm_checkpoint):
+    """Used to say "trained with a dictionary of N symbols but ...'s has N" (the same N)."""
+    code, lines = _resume(mt_data, pkm_checkpoint, "--optimizer", "pkm_adam",
+                          "--decoder-embed-dim", "32")
+    last = assert_one_line(code, lines, "--decoder-embed-dim 16 (checkpoint) vs 32 (this run)",
+                           "another --save-dir")
+    assert "dictionary" not in last and "--encoder-embed-dim" not in last
