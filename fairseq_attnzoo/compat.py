@@ -856,3 +856,71 @@ def _subset_score():
 
     build_scorer_noting_subset.__doc__ = build_scorer.__doc__
     scoring.build_scorer = build_scorer_noting_subset
+
+
+# ---- fairseq-generate: --remove-bpe of another segmentation than the data's ----------------------
+
+#: the --remove-bpe values whose marker can be told from a dictionary: (marker, segmentation)
+REMOVE_BPE_MARKERS = {"sentencepiece": ("▁", "SentencePiece"), "@@ ": ("@@", "subword-nmt"),
+                      "@@": ("@@", "subword-nmt"), "subword_nmt": ("@@", "subword-nmt")}
+
+
+def segmentation_counts(dictionary) -> Dict[str, int]:
+    """How many symbols of ``dictionary`` (past the special ones) are SentencePiece pieces (start
+    with ``▁``) and how many subword-nmt pieces (end with ``@@``)."""
+    symbols = dictionary.symbols[getattr(dictionary, "nspecial", 0):]
+    return {"▁": sum(s.startswith("▁") for s in symbols),
+            "@@": sum(s.endswith("@@") for s in symbols)}
+
+
+def remove_bpe_mismatch(dictionary, remove_bpe) -> Optional[str]:
+    """The one line refusing ``--remove-bpe remove_bpe`` for data whose target dictionary shows
+    the other segmentation (its marker never occurs, the other one does), else None."""
+    if remove_bpe not in REMOVE_BPE_MARKERS:
+        return None
+    marker, name = REMOVE_BPE_MARKERS[remove_bpe]
+    counts = segmentation_counts(dictionary)
+    other = "@@" if marker == "▁" else "▁"
+    if counts[marker] or not counts[other]:
+        return None
+    value = "sentencepiece" if other == "▁" else "subword_nmt"
+    plain = remove_bpe in ("@@ ", "subword_nmt")  # what --remove-bpe alone means
+    flag = "--remove-bpe" if plain else f"--remove-bpe {remove_bpe}"
+    return (f"{flag} removes {name}'s '{marker}' markers, but the target dictionary holds "
+            f"{counts[other]:,} pieces marked '{other}' and none marked '{marker}': the score "
+            f"would be over pieces, not words; pass --remove-bpe {value}")
+
+
+def _post_process_prediction():
+    from fairseq import utils
+
+    return utils.post_process_prediction
+
+
+@patch("fairseq_remove_bpe_check", "fairseq.utils:post_process_prediction",
+       "fairseq-generate/-interactive apply --remove-bpe's rule whatever the data's segmentation: "
+       "subword-nmt's '@@ ' rule on SentencePiece data leaves the pieces in and BLEU scores them, "
+       "silently and higher. Refuse, in one line naming the right value, when the target "
+       "dictionary shows the other segmentation (checked once per dictionary and value)",
+       known_source(_post_process_prediction, "005b84430b598a22"))
+def _remove_bpe_check():
+    from fairseq import utils
+
+    original = utils.post_process_prediction
+    checked = set()
+
+    def post_process_prediction(hypo_tokens, src_str, alignment, align_dict, tgt_dict,
+                                remove_bpe=None, extra_symbols_to_ignore=None):
+        key = (id(tgt_dict), remove_bpe)
+        if key not in checked:
+            line = remove_bpe_mismatch(tgt_dict, remove_bpe)
+            if line:
+                from .errors import ZooConfigError
+
+                raise ZooConfigError(line)
+            checked.add(key)
+        return original(hypo_tokens, src_str, alignment, align_dict, tgt_dict, remove_bpe,
+                        extra_symbols_to_ignore)
+
+    post_process_prediction.__doc__ = original.__doc__
+    utils.post_process_prediction = post_process_prediction

@@ -279,3 +279,52 @@ def test_resume_with_another_embedding_width_names_the_flags(mt_data, pkm_checkp
     last = assert_one_line(code, lines, "--decoder-embed-dim 16 (checkpoint) vs 32 (this run)",
                            "another --save-dir")
     assert "dictionary" not in last and "--encoder-embed-dim" not in last
+
+
+def test_remove_bpe_of_the_other_segmentation_is_refused():
+    from fairseq.data import Dictionary
+
+    from fairseq_attnzoo.compat import remove_bpe_mismatch
+
+    pieces, markers = Dictionary(), Dictionary()
+    for w in ("▁the", "▁cat", "s", "▁sat"):
+        pieces.add_symbol(w)
+    for w in ("the", "ca@@", "t", "sa@@"):
+        markers.add_symbol(w)
+    line = remove_bpe_mismatch(pieces, "@@ ")
+    assert line.startswith("--remove-bpe removes subword-nmt's '@@' markers") and line.endswith(
+        "pass --remove-bpe sentencepiece"), line
+    assert "3 pieces marked '▁'" in line
+    assert remove_bpe_mismatch(markers, "sentencepiece").endswith("pass --remove-bpe subword_nmt")
+    for d, value in ((pieces, "sentencepiece"), (markers, "@@ "), (markers, "subword_nmt"),
+                     (pieces, None), (markers, "letter"), (Dictionary(), "@@ ")):
+        assert remove_bpe_mismatch(d, value) is None, value
+
+
+def test_generate_refuses_remove_bpe_on_sentencepiece_data(tmp_path):
+    """Used to score the pieces with exit 0 (a BLEU higher than the true one)."""
+    from zoo_testlib import make_parallel_text, preprocess
+
+    make_parallel_text(str(tmp_path), n_train=40, n_valid=8, n_test=8)
+    for name in os.listdir(tmp_path):  # SentencePiece-like data: every word a '▁' piece
+        path = tmp_path / name
+        path.write_text("\n".join(" ".join("▁" + w for w in line.split())
+                                  for line in path.read_text().splitlines()) + "\n")
+    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref",
+                f"{tmp_path}/train", "--validpref", f"{tmp_path}/valid", "--testpref",
+                f"{tmp_path}/test", "--destdir", f"{tmp_path}/bin", "--joined-dictionary",
+                "--workers", "1"])
+    data = f"{tmp_path}/bin"
+    code, lines = cli("fairseq-train", data, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--max-update", "1", "--optimizer", "adam", "--lr", "1e-3",
+                      *TINY_MT, "--arch", "transformer", "--save-dir", str(tmp_path / "ckpt"),
+                      "--disable-validation", "--no-epoch-checkpoints")
+    assert code == 0, lines[-5:]
+    gen = [data, "--user-dir", USER_DIR, "--cpu", "--path", str(tmp_path / "ckpt" /
+           "checkpoint_last.pt"), "--gen-subset", "test", "--beam", "1", "--max-len-b", "5",
+           "--batch-size", "8", "--scoring", "sacrebleu"]
+    code, lines = cli("fairseq-generate", *gen, "--remove-bpe")
+    assert_one_line(code, lines, "--remove-bpe removes subword-nmt's '@@' markers",
+                    "pass --remove-bpe sentencepiece")
+    code, lines = cli("fairseq-generate", *gen, "--remove-bpe", "sentencepiece")
+    assert code == 0, lines[-5:]  # (the score is on stdout)
