@@ -773,13 +773,44 @@ def _split_name(task, dataset) -> str:
     return next((name for name, d in datasets.items() if d is dataset), "")
 
 
-def skipped_line(skipped: int, total: int, split: str, max_positions) -> str:
-    """The one line for examples fairseq skipped: how many, and the flag that keeps them."""
+def _numbers(x) -> List[float]:
+    if isinstance(x, (tuple, list)):
+        return [n for v in x for n in _numbers(v)]
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in _numbers(v)]
+    return [x] if isinstance(x, (int, float)) else []
+
+
+def caller_max_tokens() -> Optional[int]:
+    """``--max-tokens`` (``dataset.max_tokens``) of the fairseq code that asked for batches (the
+    trainer's or a command's ``cfg``, read from the calling frames), or None. fairseq folds it
+    into the size filter's bound (``resolve_max_positions``)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        local = frame.f_locals
+        for cfg in (local.get("cfg"), getattr(local.get("self"), "cfg", None)):
+            dataset = getattr(cfg, "dataset", None)
+            tokens = getattr(dataset, "max_tokens", None) if dataset is not None else None
+            if isinstance(tokens, int):
+                return tokens
+        frame = frame.f_back
+    return None
+
+
+def skipped_line(skipped: int, total: int, split: str, max_positions,
+                 max_tokens: Optional[int] = None) -> str:
+    """The one line for examples fairseq skipped: how many, and the flag that keeps them (the
+    bound is ``--max-tokens`` when that is the smallest of the limits fairseq folded together)."""
     from .models.sublayers import length_flags
 
     where = f"'{split}' examples" if split else "examples"
-    return (f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped: "
-            f"longer than the {max_positions} positions the model accepts; raise "
+    count = (f"all {total:,} {where} are skipped" if skipped == total else
+             f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped")
+    if max_tokens is not None and min(_numbers(max_positions), default=None) == max_tokens:
+        return (f"{count}: longer than --max-tokens {max_tokens}, the most tokens a batch "
+                f"holds; raise --max-tokens (or lower --tokens-per-sample for a language "
+                f"model) to keep them")
+    return (f"{count}: longer than the {max_positions} positions the model accepts; raise "
             f"{length_flags(max_positions)} to keep them")
 
 
@@ -809,7 +840,12 @@ def _skipped_examples():
         LAST_FILTER.clear()
         LAST_FILTER.update(split=split, total=total, skipped=skipped, max_positions=max_positions)
         if skipped:
-            logger.warning(skipped_line(skipped, total, split, max_positions))
+            line = skipped_line(skipped, total, split, max_positions, caller_max_tokens())
+            if not len(kept):  # nothing left: fairseq would fail later (an IndexError)
+                from .errors import ZooConfigError
+
+                raise ZooConfigError(line)
+            logger.warning(line)
         return kept
 
     filter_indices_by_size.__doc__ = original.__doc__

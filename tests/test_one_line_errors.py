@@ -18,14 +18,17 @@ TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-di
            "--decoder-attention-heads", "2"]
 
 
-def cli(program, *argv, env=None, cwd=None):
-    """Run a fairseq console script; return (exit code, non-empty stderr lines)."""
+def cli(program, *argv, env=None, cwd=None, stdout_too=False):
+    """Run a fairseq console script; return (exit code, non-empty stderr lines; with
+    ``stdout_too`` the lines of both, where fairseq's log goes)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
-    r = subprocess.run([os.path.join(BIN, program), *argv], capture_output=True, text=True,
+    r = subprocess.run([os.path.join(BIN, program), *argv], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT if stdout_too else subprocess.PIPE, text=True,
                        timeout=300, env=full_env, cwd=cwd or tempfile.gettempdir())
-    return r.returncode, [line for line in r.stderr.splitlines() if line.strip()]
+    out = r.stdout if stdout_too else r.stderr
+    return r.returncode, [line for line in out.splitlines() if line.strip()]
 
 
 def assert_one_line(code, lines, *words):
@@ -328,3 +331,45 @@ def test_generate_refuses_remove_bpe_on_sentencepiece_data(tmp_path):
                     "pass --remove-bpe sentencepiece")
     code, lines = cli("fairseq-generate", *gen, "--remove-bpe", "sentencepiece")
     assert code == 0, lines[-5:]  # (the score is on stdout)
+
+
+def test_examples_skipped_for_max_tokens_name_it_and_nothing_left_is_one_line(tmp_path):
+    """An LM's blocks (--tokens-per-sample 1024) longer than --max-tokens, which fairseq folds
+    into the size filter: the warning blamed the model's positions, and with every block skipped
+    fairseq's IndexError traceback followed."""
+    from zoo_testlib import preprocess
+
+    lines = [" ".join(f"w{(7 * i + j) % 30}" for j in range(40)) for i in range(60)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")  # blocks 1024, 1024, 412
+    preprocess(["--only-source", "--trainpref", f"{tmp_path}/train.txt", "--destdir",
+                f"{tmp_path}/bin", "--workers", "1"])
+
+    def lm(max_tokens, **kw):
+        return cli("fairseq-train", f"{tmp_path}/bin", "--user-dir", USER_DIR, "--cpu", "--task",
+                   "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "1",
+                   "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+                   "--decoder-attention-heads", "2", "--max-tokens", str(max_tokens),
+                   "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--no-save",
+                   "--disable-validation", **kw)
+
+    code, lines = lm(300)
+    last = assert_one_line(code, lines, "all 3 'train' examples are skipped",
+                           "longer than --max-tokens 300", "raise --max-tokens")
+    assert "--max-target-positions" not in last
+    code, lines = lm(500, stdout_too=True)
+    assert code == 0, lines[-5:]
+    said = [x for x in lines if "'train' examples" in x]
+    assert len(said) == 1 and "2 of 3 'train' examples" in said[0] and \
+        "longer than --max-tokens 500" in said[0], said
+
+
+def test_unskipped_example_longer_than_max_tokens_names_it(monkeypatch):
+    from fairseq_attnzoo.cli_hints import hint_for
+
+    too_long = Exception("Size of sample #3 is invalid (=(40, 41)) since max_positions=(30, 30), "
+                         "skip this example with --skip-invalid-size-inputs-valid-test")
+    monkeypatch.setattr(sys, "argv", ["fairseq-train", "data", "--max-tokens", "30"])
+    line = hint_for(too_long, data="data")
+    assert "than --max-tokens 30" in line and "raise --max-tokens" in line, line
+    monkeypatch.setattr(sys, "argv", ["fairseq-train", "data", "--max-tokens", "4096"])
+    assert "--max-tokens 4096" not in hint_for(too_long, data="data")
