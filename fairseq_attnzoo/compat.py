@@ -392,6 +392,33 @@ def _cli_hints():
     cli_hints.install()
 
 
+def _debug_root_logger() -> Optional[str]:
+    """None when fairseq's wav2vec2_classification module sets the root logger to DEBUG at import
+    (``logging.basicConfig(level=logging.DEBUG)``, fairseq-fixed 0.12.3)."""
+    try:
+        from fairseq.models.wav2vec import wav2vec2_classification as module
+    except ImportError as e:
+        return f"target not found ({e})"
+    if "logging.basicConfig(level=logging.DEBUG)" in inspect.getsource(module):
+        return None
+    return "fairseq.models.wav2vec.wav2vec2_classification no longer sets the root logger to DEBUG"
+
+
+@patch("fairseq_root_log_level", "the root logger's level (fairseq-* console scripts only)",
+       "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
+       "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
+       "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
+       "$LOGLEVEL (INFO), the level the command asks for",
+       _debug_root_logger)
+def _root_log_level():
+    from . import cli_hints
+
+    root = logging.getLogger()
+    wanted = os.environ.get("LOGLEVEL", "INFO").upper()
+    if cli_hints.in_console_script() and root.level == logging.DEBUG and wanted != "DEBUG":
+        root.setLevel(wanted)
+
+
 # ---- fairseq data --------------------------------------------------------------------------------
 
 def _batch_by_size():
