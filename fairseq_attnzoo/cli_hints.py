@@ -351,8 +351,8 @@ def hint_for(exc: BaseException, cuda=None, data=None):
 
 
 def _registry_name(kind: str, class_name: str) -> str:
-    """The --optimizer / --criterion name registered for the class ``class_name`` (the name
-    fairseq's checkpoint stores), else the class name."""
+    """The --optimizer / --criterion name registered for the class ``class_name`` (a checkpoint
+    stores the class name), else the class name."""
     try:
         if kind == "Optimizer":
             from fairseq.optim import OPTIMIZER_REGISTRY as registry

@@ -800,14 +800,6 @@ def _split_name(task, dataset) -> str:
     return next((name for name, d in datasets.items() if d is dataset), "")
 
 
-def _numbers(x) -> List[float]:
-    if isinstance(x, (tuple, list)):
-        return [n for v in x for n in _numbers(v)]
-    if isinstance(x, dict):
-        return [n for v in x.values() for n in _numbers(v)]
-    return [x] if isinstance(x, (int, float)) else []
-
-
 def caller_max_tokens() -> Optional[int]:
     """``--max-tokens`` (``dataset.max_tokens``) of the fairseq code that asked for batches (the
     trainer's or a command's ``cfg``, read from the calling frames), or None. fairseq folds it
@@ -828,12 +820,12 @@ def skipped_line(skipped: int, total: int, split: str, max_positions,
                  max_tokens: Optional[int] = None) -> str:
     """The one line for examples fairseq skipped: how many, and the flag that keeps them (the
     bound is ``--max-tokens`` when that is the smallest of the limits fairseq folded together)."""
-    from .models.sublayers import length_flags
+    from .models.sublayers import length_flags, position_numbers
 
     where = f"'{split}' examples" if split else "examples"
     count = (f"all {total:,} {where} are skipped" if skipped == total else
              f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped")
-    if max_tokens is not None and min(_numbers(max_positions), default=None) == max_tokens:
+    if max_tokens is not None and min(position_numbers(max_positions), default=None) == max_tokens:
         return (f"{count}: longer than --max-tokens {max_tokens}, the most tokens a batch "
                 f"holds; raise --max-tokens (or lower --tokens-per-sample for a language "
                 f"model) to keep them")
