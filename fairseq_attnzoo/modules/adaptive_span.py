@@ -511,7 +511,8 @@ class FeedForward(nn.Module):
 
 
 class AdaptiveSpanLayer(nn.Module):
-    """Post-norm layer as in the reference: h = LN(x + Attn(x)); y = LN(h + FFN(h)).
+    """Post-norm layer as in the reference, batch-first ``x [B, M, C]``: h = LN(x + Attn(x));
+    y = LN(h + FFN(h)).
 
     ``ffn_dim = 0`` drops the FFN: with ``persistent_slots > 0`` this is the All-Attention layer."""
 

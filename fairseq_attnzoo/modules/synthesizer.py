@@ -107,7 +107,7 @@ def _select_positions(table: Tensor, index: Tensor) -> Tensor:
 
 
 class SynthesizerAttention(ZooAttention):
-    """Multi-head synthetic self-attention; ``components`` picks one mode or a mixture.
+    """Multi-head synthetic self-attention, time-first [T, B, C]; ``components``: mode or mixture.
 
     Args:
         embed_dim, num_heads, dropout: as fairseq's MultiheadAttention (dropout on the weights).
