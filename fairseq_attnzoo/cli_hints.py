@@ -325,14 +325,7 @@ def hint_for(exc: BaseException, cuda=None, data=None):
 
         size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
         bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
-        numbers = [int(n) for n in re.findall(r"\d+", bound)]
-        tokens = _argv_value("--max-tokens")
-        if tokens and tokens.isdigit() and min(numbers, default=None) == int(tokens):
-            return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than "
-                    f"--max-tokens {tokens}, the most tokens a batch holds: raise --max-tokens, "
-                    "or pass --skip-invalid-size-inputs-valid-test to leave such examples out "
-                    "(the score then covers a subset, and says so)")
-        flags = length_flags(numbers)
+        flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
         return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
                 f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
                 "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "

@@ -801,17 +801,15 @@ def _split_name(task, dataset) -> str:
 
 
 def caller_max_tokens() -> Optional[int]:
-    """``--max-tokens`` (``dataset.max_tokens``) of the fairseq code that asked for batches (the
-    trainer's or a command's ``cfg``, read from the calling frames), or None. fairseq folds it
-    into the size filter's bound (``resolve_max_positions``)."""
+    """``--max-tokens`` (``dataset.max_tokens``) when the size filter runs for fairseq's
+    ``Trainer.get_train_iterator``, which folds it into the filter's bound
+    (``resolve_max_positions``; validation and the commands do not), else None."""
     frame = inspect.currentframe()
     while frame is not None:
-        local = frame.f_locals
-        for cfg in (local.get("cfg"), getattr(local.get("self"), "cfg", None)):
-            dataset = getattr(cfg, "dataset", None)
-            tokens = getattr(dataset, "max_tokens", None) if dataset is not None else None
-            if isinstance(tokens, int):
-                return tokens
+        if frame.f_code.co_name == "get_train_iterator":
+            dataset = getattr(getattr(frame.f_locals.get("self"), "cfg", None), "dataset", None)
+            tokens = getattr(dataset, "max_tokens", None)
+            return tokens if isinstance(tokens, int) else None
         frame = frame.f_back
     return None
 

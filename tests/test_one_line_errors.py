@@ -361,15 +361,3 @@ def test_examples_skipped_for_max_tokens_name_it_and_nothing_left_is_one_line(tm
     said = [x for x in lines if "'train' examples" in x]
     assert len(said) == 1 and "2 of 3 'train' examples" in said[0] and \
         "longer than --max-tokens 500" in said[0], said
-
-
-def test_unskipped_example_longer_than_max_tokens_names_it(monkeypatch):
-    from fairseq_attnzoo.cli_hints import hint_for
-
-    too_long = Exception("Size of sample #3 is invalid (=(40, 41)) since max_positions=(30, 30), "
-                         "skip this example with --skip-invalid-size-inputs-valid-test")
-    monkeypatch.setattr(sys, "argv", ["fairseq-train", "data", "--max-tokens", "30"])
-    line = hint_for(too_long, data="data")
-    assert "than --max-tokens 30" in line and "raise --max-tokens" in line, line
-    monkeypatch.setattr(sys, "argv", ["fairseq-train", "data", "--max-tokens", "4096"])
-    assert "--max-tokens 4096" not in hint_for(too_long, data="data")
