@@ -10,9 +10,13 @@ setup(
     license="MIT",
     packages=find_packages(include=["fairseq_attnzoo", "fairseq_attnzoo.*"]),
     python_requires=">=3.9",
-    # torch is deliberately not a hard requirement: install your own build (CPU or CUDA) first.
-    install_requires=["fairseq-fixed>=0.12.3", "sacrebleu>=2.0", "sentencepiece"],
+    # the plain PyTorch modules need torch alone (install your own CPU or CUDA build first and
+    # pip keeps it); the fairseq architectures, tasks and commands need the "fairseq" extra. Its
+    # fairseq-fixed compiles against the installed torch: install torch, numpy and cython first
+    # and pass --no-build-isolation (scripts/install.sh, `make install`)
+    install_requires=["torch"],
     extras_require={
+        "fairseq": ["fairseq-fixed>=0.12.3", "sacrebleu>=2.0", "sentencepiece"],
         "test": ["pytest"],
         "analysis": ["matplotlib", "tensorly", "tqdm"],
     },

@@ -130,7 +130,37 @@ def dictionary_mismatch(text: str):
     """(symbols in the checkpoint's dictionary, symbols in the data's) from torch's
     ``load_state_dict`` message when the embedding tables differ in rows, else None."""
     m = _EMBED_MISMATCH.search(text)
-    return (int(m.group(2)), int(m.group(3))) if m else None
+    if m is None or m.group(2) == m.group(3):  # same rows: another embedding width, not dictionary
+        return None
+    return int(m.group(2)), int(m.group(3))
+
+
+def _cfg_get(cfg, key):
+    return cfg.get(key, None) if hasattr(cfg, "get") else getattr(cfg, key, None)
+
+
+def model_flag_differences(stored, current):
+    """``--flag X (checkpoint) vs Y (this run)`` for each model flag of the arch's model class
+    whose value differs between the checkpoint's model config ``stored`` and this run's
+    ``current`` (argparse namespaces or dict configs), in the parser's order."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    model_cls = ARCH_MODEL_REGISTRY.get(_cfg_get(current, "arch") or _cfg_get(current, "_name"))
+    if model_cls is None or stored is None:
+        return []
+    parser = argparse.ArgumentParser(add_help=False)
+    try:
+        model_cls.add_args(parser)
+    except Exception:  # an unusual model: nothing to compare
+        return []
+    out = []
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        before, now = _cfg_get(stored, action.dest), _cfg_get(current, action.dest)
+        if before != now:
+            out.append(f"{action.option_strings[0]} {before} (checkpoint) vs {now} (this run)")
+    return out
 
 
 def dictionary_mismatch_line(rows, data, checkpoint: str = "the checkpoint") -> str:
@@ -245,6 +275,14 @@ def hint_for(exc: BaseException, cuda=None, data=None):
                 "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
                 "with the flags it was trained with (for such a bf16 checkpoint add "
                 "--fp16-no-flatten-grads), or pass --reset-optimizer")
+    mismatch = re.match(r"(Optimizer|Criterion) does not match; .* (\S+) vs (\S+)$", text)
+    if isinstance(exc, AssertionError) and mismatch:
+        kind, stored, now = mismatch.groups()
+        flag = "--" + kind.lower()
+        stored, now = (_registry_name(kind, n) for n in (stored, now))
+        return (f"the checkpoint was trained with {flag} {stored}, this run has {flag} {now}: "
+                f"resume with {flag} {stored}, or pass --reset-optimizer to start {now}'s state "
+                "afresh (the model's weights are still loaded)")
     if text.startswith("--finetune-from-model ") and text.endswith(" does not exist"):
         path = text[len("--finetune-from-model "):-len(" does not exist")]
         return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
@@ -268,6 +306,16 @@ def hint_for(exc: BaseException, cuda=None, data=None):
         rows = dictionary_mismatch(str(exc.__context__ or ""))
         if rows:
             return dictionary_mismatch_line(rows, data, path)
+        state, trainer = (_frame_local(exc, "load_checkpoint", n) for n in ("state", "self"))
+        try:
+            differ = model_flag_differences(_cfg_get(_cfg_get(state, "cfg"), "model"),
+                                            trainer.cfg.model)
+        except Exception:  # no readable configs: the general line below
+            differ = []
+        if differ:
+            return (f"{path} holds parameters of other shapes than this run's flags build; its "
+                    f"model flags differ: {', '.join(differ)}: resume with the checkpoint's "
+                    "values, or start a new run in another --save-dir")
         return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
                 "resume with the flags it was trained with, or start a new run in another "
                 "--save-dir")
@@ -293,6 +341,19 @@ def hint_for(exc: BaseException, cuda=None, data=None):
         return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
                 "fairseq-preprocess first, or pass --source-lang/--target-lang")
     return None
+
+
+def _registry_name(kind: str, class_name: str) -> str:
+    """The --optimizer / --criterion name registered for the class ``class_name`` (a checkpoint
+    stores the class name), else the class name."""
+    try:
+        if kind == "Optimizer":
+            from fairseq.optim import OPTIMIZER_REGISTRY as registry
+        else:
+            from fairseq.criterions import CRITERION_REGISTRY as registry
+    except ImportError:  # pragma: no cover
+        return class_name
+    return next((n for n, c in registry.items() if c.__name__ == class_name), class_name)
 
 
 # ---- --arch --------------------------------------------------------------------------------------

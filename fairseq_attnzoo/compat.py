@@ -392,6 +392,33 @@ def _cli_hints():
     cli_hints.install()
 
 
+def _debug_root_logger() -> Optional[str]:
+    """None when fairseq's wav2vec2_classification module sets the root logger to DEBUG at import
+    (``logging.basicConfig(level=logging.DEBUG)``, fairseq-fixed 0.12.3)."""
+    try:
+        from fairseq.models.wav2vec import wav2vec2_classification as module
+    except ImportError as e:
+        return f"target not found ({e})"
+    if "logging.basicConfig(level=logging.DEBUG)" in inspect.getsource(module):
+        return None
+    return "fairseq.models.wav2vec.wav2vec2_classification no longer sets the root logger to DEBUG"
+
+
+@patch("fairseq_root_log_level", "the root logger's level (fairseq-* console scripts only)",
+       "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
+       "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
+       "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
+       "$LOGLEVEL (INFO), the level the command asks for",
+       _debug_root_logger)
+def _root_log_level():
+    from . import cli_hints
+
+    root = logging.getLogger()
+    wanted = os.environ.get("LOGLEVEL", "INFO").upper()
+    if cli_hints.in_console_script() and root.level == logging.DEBUG and wanted != "DEBUG":
+        root.setLevel(wanted)
+
+
 # ---- fairseq data --------------------------------------------------------------------------------
 
 def _batch_by_size():
@@ -773,13 +800,34 @@ def _split_name(task, dataset) -> str:
     return next((name for name, d in datasets.items() if d is dataset), "")
 
 
-def skipped_line(skipped: int, total: int, split: str, max_positions) -> str:
-    """The one line for examples fairseq skipped: how many, and the flag that keeps them."""
-    from .models.sublayers import length_flags
+def caller_max_tokens() -> Optional[int]:
+    """``--max-tokens`` (``dataset.max_tokens``) when the size filter runs for fairseq's
+    ``Trainer.get_train_iterator``, which folds it into the filter's bound
+    (``resolve_max_positions``; validation and the commands do not), else None."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "get_train_iterator":
+            dataset = getattr(getattr(frame.f_locals.get("self"), "cfg", None), "dataset", None)
+            tokens = getattr(dataset, "max_tokens", None)
+            return tokens if isinstance(tokens, int) else None
+        frame = frame.f_back
+    return None
+
+
+def skipped_line(skipped: int, total: int, split: str, max_positions,
+                 max_tokens: Optional[int] = None) -> str:
+    """The one line for examples fairseq skipped: how many, and the flag that keeps them (the
+    bound is ``--max-tokens`` when that is the smallest of the limits fairseq folded together)."""
+    from .models.sublayers import length_flags, position_numbers
 
     where = f"'{split}' examples" if split else "examples"
-    return (f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped: "
-            f"longer than the {max_positions} positions the model accepts; raise "
+    count = (f"all {total:,} {where} are skipped" if skipped == total else
+             f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped")
+    if max_tokens is not None and min(position_numbers(max_positions), default=None) == max_tokens:
+        return (f"{count}: longer than --max-tokens {max_tokens}, the most tokens a batch "
+                f"holds; raise --max-tokens (or lower --tokens-per-sample for a language "
+                f"model) to keep them")
+    return (f"{count}: longer than the {max_positions} positions the model accepts; raise "
             f"{length_flags(max_positions)} to keep them")
 
 
@@ -809,7 +857,12 @@ def _skipped_examples():
         LAST_FILTER.clear()
         LAST_FILTER.update(split=split, total=total, skipped=skipped, max_positions=max_positions)
         if skipped:
-            logger.warning(skipped_line(skipped, total, split, max_positions))
+            line = skipped_line(skipped, total, split, max_positions, caller_max_tokens())
+            if not len(kept):  # nothing left: fairseq would fail later (an IndexError)
+                from .errors import ZooConfigError
+
+                raise ZooConfigError(line)
+            logger.warning(line)
         return kept
 
     filter_indices_by_size.__doc__ = original.__doc__
@@ -856,3 +909,71 @@ def _subset_score():
 
     build_scorer_noting_subset.__doc__ = build_scorer.__doc__
     scoring.build_scorer = build_scorer_noting_subset
+
+
+# ---- fairseq-generate: --remove-bpe of another segmentation than the data's ----------------------
+
+#: the --remove-bpe values whose marker can be told from a dictionary: (marker, segmentation)
+REMOVE_BPE_MARKERS = {"sentencepiece": ("▁", "SentencePiece"), "@@ ": ("@@", "subword-nmt"),
+                      "@@": ("@@", "subword-nmt"), "subword_nmt": ("@@", "subword-nmt")}
+
+
+def segmentation_counts(dictionary) -> Dict[str, int]:
+    """How many symbols of ``dictionary`` (past the special ones) are SentencePiece pieces (start
+    with ``▁``) and how many subword-nmt pieces (end with ``@@``)."""
+    symbols = dictionary.symbols[getattr(dictionary, "nspecial", 0):]
+    return {"▁": sum(s.startswith("▁") for s in symbols),
+            "@@": sum(s.endswith("@@") for s in symbols)}
+
+
+def remove_bpe_mismatch(dictionary, remove_bpe) -> Optional[str]:
+    """The one line refusing ``--remove-bpe remove_bpe`` for data whose target dictionary shows
+    the other segmentation (its marker never occurs, the other one does), else None."""
+    if remove_bpe not in REMOVE_BPE_MARKERS:
+        return None
+    marker, name = REMOVE_BPE_MARKERS[remove_bpe]
+    counts = segmentation_counts(dictionary)
+    other = "@@" if marker == "▁" else "▁"
+    if counts[marker] or not counts[other]:
+        return None
+    value = "sentencepiece" if other == "▁" else "subword_nmt"
+    plain = remove_bpe in ("@@ ", "subword_nmt")  # what --remove-bpe alone means
+    flag = "--remove-bpe" if plain else f"--remove-bpe {remove_bpe}"
+    return (f"{flag} removes {name}'s '{marker}' markers, but the target dictionary holds "
+            f"{counts[other]:,} pieces marked '{other}' and none marked '{marker}': the score "
+            f"would be over pieces, not words; pass --remove-bpe {value}")
+
+
+def _post_process_prediction():
+    from fairseq import utils
+
+    return utils.post_process_prediction
+
+
+@patch("fairseq_remove_bpe_check", "fairseq.utils:post_process_prediction",
+       "fairseq-generate/-interactive apply --remove-bpe's rule whatever the data's segmentation: "
+       "subword-nmt's '@@ ' rule on SentencePiece data leaves the pieces in and BLEU scores them, "
+       "silently and higher. Refuse, in one line naming the right value, when the target "
+       "dictionary shows the other segmentation (checked once per dictionary and value)",
+       known_source(_post_process_prediction, "005b84430b598a22"))
+def _remove_bpe_check():
+    from fairseq import utils
+
+    original = utils.post_process_prediction
+    checked = set()
+
+    def post_process_prediction(hypo_tokens, src_str, alignment, align_dict, tgt_dict,
+                                remove_bpe=None, extra_symbols_to_ignore=None):
+        key = (id(tgt_dict), remove_bpe)
+        if key not in checked:
+            line = remove_bpe_mismatch(tgt_dict, remove_bpe)
+            if line:
+                from .errors import ZooConfigError
+
+                raise ZooConfigError(line)
+            checked.add(key)
+        return original(hypo_tokens, src_str, alignment, align_dict, tgt_dict, remove_bpe,
+                        extra_symbols_to_ignore)
+
+    post_process_prediction.__doc__ = original.__doc__
+    utils.post_process_prediction = post_process_prediction

@@ -31,7 +31,8 @@ fi
 if ! "$VPY" -c "import triton" 2>/dev/null && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
   "$VPY" -m pip install "${PIP_FLAGS[@]}" triton==3.9.0
 fi
-# 5. this plugin (editable)
-"$VPY" -m pip install "${PIP_FLAGS[@]}" -c constraints.txt --no-build-isolation --no-deps -e .
+# 5. this plugin (editable) with its fairseq extra: everything it names is installed above, so
+#    pip only checks it (the plain PyTorch modules alone need torch only: pip install -e .)
+"$VPY" -m pip install "${PIP_FLAGS[@]}" -c constraints.txt --no-build-isolation -e ".[fairseq]"
 "$VPY" -m pip check || true
 "$VPY" -c "import torch, fairseq; print('torch', torch.__version__, '| fairseq', fairseq.__version__)"

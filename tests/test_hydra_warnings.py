@@ -36,3 +36,24 @@ def test_outside_fairseq_config_loading_hydra_warnings_still_show():
         with initialize(config_path=None):
             pass
     assert any("no longer experimental" in str(w.message) for w in caught)
+
+
+def test_generate_and_eval_lm_print_no_debug_lines(lm_data, mt_data, tmp_path):
+    """fairseq's wav2vec2_classification sets the root logger to DEBUG when fairseq's models are
+    imported, before fairseq-generate / fairseq-eval-lm configure logging: hydra's
+    ``DEBUG:hydra.core.utils`` lines reached stderr (compat entry fairseq_root_log_level)."""
+    import os
+    import subprocess
+    import sys
+
+    from zoo_testlib import USER_DIR
+
+    missing = str(tmp_path / "missing.pt")  # the DEBUG lines came before the checkpoint is read
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOGLEVEL", None)
+    for program, data in (("fairseq-eval-lm", lm_data), ("fairseq-generate", mt_data)):
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), program), data,
+                            "--user-dir", USER_DIR, "--cpu", "--path", missing],
+                           capture_output=True, text=True, timeout=300, env=env)
+        out = r.stdout + r.stderr
+        assert not [line for line in out.splitlines() if "DEBUG" in line], (program, out[-2000:])

@@ -18,14 +18,17 @@ TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-di
            "--decoder-attention-heads", "2"]
 
 
-def cli(program, *argv, env=None, cwd=None):
-    """Run a fairseq console script; return (exit code, non-empty stderr lines)."""
+def cli(program, *argv, env=None, cwd=None, stdout_too=False):
+    """Run a fairseq console script; return (exit code, non-empty stderr lines; with
+    ``stdout_too`` the lines of both, where fairseq's log goes)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
-    r = subprocess.run([os.path.join(BIN, program), *argv], capture_output=True, text=True,
+    r = subprocess.run([os.path.join(BIN, program), *argv], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT if stdout_too else subprocess.PIPE, text=True,
                        timeout=300, env=full_env, cwd=cwd or tempfile.gettempdir())
-    return r.returncode, [line for line in r.stderr.splitlines() if line.strip()]
+    out = r.stdout if stdout_too else r.stderr
+    return r.returncode, [line for line in out.splitlines() if line.strip()]
 
 
 def assert_one_line(code, lines, *words):
@@ -242,3 +245,119 @@ def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
     assert "dictionary of 1,204 symbols" in line and "data-bin/other's has 96" in line
     assert hint_for(AssertionError("Must specify batch size either with --max-tokens or "
                                    "--batch-size")).startswith("no batch size: pass --max-tokens")
+
+
+PKM_TINY = ["--arch", "transformer_pkm", "--pkm-n-keys", "8", "--pkm-k-dim", "8", "--pkm-heads",
+            "2", "--pkm-knn", "4", "--disable-validation", "--no-epoch-checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def pkm_checkpoint(mt_data, tmp_path_factory):
+    """A transformer_pkm checkpoint trained one update with --optimizer pkm_adam."""
+    save = str(tmp_path_factory.mktemp("pkm_ckpt"))
+    code, lines = cli("fairseq-train", mt_data, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--max-update", "1", "--optimizer", "pkm_adam", "--lr", "1e-3",
+                      *TINY_MT, *PKM_TINY, "--save-dir", save)
+    assert code == 0, lines[-5:]
+    return save
+
+
+def _resume(mt_data, save, *flags):
+    return cli("fairseq-train", mt_data, "--user-dir", USER_DIR, "--cpu", "--max-tokens", "500",
+               "--max-update", "2", "--lr", "1e-3", *TINY_MT, *PKM_TINY, "--save-dir", save,
+               *flags)
+
+
+def test_resume_with_another_optimizer(mt_data, pkm_checkpoint):
+    """Used to end in fairseq's 20-line AssertionError traceback."""
+    code, lines = _resume(mt_data, pkm_checkpoint, "--optimizer", "adam")
+    assert_one_line(code, lines, "trained with --optimizer pkm_adam", "this run has --optimizer "
+                    "adam", "--reset-optimizer")
+
+
+def test_resume_with_another_embedding_width_names_the_flags(mt_data, pkm_checkpoint):
+    """Used to say "trained with a dictionary of N symbols but ...'s has N" (the same N)."""
+    code, lines = _resume(mt_data, pkm_checkpoint, "--optimizer", "pkm_adam",
+                          "--decoder-embed-dim", "32")
+    last = assert_one_line(code, lines, "--decoder-embed-dim 16 (checkpoint) vs 32 (this run)",
+                           "another --save-dir")
+    assert "dictionary" not in last and "--encoder-embed-dim" not in last
+
+
+def test_remove_bpe_of_the_other_segmentation_is_refused():
+    from fairseq.data import Dictionary
+
+    from fairseq_attnzoo.compat import remove_bpe_mismatch
+
+    pieces, markers = Dictionary(), Dictionary()
+    for w in ("▁the", "▁cat", "s", "▁sat"):
+        pieces.add_symbol(w)
+    for w in ("the", "ca@@", "t", "sa@@"):
+        markers.add_symbol(w)
+    line = remove_bpe_mismatch(pieces, "@@ ")
+    assert line.startswith("--remove-bpe removes subword-nmt's '@@' markers") and line.endswith(
+        "pass --remove-bpe sentencepiece"), line
+    assert "3 pieces marked '▁'" in line
+    assert remove_bpe_mismatch(markers, "sentencepiece").endswith("pass --remove-bpe subword_nmt")
+    for d, value in ((pieces, "sentencepiece"), (markers, "@@ "), (markers, "subword_nmt"),
+                     (pieces, None), (markers, "letter"), (Dictionary(), "@@ ")):
+        assert remove_bpe_mismatch(d, value) is None, value
+
+
+def test_generate_refuses_remove_bpe_on_sentencepiece_data(tmp_path):
+    """Used to score the pieces with exit 0 (a BLEU higher than the true one)."""
+    from zoo_testlib import make_parallel_text, preprocess
+
+    make_parallel_text(str(tmp_path), n_train=40, n_valid=8, n_test=8)
+    for name in os.listdir(tmp_path):  # SentencePiece-like data: every word a '▁' piece
+        path = tmp_path / name
+        path.write_text("\n".join(" ".join("▁" + w for w in line.split())
+                                  for line in path.read_text().splitlines()) + "\n")
+    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref",
+                f"{tmp_path}/train", "--validpref", f"{tmp_path}/valid", "--testpref",
+                f"{tmp_path}/test", "--destdir", f"{tmp_path}/bin", "--joined-dictionary",
+                "--workers", "1"])
+    data = f"{tmp_path}/bin"
+    code, lines = cli("fairseq-train", data, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--max-update", "1", "--optimizer", "adam", "--lr", "1e-3",
+                      *TINY_MT, "--arch", "transformer", "--save-dir", str(tmp_path / "ckpt"),
+                      "--disable-validation", "--no-epoch-checkpoints")
+    assert code == 0, lines[-5:]
+    gen = [data, "--user-dir", USER_DIR, "--cpu", "--path", str(tmp_path / "ckpt" /
+           "checkpoint_last.pt"), "--gen-subset", "test", "--beam", "1", "--max-len-b", "5",
+           "--batch-size", "8", "--scoring", "sacrebleu"]
+    code, lines = cli("fairseq-generate", *gen, "--remove-bpe")
+    assert_one_line(code, lines, "--remove-bpe removes subword-nmt's '@@' markers",
+                    "pass --remove-bpe sentencepiece")
+    code, lines = cli("fairseq-generate", *gen, "--remove-bpe", "sentencepiece")
+    assert code == 0, lines[-5:]  # (the score is on stdout)
+
+
+def test_examples_skipped_for_max_tokens_name_it_and_nothing_left_is_one_line(tmp_path):
+    """An LM's blocks (--tokens-per-sample 1024) longer than --max-tokens, which fairseq folds
+    into the size filter: the warning blamed the model's positions, and with every block skipped
+    fairseq's IndexError traceback followed."""
+    from zoo_testlib import preprocess
+
+    lines = [" ".join(f"w{(7 * i + j) % 30}" for j in range(40)) for i in range(60)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")  # blocks 1024, 1024, 412
+    preprocess(["--only-source", "--trainpref", f"{tmp_path}/train.txt", "--destdir",
+                f"{tmp_path}/bin", "--workers", "1"])
+
+    def lm(max_tokens, **kw):
+        return cli("fairseq-train", f"{tmp_path}/bin", "--user-dir", USER_DIR, "--cpu", "--task",
+                   "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "1",
+                   "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+                   "--decoder-attention-heads", "2", "--max-tokens", str(max_tokens),
+                   "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--no-save",
+                   "--disable-validation", **kw)
+
+    code, lines = lm(300)
+    last = assert_one_line(code, lines, "all 3 'train' examples are skipped",
+                           "longer than --max-tokens 300", "raise --max-tokens")
+    assert "--max-target-positions" not in last
+    code, lines = lm(500, stdout_too=True)
+    assert code == 0, lines[-5:]
+    said = [x for x in lines if "'train' examples" in x]
+    assert len(said) == 1 and "2 of 3 'train' examples" in said[0] and \
+        "longer than --max-tokens 500" in said[0], said

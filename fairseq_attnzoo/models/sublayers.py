@@ -409,17 +409,19 @@ def note_length_limit(flag: str, value: int):
     LENGTH_LIMITS[flag] = int(value)
 
 
+def position_numbers(x) -> List[float]:
+    """The numbers in fairseq's ``max_positions`` (a number, or tuples / dicts of them)."""
+    if isinstance(x, (tuple, list)):
+        return [n for v in x for n in position_numbers(v)]
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in position_numbers(v)]
+    return [x] if isinstance(x, (int, float)) else []
+
+
 def length_flags(max_positions) -> str:
     """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
     of them): one of ours when it is the bound, else fairseq's position flags."""
-    def numbers(x):
-        if isinstance(x, (tuple, list)):
-            return [n for v in x for n in numbers(v)]
-        if isinstance(x, dict):
-            return [n for v in x.values() for n in numbers(v)]
-        return [x] if isinstance(x, (int, float)) else []
-
-    bound = min(numbers(max_positions), default=None)
+    bound = min(position_numbers(max_positions), default=None)
     ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
     if ours:
         return " and ".join(ours)

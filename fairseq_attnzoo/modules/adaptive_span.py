@@ -245,7 +245,8 @@ class AdaptiveMask(Float32Module):
 # attention
 # ---------------------------------------------------------------------------------------------
 class AdaptiveSpanAttention(nn.Module):
-    """Multi-head attention over a sliding window of S positions with learned spans.
+    """Multi-head attention over a sliding window of S positions with learned spans; batch-first
+    ``x [B, M, C]`` (unlike the time-first [T, B, C] of the package's other modules).
 
     ``forward(x, key_pe, memory=None, past_kv=None, key_padding_mask=None)``:
 
@@ -308,6 +309,24 @@ class AdaptiveSpanAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
 
+    @staticmethod
+    def _check_layout(x: Tensor, memory: Optional[Tensor], past_kv, key_padding_mask):
+        """Batch-first inputs: where the batch sizes of x, memory, past_kv and the padding mask
+        disagree (a time-first x [M, B, C] passed), one line saying so."""
+        b, m = x.shape[:2]
+        prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
+        n_prev = 0 if prev is None else prev.size(-2)
+        wrong = None
+        if prev is not None and prev.size(0) != b:
+            wrong = f"{'memory' if memory is not None else 'past_kv'} has batch size {prev.size(0)}"
+        elif key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, n_prev + m):
+            wrong = (f"key_padding_mask has shape {list(key_padding_mask.shape)}, not [B, T_m + M]"
+                     f" = [{b}, {n_prev + m}]")
+        if wrong:
+            raise ValueError(f"AdaptiveSpanAttention takes batch-first x [B, M, C] (got "
+                             f"{list(x.shape)}) and {wrong}: pass x as [B, M, C] (transpose a "
+                             "time-first [M, B, C]) and masks as [B, T]")
+
     def cache_size(self, buffer: int = 0, z_max: Optional[float] = None) -> int:
         """Previous positions worth keeping for the next call (see :meth:`AdaptiveMask.cache_size`);
         one more when the window excludes the current token."""
@@ -333,6 +352,11 @@ class AdaptiveSpanAttention(nn.Module):
             raise ValueError("give either memory (hidden states) or past_kv (keys/values), "
                              "not both")
         key_pe = self.key_pe if key_pe is None else key_pe
+        if key_pe is None:
+            raise ValueError("AdaptiveSpanAttention needs relative position embeddings: pass "
+                             f"key_pe [1, d_h = {self.head_dim}, S = {self.max_span}] to forward, "
+                             "or build the module with own_key_pe=True")
+        self._check_layout(x, memory, past_kv, key_padding_mask)
         m = x.size(1)
         z = self.mask.spans(x)
         prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
@@ -487,7 +511,8 @@ class FeedForward(nn.Module):
 
 
 class AdaptiveSpanLayer(nn.Module):
-    """Post-norm layer as in the reference: h = LN(x + Attn(x)); y = LN(h + FFN(h)).
+    """Post-norm layer as in the reference, batch-first ``x [B, M, C]``: h = LN(x + Attn(x));
+    y = LN(h + FFN(h)).
 
     ``ffn_dim = 0`` drops the FFN: with ``persistent_slots > 0`` this is the All-Attention layer."""
 

@@ -57,7 +57,7 @@ def ffn_matching_slots(embed_dim: int, ffn_dim: int, heads: int, key_dim: int,
 
 
 class AttentionOverParameters(ZooFeedForward):
-    """Multi-head attention over h_p × n_p persistent key/value slots (a drop-in FFN)."""
+    """Attention over h_p × n_p persistent key/value slots (a drop-in FFN), time-first [T, B, C]."""
 
     def __init__(self, embed_dim: int, heads: int = 8, key_dim: int = 64, value_dim: int = 64,
                  slots: int = 1536, dropout: float = 0.0, scale_at: str = "use",

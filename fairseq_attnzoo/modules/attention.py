@@ -187,6 +187,11 @@ class AttnContext:
         mask = None
         if self.attn_mask is not None:
             am = self.attn_mask
+            if tuple(am.shape) != (self.q_len, k_len):  # as nn.MultiheadAttention: never sliced
+                raise ValueError(
+                    f"attn_mask has shape {list(am.shape)} but should be [T_q, T_k] = "
+                    f"[{self.q_len}, {k_len}] for these inputs (time-first [T, B, C]): pass "
+                    "query/key as [T, B, C] and a mask of exactly that size")
             # fairseq passes -inf (decoder), -1e8 or -1e4 (encoder layer, fp16) for blocked entries
             am = am if am.dtype == torch.bool else am <= -1e4
             mask = am[-self.q_len:, -k_len:].to(device).view(1, 1, self.q_len, k_len)
@@ -288,6 +293,13 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
         if before_softmax:
             raise NotImplementedError(f"{type(self).__name__} does not support before_softmax")
         tq, bsz, _ = query.shape
+        if key_padding_mask is not None:  # as nn.MultiheadAttention: [B, T_k], never [T_k, B]
+            src = (query if key is None else key).size(0)
+            if tuple(key_padding_mask.shape) != (bsz, src):
+                raise ValueError(
+                    f"key_padding_mask has shape {list(key_padding_mask.shape)} but should be "
+                    f"[B, T_k] = [{bsz}, {src}] for time-first inputs [T, B, C]: pass query/key "
+                    "as [T, B, C] and the padding mask as [B, T]")
         # one batch-first copy of each input, read by all of a module's projections (an nn.Linear
         # on the transposed view would copy it again to flatten, once per projection)
         x_q = query.transpose(0, 1).contiguous()

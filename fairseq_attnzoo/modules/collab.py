@@ -70,7 +70,7 @@ def concatenate_mixing(num_heads: int, key_dim: int) -> Tensor:
 
 
 class CollaborativeAttention(ZooAttention):
-    """Multi-head attention whose heads share the key/query projections (shapes batch-first inside).
+    """Multi-head attention whose heads share the key/query projections; time-first ``[T, B, C]``.
 
     Args:
         embed_dim: model dimension d (queries, values and output).

@@ -56,7 +56,7 @@ from torch import Tensor
 from . import pkm_triton
 from .constants import cached_constant
 from .feedforward import ZooFeedForward
-from .precision import Float32Module, float32_region
+from .precision import Float32Module, compute_dtype, float32_region
 
 #: ``param_group`` tag of the value tables (fairseq's convention for per-group optimizer
 #: settings; FP16Optimizer copies it onto its fp32 parameters). ``pkm_adam`` looks for it.
@@ -481,7 +481,8 @@ class ProductKeyMemory(ZooFeedForward):
                                     pkm_triton.use_kernel(self.kernel, table))
         if not self.training and self.usage_callback is not None:
             self.usage_callback(indices.detach(), weights.detach())
-        return out.to(x.dtype)
+        # the dtype the layer computes in: autocast's for a float32 x inside autocast
+        return out.to(compute_dtype(x))
 
     def read(self, x: Tensor) -> Tensor:
         """m(x) for unpadded tokens x [N, d] -> [N, d_out] (plain output; with swilu the [N,
@@ -504,7 +505,11 @@ class ProductKeyMemory(ZooFeedForward):
         t, b, c = x.shape
         flat = x.reshape(t * b, c)
         keep = None
-        if padding_mask is not None and padding_mask.shape == (b, t):
+        if padding_mask is not None and tuple(padding_mask.shape) != (b, t):
+            raise ValueError(
+                f"PKM padding_mask has shape {list(padding_mask.shape)} but should be [B, T] = "
+                f"[{b}, {t}] for the time-first input x [T, B, C] (a [T, B] mask: transpose it)")
+        if padding_mask is not None:
             pad = padding_mask.transpose(0, 1).reshape(-1).bool()
             # the tokens kept, time-major like ``flat``: on CUDA the one host sync of the layer
             keep = (~pad).nonzero().squeeze(1)
@@ -513,7 +518,7 @@ class ProductKeyMemory(ZooFeedForward):
             else:
                 keep = None
         if flat.size(0) == 0:
-            return x.new_zeros(t, b, self.output_dim)
+            return x.new_zeros(t, b, self.output_dim, dtype=compute_dtype(x))
         out = self.transform(flat)
         if keep is not None:  # pads read nothing and output 0
             out = out.new_zeros(t * b, self.output_dim).index_copy(0, keep, out)

@@ -27,7 +27,7 @@ def init_like_fairseq_mha(input_projections, out_proj: nn.Linear):
 
 
 class ZooMultiheadAttention(ZooAttention):
-    """Plain scaled dot-product multi-head attention on the shared base (fused SDPA kernel).
+    """Plain multi-head attention on the shared base (fused SDPA kernel); time-first ``[T, B, C]``.
 
     Same parameters and names as fairseq's ``MultiheadAttention`` (q_proj/k_proj/v_proj/out_proj),
     so weights are interchangeable; a test checks the outputs agree. It is the reference for the

@@ -41,8 +41,8 @@ class StreamState:
 
 
 class AdaptiveSpanStack(nn.Module):
-    """``num_layers`` :class:`AdaptiveSpanLayer` s sharing one relative position table, with the
-    stream and decoding caches (see the module docstring).
+    """``num_layers`` :class:`AdaptiveSpanLayer` s (batch-first ``[B, M, C]``) sharing one relative
+    position table, with the stream and decoding caches (see the module docstring).
 
     Args:
         num_layers, embed_dim, num_heads, ffn_dim, max_span: L, d, H, FFN size (0: none), S

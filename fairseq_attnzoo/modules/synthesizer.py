@@ -108,7 +108,7 @@ def _select_positions(table: Tensor, index: Tensor) -> Tensor:
 
 
 class SynthesizerAttention(ZooAttention):
-    """Multi-head synthetic self-attention; ``components`` picks one mode or a mixture.
+    """Multi-head synthetic self-attention, time-first [T, B, C]; ``components``: mode or mixture.
 
     Args:
         embed_dim, num_heads, dropout: as fairseq's MultiheadAttention (dropout on the weights).
@@ -230,7 +230,8 @@ class SynthesizerAttention(ZooAttention):
         real = k_len if pad is None else int((~pad.bool()).sum(1).max())
         if real > self.max_len:
             raise ValueError(
-                f"sequence length {real} exceeds the synthesizer max length {self.max_len}: raise "
+                f"sequence length {real} (the first dimension of time-first [T, B, C] inputs) "
+                f"exceeds the synthesizer max length {self.max_len}: raise "
                 "--synth-max-len (or keep --max-source-positions/--max-target-positions/"
                 "--tokens-per-sample within it so longer examples are skipped)")
 

@@ -140,23 +140,24 @@ def fetch_url(url: str, dest: Path, hint: str) -> None:
 # --------------------------------------------------------------------------------------------
 def train_spm(files, prefix: Path, vocab_size: int, model_type: str, seed: int, threads: int,
               character_coverage: float = 1.0, input_sentence_size: int = 2_000_000,
-              shuffle_input_sentence: bool = False):
+              shuffle_input_sentence: bool = False, hard_vocab_limit: bool = True):
     """Train a SentencePiece model ``prefix.model``/``prefix.vocab`` on ``files``; returns its
     processor. The defaults (every character, at most 2M lines, no shuffling) mean no sampling on
     a small corpus: deterministic. With more than ``input_sentence_size`` lines and
-    ``shuffle_input_sentence``, a seeded random sample is used."""
+    ``shuffle_input_sentence``, a seeded random sample is used. ``hard_vocab_limit=False``: at
+    most ``vocab_size`` pieces, fewer where the text has no more (instead of an error)."""
     import sentencepiece as spm
 
     if hasattr(spm, "set_random_generator_seed"):
         spm.set_random_generator_seed(seed)
     with ticking(f"SentencePiece {model_type} {vocab_size}"):
         _train_spm(spm, files, prefix, vocab_size, model_type, threads, character_coverage,
-                   input_sentence_size, shuffle_input_sentence)
+                   input_sentence_size, shuffle_input_sentence, hard_vocab_limit)
     return spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
 
 
 def _train_spm(spm, files, prefix, vocab_size, model_type, threads, character_coverage,
-               input_sentence_size, shuffle_input_sentence):
+               input_sentence_size, shuffle_input_sentence, hard_vocab_limit=True):
     spm.SentencePieceTrainer.train(
         input=",".join(str(f) for f in files),
         model_prefix=str(prefix),
@@ -166,6 +167,7 @@ def _train_spm(spm, files, prefix, vocab_size, model_type, threads, character_co
         input_sentence_size=input_sentence_size,
         shuffle_input_sentence=shuffle_input_sentence,
         num_threads=threads,
+        hard_vocab_limit=hard_vocab_limit,
         minloglevel=2,
     )
 
