@@ -80,10 +80,6 @@ def _frames(exc: BaseException):
         tb = tb.tb_next
 
 
-def _argv_has(flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:])
-
-
 def _cuda_available() -> bool:
     try:
         import torch

@@ -233,7 +233,7 @@ print(json.dumps({
 }))
 """
     got = _python(code)
-    assert {"__init__", "base", "constrained", "precision"} <= set(got["imported"])
+    assert {"__init__", "attention", "constrained", "precision"} <= set(got["imported"])
     assert got["hooks"] == 0 and not got["namespace_allowed"]
     assert not got["np_compat"] and got["excepthook"]
     assert got["amp"] in (None, "fairseq.optim.amp_optimizer")

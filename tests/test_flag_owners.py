@@ -79,16 +79,3 @@ def test_hydra_model_config_with_a_flag_of_an_unused_sublayer(lm_data):
         models.build_model(cfg(pkm_knn=8), task)
     models.build_model(cfg(), task)
     models.build_model(cfg(pkm_knn=8), task, from_checkpoint=True)  # a stored config: not refused
-
-
-def test_own_flags_keeps_the_flags_of_the_arch_s_sublayers():
-    """Scripts that hand one set of method flags to many archs (scripts/bench) keep each arch's."""
-    from fairseq_attnzoo.models.registry import own_flags
-
-    argv = ["--pkm-n-keys", "32", "--aop-slots", "48", "--synth-max-len=64",
-            "--no-pkm-query-batchnorm", "--lr", "1e-3"]
-    assert own_flags("transformer_aop", argv) == ["--aop-slots", "48", "--lr", "1e-3"]
-    assert own_flags("transformer_lm_pkm", argv) == ["--pkm-n-keys", "32",
-                                                     "--no-pkm-query-batchnorm", "--lr", "1e-3"]
-    assert own_flags("transformer_synth_dense", argv) == ["--synth-max-len=64", "--lr", "1e-3"]
-    parse("--arch", "transformer_aop", *own_flags("transformer_aop", argv))

@@ -185,28 +185,6 @@ def check_flag_owners(args, arch: str, given):
     raise ZooConfigError(f"{'; '.join(parts)}; {arch} has {and_list(used)}: {fix}")
 
 
-def own_flags(arch: str, argv):
-    """``argv`` without the method flags (and their values) of sublayers ``arch`` does not build
-    by default: for scripts that give one set of method flags to many archs."""
-    from .sublayers import option_owners
-
-    owners, mine = option_owners(), set(arch_sublayers(arch))
-    out, drop_value = [], False
-    for a in argv:
-        if drop_value:
-            drop_value = False
-            if not a.startswith("--"):
-                continue
-        name = a[2:].split("=", 1)[0].replace("-", "_") if a.startswith("--") else ""
-        if name not in owners and name.startswith("no_"):
-            name = name[3:]
-        if name in owners and not mine & set(owners[name]):
-            drop_value = "=" not in a
-            continue
-        out.append(a)
-    return out
-
-
 def _refusing_unused_flags(arch: str, fn: Callable) -> Callable:
     """The arch function ``fn`` registered for ``arch``: after it has filled the config, the flags
     of sublayers the model does not use are refused (:func:`check_flag_owners`)."""

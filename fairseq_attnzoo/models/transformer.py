@@ -228,9 +228,6 @@ class _ZooLayerMixin:
 
     zoo_side = "encoder"
 
-    def _zoo_name(self, attr: str) -> str:
-        return self.zoo_names[attr]
-
     def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
         if self.zoo_names[f"{self.zoo_side}_ffn"] != "ffn":
             return None  # replaced: built as self.ffn below

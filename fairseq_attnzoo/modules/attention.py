@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .precision import compute_dtype, fp32_softmax, mask_value
+from .precision import compute_dtype, mask_value
 
 try:  # fairseq's helper, so our state lives in fairseq's incremental_state exactly like its MHA's
     from fairseq.incremental_decoding_utils import FairseqIncrementalState
@@ -255,13 +255,6 @@ class AttnContext:
         p = self.module.dropout if self.module.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=scale)
 
-    def attend_logits(self, logits: Tensor, v: Tensor) -> Tensor:
-        """softmax(logits + mask) v with dropout, for methods whose logits are not a dot product.
-
-        logits ``[B, H, Tq, Tk]``, v ``[B, H, Tk, dv]``."""
-        probs = fp32_softmax(self.masked(logits))
-        probs = F.dropout(probs, p=self.module.dropout, training=self.module.training)
-        return torch.matmul(probs, v)
 
 
 class ZooAttention(FairseqIncrementalState, nn.Module):
