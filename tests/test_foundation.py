@@ -1,6 +1,8 @@
 """The extension point itself: vanilla equivalence with fairseq's stock models, the shared
 attention base against fairseq's MultiheadAttention, and one-line errors for bad flags."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -97,6 +99,7 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
     """fairseq hands every layer of a forward the same padding and future-mask tensors: the
     additive mask and the pad-aware positions are derived from them once, not once per layer
     (a few kernel launches each), and derived anew from a mask changed in place or a new one."""
+    from fairseq_attnzoo.modules import mask_scope
     from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
     torch.manual_seed(0)
@@ -105,17 +108,19 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
     pad = torch.zeros(3, 7, dtype=torch.bool)
     pad[0, :2] = True
 
-    def forward(mask):
-        with DispatchedOps() as ops:
+    def forward(mask, change=False):  # one pass: its layers inside one mask_scope
+        with DispatchedOps() as ops, mask_scope():
             outs = [m(x, x, x, key_padding_mask=mask)[0] for m in layers]
+            if change:  # changed in place inside the pass: derived anew
+                mask[1, :3] = True
+                outs = [m(x, x, x, key_padding_mask=mask)[0] for m in layers]
         return outs, ops.n["cumsum"], ops.n["masked_fill_"]
 
     first, positions, fills = forward(pad)
     assert (positions, fills) == (1, 1)  # one derivation for the three layers
-    assert forward(pad)[1:] == (0, 0)  # the same, unchanged tensor: nothing derived again
-    pad[1, :3] = True  # changed in place: derived anew, and the outputs follow the new mask
-    changed, positions, fills = forward(pad)
-    assert (positions, fills) == (1, 1)
+    assert forward(pad)[1:] == (1, 1)  # the next pass derives its own
+    changed, positions, fills = forward(pad, change=True)
+    assert (positions, fills) == (2, 2)
     fresh = [m(x, x, x, key_padding_mask=pad.clone())[0] for m in layers]
     for a, b in zip(changed, fresh):
         assert torch.equal(a, b)
@@ -124,10 +129,11 @@ def test_masks_are_derived_once_per_forward_and_again_when_they_change():
 
 def test_the_decoders_future_mask_views_are_derived_once_per_forward():
     """fairseq's decoder hands each layer a new view of its one buffered future mask
-    (``buffered_future_mask``: ``self._future_mask[:T, :T]``, sliced per layer): the masks are
-    still derived once per forward, from the view's base and place, and a differently placed
-    view of the same buffer is a different mask. What is kept is bounded."""
-    from fairseq_attnzoo.modules.attention import _FROM_MASKS
+    (``buffered_future_mask``: ``self._future_mask[:T, :T]``, sliced per layer): inside a
+    forward's :func:`mask_scope` the masks are still derived once for all layers, from the view's
+    base and place; a differently placed view of the same buffer is a different mask; without a
+    scope each call derives its own."""
+    from fairseq_attnzoo.modules import mask_scope
     from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
     torch.manual_seed(0)
@@ -136,45 +142,67 @@ def test_the_decoders_future_mask_views_are_derived_once_per_forward():
     pad = torch.zeros(3, 7, dtype=torch.bool)
     pad[2, 5:] = True  # right-padded targets
 
-    def forward(t):
+    def forward(t, scope=True):
         x = torch.randn(t, 3, 16)
-        with DispatchedOps() as ops:
+        with DispatchedOps() as ops, mask_scope() if scope else contextlib.nullcontext():
             for m in layers:
                 m(x, x, x, key_padding_mask=pad[:, :t], attn_mask=buffered[:t, :t])
+            if scope:  # another place in the same buffer: derived anew
+                y = x[:-1]
+                layers[0](y, y, y, key_padding_mask=pad[:, :t - 1],
+                          attn_mask=buffered[:t - 1, :t - 1])
         return ops.n["cumsum"], ops.n["masked_fill_"]
 
-    assert forward(7) == (1, 1)  # one derivation for the three layers' three views
-    assert forward(6) == (1, 1)  # another place in the buffer: derived anew
-    alive = [torch.zeros(3, 7, dtype=torch.bool) for _ in range(2 * _FROM_MASKS.capacity)]
-    for mask in alive:  # masks that live on: at most `capacity` entries kept
-        mask[0, 0] = True
-        layers[0](torch.randn(7, 3, 16), key_padding_mask=mask)
-    assert len(_FROM_MASKS.entries) == _FROM_MASKS.capacity
+    assert forward(7) == (2, 2)  # one derivation for the three layers' views, one for the fourth
+    assert forward(7, scope=False) == (3, 3)
 
 
-def test_masks_derived_once_are_released_with_the_masks():
-    """What is derived from a forward's masks lives as long as the masks, not longer: a training
-    run hands every batch new mask tensors, and a kept view of one (the boolean form of a
-    boolean padding mask) would keep it, and its entries, alive for good."""
+def test_masks_derived_in_a_forward_are_dropped_with_it():
+    """What is derived from a forward's masks lives as long as its pass (the zoo encoder's and
+    decoder's forward open the scope), never in a process-wide cache: after the pass nothing
+    holds the masks, and the next pass derives again."""
     import gc
+    import weakref
 
-    from fairseq_attnzoo.modules.attention import _FROM_MASKS
+    from fairseq_attnzoo.modules import attention
     from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
+    assert not hasattr(attention, "_FROM_MASKS")
     m = SynthesizerAttention(16, 4, components=("dense",), max_len=8)
     x = torch.randn(7, 3, 16)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, :2] = True
+    with attention.mask_scope():
+        with attention.mask_scope():  # a scope inside a scope is the outer one
+            m(x, x, x, key_padding_mask=pad)
+        assert len(attention._SCOPE.get()) > 0
+    assert attention._SCOPE.get() is None
+    ref = weakref.ref(pad)
+    del pad
     gc.collect()
-    before = len(_FROM_MASKS.entries)
-    for _ in range(5):
-        pad = torch.zeros(3, 7, dtype=torch.bool)
-        pad[0, :2] = True
-        future = torch.triu(torch.full((7, 7), float("-inf")), 1)
-        m(x, x, x, key_padding_mask=pad)
-        m(x, x, x, attn_mask=future)
-        assert len(_FROM_MASKS.entries) > before  # kept while the masks live
-        del pad, future
-    gc.collect()
-    assert len(_FROM_MASKS.entries) == before
+    assert ref() is None
+
+
+def test_the_zoo_encoder_and_decoder_derive_masks_once_per_pass(mt_data):
+    """A zoo translation model's forward (encoder and decoder) opens the scope: every mask
+    derivation of its layers happens inside one (once for the pass, not once per layer)."""
+    from fairseq_attnzoo.modules import attention
+
+    seen = []
+    derive = attention._derived
+
+    def counting(masks, key, make):
+        seen.append(attention._SCOPE.get() is not None)
+        return derive(masks, key, make)
+
+    _, task, model, _ = build("transformer_synth_dense", mt_data, ["--decoder-layers", "3"])
+    sample = _sample(task)
+    attention._derived = counting
+    try:
+        model(**sample["net_input"])
+    finally:
+        attention._derived = derive
+    assert seen and all(seen)  # every derivation inside a pass's scope
 
 
 def test_pad_aware_positions():

@@ -42,6 +42,7 @@ from fairseq.modules.transformer_layer import (
 
 from .. import compat
 from ..errors import ZooConfigError
+from ..modules.attention import mask_scope
 from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm
 from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
 from .sublayers import (
@@ -391,6 +392,10 @@ class ZooTransformerEncoder(TransformerEncoderBase):
         super().__init__(cfg, *args, **kwargs)
         _host_norms(self, cfg, ("layernorm_embedding", "layer_norm"))
 
+    def forward(self, *args, **kwargs):
+        with mask_scope():  # what comes from the masks: derived once for all layers of the pass
+            return super().forward(*args, **kwargs)
+
     def build_encoder_layer(self, cfg):
         idx = getattr(self, "_zoo_next_layer", 0)
         self._zoo_next_layer = idx + 1
@@ -403,6 +408,10 @@ class ZooTransformerDecoder(TransformerDecoderBase):
     def __init__(self, cfg, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
         _host_norms(self, cfg, ("layernorm_embedding", "layer_norm"))
+
+    def forward(self, *args, **kwargs):
+        with mask_scope():  # (each decoding step a pass of its own)
+            return super().forward(*args, **kwargs)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         idx = getattr(self, "_zoo_next_layer", 0)

@@ -21,9 +21,9 @@ Imports torch only (fairseq's incremental-state helper is used when fairseq is i
 equivalent stand-in otherwise), so the modules work and test without fairseq.
 """
 
+import contextlib
+import contextvars
 import uuid
-import weakref
-from collections import OrderedDict
 from typing import Dict, Optional
 
 import torch
@@ -66,51 +66,48 @@ def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=N
     return ((torch.cumsum(keep, dim=1) - 1) * keep).clamp_(min=0)
 
 
-class _FromMasks:
-    """Tensors derived from the masks of a call (pad-aware positions, the boolean and additive
-    masks), kept while those mask tensors live and are unchanged. fairseq hands every layer of a
-    forward the same padding mask, and the decoder's layers each a new view of the one buffered
-    future mask (``buffered_future_mask``), so a mask is known by the tensor it views and where
-    (storage offset, shape, strides): each value is derived once per forward instead of once per
-    layer (each derivation is a few kernel launches, the cost of a host-bound step). A mask
-    modified in place (its version counter moves) or freed drops its entries, and at most
-    ``capacity`` are kept, the least recently used dropped first (a value keyed on the future
-    mask alone lives as long as that buffer). A value that shares memory with a mask (a view of
-    it, such as the boolean form of a boolean padding mask) is not kept: it costs no kernel to
-    make again, and keeping it would keep the mask alive."""
-
-    def __init__(self, capacity: int = 64):
-        self.entries = OrderedDict()
-        self.capacity = capacity
-
-    @staticmethod
-    def _base(m: Tensor) -> Tensor:
-        return m if m._base is None else m._base
-
-    def get(self, masks, key, make):
-        masks = tuple(m for m in masks if m is not None)
-        bases = tuple(self._base(m) for m in masks)
-        full = (tuple((id(b), b._version, m.storage_offset(), m.shape, m.stride(), m.dtype)
-                      for b, m in zip(bases, masks)), key)
-        entry = self.entries.get(full)
-        if entry is not None and all(ref() is b for ref, b in zip(entry[0], bases)):
-            self.entries.move_to_end(full)
-            return entry[1]
-        value = make()
-        # nothing to key a mask-free value on: it is cheap (an arange) or None
-        if masks and not (value is not None and any(_same_memory(value, b) for b in bases)):
-            drop = lambda _, full=full: self.entries.pop(full, None)  # noqa: E731
-            self.entries[full] = (tuple(weakref.ref(b, drop) for b in bases), value)
-            if len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
-        return value
+_SCOPE: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("attnzoo_masks",
+                                                                         default=None)
 
 
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+@contextlib.contextmanager
+def mask_scope():
+    """Derive what comes from a forward pass's masks (pad-aware positions, the boolean and
+    additive masks, a method's own) once for all its layers, and drop it with the pass. fairseq
+    hands every layer of a forward the same padding mask and the decoder's layers each a new view
+    of its one buffered future mask, so a mask is known by the tensor it views and where (each
+    derivation is a few kernel launches: the cost of a host-bound step). The zoo's encoder and
+    decoder open one around their layers; in plain PyTorch, open one around a model's layer
+    loop (without one every call derives its own). A scope inside a scope is the outer one."""
+    if _SCOPE.get() is not None:
+        yield
+        return
+    token = _SCOPE.set([])
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
-_FROM_MASKS = _FromMasks()
+def _place(m: Tensor):
+    """A mask as the tensor it views and where: (base, version, offset, shape, strides, dtype)."""
+    base = m if m._base is None else m._base
+    return base, base._version, m.storage_offset(), m.shape, m.stride(), m.dtype
+
+
+def _derived(masks, key, make):
+    """``make()`` once per :func:`mask_scope` for these masks (by place) and ``key``."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return make()
+    places = tuple(_place(m) for m in masks if m is not None)
+    for got, k, value in scope:
+        if k == key and len(got) == len(places) and all(
+                g[0] is p[0] and g[1:] == p[1:] for g, p in zip(got, places)):
+            return value
+    value = make()
+    scope.append((places, key, value))
+    return value
 
 
 class AttnContext:
@@ -179,7 +176,7 @@ class AttnContext:
     def blocked(self, k_len: int, device) -> Optional[Tensor]:
         """Boolean mask ``[B or 1, 1, Tq, Tk]``, True where attention is not allowed (padding or
         future). None when nothing is masked."""
-        return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask),
+        return _derived((self.attn_mask, self.key_padding_mask),
                                ("blocked", self.q_len, k_len, str(device)),
                                lambda: self._blocked(k_len, device))
 
@@ -210,7 +207,7 @@ class AttnContext:
             return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
                 blocked, mask_value(dtype))
 
-        return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask),
+        return _derived((self.attn_mask, self.key_padding_mask),
                                ("bias", self.q_len, k_len, dtype, str(device)), make)
 
     def masked(self, logits: Tensor, dtype=None) -> Tensor:
@@ -226,7 +223,7 @@ class AttnContext:
     def key_positions(self, k_len: int, device) -> Tensor:
         """Pad-aware absolute key positions, ``[B or 1, Tk]``."""
         pad = self.key_padding_mask
-        return _FROM_MASKS.get(
+        return _derived(
             (pad,), ("positions", k_len, str(device)),
             lambda: positions_from_padding(None if pad is None else pad[:, -k_len:], k_len,
                                            device))
@@ -234,7 +231,7 @@ class AttnContext:
     def from_masks(self, key, make):
         """``make()``, computed once for this call's masks (the same tensors in every layer of a
         forward) and ``key`` (a hashable naming what is made and of which sizes)."""
-        return _FROM_MASKS.get((self.attn_mask, self.key_padding_mask), key, make)
+        return _derived((self.attn_mask, self.key_padding_mask), key, make)
 
     def query_positions(self, device) -> Tensor:
         """Absolute positions of the current queries (self-attention), ``[B or 1, Tq]``."""
