@@ -13,6 +13,51 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def mt163(tmp_path_factory):
+    """Toy translation data of 163 training sentences: not a multiple of fairseq's batch multiple
+    (8), so stock fairseq 0.12 drops the last batch of every epoch and the plugin keeps it."""
+    from zoo_testlib import make_parallel_text, preprocess
+
+    root = str(tmp_path_factory.mktemp("mt163"))
+    make_parallel_text(root, n_train=163)
+    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{root}/train",
+                "--validpref", f"{root}/valid", "--testpref", f"{root}/test",
+                "--destdir", f"{root}/bin", "--joined-dictionary", "--workers", "1"])
+    return f"{root}/bin"
+
+
+def _dry(*argv, data_mt, data_lm, out):
+    from scripts.bench.harness import main
+
+    main([*argv, "--size", "tiny", "--device", "cpu", "--precision", "bf16", "--repeats", "1",
+          "--epochs", "1", "--log-interval", "1", "--data-mt", data_mt, "--data-lm", data_lm,
+          "--records", str(out)])
+    return _records(out)
+
+
+@pytest.mark.slow
+def test_train_rows_in_bf16_both_sides_through_the_same_fairseq(mt163, lm_data, tmp_path, capsys):
+    """End to end on the CPU at toy size in bf16 (stock --bf16 asks for a TPU; the plugin, enabled
+    in every child as --user-dir enables it, trains it on the CPU): a train row whose baseline and
+    arch train the same 163 sentences an epoch (the batch-tail fix on both sides: before, only
+    the arch's child applied it), and the A/A control ``--arch transformer``."""
+    out = tmp_path / "r.jsonl"
+    _dry("--arch", "transformer_aop", data_mt=mt163, data_lm=lm_data, out=out)
+    train, a_a = _dry("--arch", "transformer", data_mt=mt163, data_lm=lm_data, out=out)
+    row = train["row"]
+    assert train["case"] == "own/transformer_aop" and row["precision"] == "bf16"
+    assert row["sentences"] == row["baseline sentences"] == 163
+    assert row["tokens/s"] > 0 and row["baseline tokens/s"] > 0 and row["warm updates"] > 0
+    assert row["first pass tokens/s"] > 0 and row["peak GiB"] is None
+    assert row["floor"] == "no floor known" and row["baseline drift %"] is None
+    assert "floor on this device: none known" in capsys.readouterr().out
+    assert a_a["case"] == "own/transformer" and a_a["row"]["sentences"] == 163
+    assert a_a["row"]["speed ratio"] > 0
+    for r in (train, a_a):
+        assert r["gpus"] is None and r["cudnn"] is None and isinstance(r["kernel env"], dict)
+
+
 def test_kernel_rows_dry_run_with_cold_warm_and_no_cpu_peak(tmp_path, capsys):
     """A kernel row: its first call (cold), the median of the alternating repeats (warm), the
     ratio to its baseline, the roofline share from the device rows of the same run, and a peak
@@ -160,55 +205,21 @@ def test_user_errors_are_one_line():
         harness.timed_run(harness.Side("--arch transformer", plugin=False), [], "d", a, "epoch", 1)
 
 
-@pytest.fixture(scope="module")
-def mt163(tmp_path_factory):
-    """Toy translation data of 163 training sentences: not a multiple of fairseq's batch multiple
-    (8), so stock fairseq 0.12 drops the last batch of every epoch and the plugin keeps it."""
-    from zoo_testlib import make_parallel_text, preprocess
-
-    root = str(tmp_path_factory.mktemp("mt163"))
-    make_parallel_text(root, n_train=163)
-    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{root}/train",
-                "--validpref", f"{root}/valid", "--testpref", f"{root}/test",
-                "--destdir", f"{root}/bin", "--joined-dictionary", "--workers", "1"])
-    return f"{root}/bin"
-
-
 @pytest.mark.slow
-def test_every_level_dry_runs_in_bf16_both_sides_through_the_same_fairseq(mt163, lm_data, tmp_path,
-                                                                          capsys):
-    """End to end on the CPU at toy size in bf16 (stock --bf16 asks for a TPU; the plugin, enabled
-    in every child as --user-dir enables it, trains it on the CPU): a train row whose baseline and
-    arch train the same 163 sentences an epoch (the batch-tail fix on both sides: before, only
-    the arch's child applied it), the A/A control ``--arch transformer``, a quality row and
-    decode rows (fairseq-generate warm, with the precision it ran)."""
-    from scripts.bench.harness import main
-
+def test_quality_and_decode_rows_dry_run(mt163, lm_data, tmp_path):
+    """A quality row in bf16 (valid loss at equal updates) and decode rows (fairseq-generate of
+    an arch's checkpoint against the transformer's, warm, with the precision it ran: the decoding
+    tools have no bf16 path, the CPU decodes fp32)."""
     out = tmp_path / "r.jsonl"
-    common = ["--size", "tiny", "--device", "cpu", "--precision", "bf16", "--repeats", "1",
-              "--epochs", "1", "--log-interval", "1", "--data-mt", mt163, "--data-lm", lm_data,
-              "--records", str(out)]
-    main(["--arch", "transformer_aop", "pkm/memory-lm", "--only", "dense (attnzoo", *common])
-    main(["--arch", "transformer", *common])
-    main(["translation/decode", "--only", "synth_random", "beam 1", *common])
-    quality, train, a_a, decode = _records(out)
-    row = train["row"]
-    assert train["case"] == "own/transformer_aop" and row["precision"] == "bf16"
-    assert row["sentences"] == row["baseline sentences"] == 163
-    assert row["tokens/s"] > 0 and row["baseline tokens/s"] > 0 and row["warm updates"] > 0
-    assert row["first pass tokens/s"] > 0 and row["peak GiB"] is None
-    assert row["floor"] == "no floor known" and row["baseline drift %"] is None
-    assert "floor on this device: none known" in capsys.readouterr().out
+    _dry("pkm/memory-lm", "--only", "dense (attnzoo", data_mt=mt163, data_lm=lm_data, out=out)
+    quality, decode = _dry("translation/decode", "--only", "synth_random", "beam 1",
+                           data_mt=mt163, data_lm=lm_data, out=out)
     assert quality["row"]["run"] == "dense (attnzoo_lm)" and quality["row"]["precision"] == "bf16"
     assert quality["row"]["updates"] == 4 and 0 < quality["row"]["valid loss"] < 20
-    assert a_a["case"] == "own/transformer" and a_a["row"]["sentences"] == 163
-    assert a_a["row"]["speed ratio"] > 0
     assert decode["case"] == "translation/decode" and decode["level"] == "decode"
     d = decode["row"]
     assert d["run"] == "transformer_synth_random, beam 1" and d["precision"] == "fp32"
     assert d["tokens/s"] > 0 and d["sentences/s"] > 0 and d["baseline tokens/s"] > 0
-    for r in (quality, train, a_a, decode):
-        assert r["gpus"] is None and r["cudnn"] is None and isinstance(r["kernel env"], dict)
 
 
 def test_the_docs_tables_are_the_records(tmp_path):
