@@ -13,6 +13,7 @@ unchanged): ``--norm rmsnorm``, ``--rope`` / ``--rope-theta``, ``--no-proj-bias`
 """
 
 import argparse
+import contextlib
 import logging
 from typing import Dict, List, Optional
 
@@ -387,6 +388,19 @@ def _wrap_layer(layer, cfg):
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
 
 
+@contextlib.contextmanager
+def _building(args, decoder_only: bool = False):
+    """What building any zoo model does around fairseq's build: the plugin applied (fairseq builds
+    one of our models: it uses the plugin), the flags checked, one sharing scope for the model
+    (shared state, and each method's options built once); yields the args as a Namespace."""
+    compat.apply_all()
+    args = _as_namespace(args)
+    _check_supported(args)
+    with sharing_scope():
+        _check_host(args, validate_sublayer_args(args, decoder_only=decoder_only))
+        yield args
+
+
 class ZooTransformerEncoder(TransformerEncoderBase):
     def __init__(self, cfg, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
@@ -455,11 +469,7 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
-        args = _as_namespace(args)
-        _check_supported(args)
-        with sharing_scope():  # one model: shared state, and each method's options built once
-            _check_host(args, validate_sublayer_args(args))
+        with _building(args) as args:
             return super().build_model(args, task)
 
     @classmethod
@@ -486,11 +496,7 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
-        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
-        args = _as_namespace(args)
-        _check_supported(args)
-        with sharing_scope():  # one model: shared state, and each method's options built once
-            _check_host(args, validate_sublayer_args(args, decoder_only=True))
+        with _building(args, decoder_only=True) as args:
             model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
             model.decoder = ZooLMDecoder(TransformerConfig.from_namespace(args),
                                          task.target_dictionary, model.decoder.embed_tokens,
