@@ -59,10 +59,9 @@ class Kernel:
 
 @dataclass
 class Side:
-    """One side of a train row: its flags after the case's ``common``, and how its process runs:
-    ``plugin`` False: fairseq without the plugin (no import, no ``--user-dir``: stock fairseq);
-    ``env``: more environment (e.g. a kernel switch); ``precision``: this side's, instead of
-    ``--precision``."""
+    """One side of a train row: flags after the case's ``common``; ``plugin`` False: stock fairseq
+    (no import, no ``--user-dir``); ``env``: more environment (e.g. a kernel switch);
+    ``precision``: this side's, instead of ``--precision``."""
     flags: Sized
     plugin: bool = True
     env: Dict[str, str] = field(default_factory=dict)
@@ -75,10 +74,9 @@ class Side:
 
 @dataclass
 class Train:
-    """``baseline`` and ``candidate``: flags after ``common`` (or a ``Side``); ``candidate`` may be
-    several labelled sides, one row each against the same baseline runs. ``warm``: "epoch" (time
-    epochs 2+) or "interval" (one shape: time after the first log interval); ``floor``: the key of
-    the baseline's sanity floor in ``cases.FLOORS``."""
+    """``baseline``, ``candidate``: flags after ``common`` or Sides (several labelled candidates: a
+    row each, against the same baseline runs); ``warm``: "epoch" (time epochs 2+) or "interval"
+    (one shape: after the first log interval); ``floor``: the baseline's key in cases.FLOORS."""
     family: str
     name: str
     data: str  # "mt" | "lm": --data-mt / --data-lm
@@ -195,14 +193,16 @@ def timed(call, device, n: int = 1) -> float:
     them, so the host's launch time overlaps the device's work as in training)."""
     import torch
 
-    cuda = device.type == "cuda"
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (0, 0)
-    torch.cuda.synchronize() if cuda else None
-    t0 = start.record() if cuda else time.perf_counter()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        return 1000 * (time.perf_counter() - t0) / n
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
     for _ in range(n):
         call()
-    if not cuda:
-        return 1000 * (time.perf_counter() - t0) / n
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
@@ -240,12 +240,16 @@ def fwd_bwd(module, *inputs):
     return call
 
 
+def shape_text(p: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in p.items())
+
+
 def run_kernel(case: Kernel, p: dict, device, dtype, repeats, roofline,
                index: int = 0) -> Dict[str, Any]:
     """One shape: each side's first call (cold; which side goes first alternates with ``index``),
     then ``repeats`` samples of each, alternating, each sample a batch of calls long enough
     (>= 10 ms) for the clock."""
-    row = {"shape": ", ".join(f"{k} {v}" for k, v in p.items())}
+    row = {"shape": shape_text(p)}
     try:
         warm_shared(device)
         cand = case.candidate(p, device, dtype)
@@ -311,10 +315,9 @@ def train_child(argv):
 
 
 def child_setup():
-    """What every child does first: torch's checkpoint loader told about argparse (as the plugin
-    does), and the plugin enabled exactly as ``--user-dir`` enables it, before fairseq parses its
-    arguments (importing it only registers names, and fairseq then skips its ``--user-dir``);
-    ``PLUGIN_TAG`` = "off": stock fairseq, the plugin never imported."""
+    """Every child first: torch's loader told about argparse, and the plugin enabled as
+    ``--user-dir`` enables it, before fairseq parses its arguments (importing it only registers
+    names, and fairseq then skips ``--user-dir``); ``PLUGIN_TAG`` "off": never imported."""
     import argparse as ap
 
     import torch
@@ -412,12 +415,11 @@ def profile_updates(n: int, warm: str):
                 return total, [[e.key[:60], e.count / n, getattr(e, key, 0.0) / n / 1e3,
                                 100 * getattr(e, key, 0.0) / total]
                                for e in sorted(ops, key=lambda e: -getattr(e, key, 0.0))[:10]]
-            device, host = top("self_device_time_total" if cuda else "self_cpu_time_total"), \
-                top("self_cpu_time_total")
+            busy, device = top("self_device_time_total" if cuda else "self_cpu_time_total")
             print(PROFILE_TAG, json.dumps({
                 "updates": n, "wall ms per update": 1e3 * wall / n,
-                "busy %": 100 * device[0] / 1e6 / wall if cuda else None,
-                "top": device[1], "host top": host[1] if cuda else None}), flush=True)
+                "busy %": 100 * busy / 1e6 / wall if cuda else None, "top": device,
+                "host top": top("self_cpu_time_total")[1] if cuda else None}), flush=True)
         return out
 
     Trainer.train_step, Trainer.begin_epoch = train_step, begin_epoch
@@ -548,9 +550,8 @@ def compare(cand: List[dict], base: List[dict], keys, peak: str) -> Dict[str, An
 
 
 def run_train(case: Train, a, device_name, record):
-    """Baseline and candidate(s) alternating (baseline, candidates..., candidates reversed,
-    baseline, ...), one record per candidate; a baseline below its floor on CUDA gets one more
-    run with ``--profile-below-floor`` warm updates profiled, in the record."""
+    """Baseline and candidates alternating (and their order), a record per candidate; a baseline
+    below its floor gets one more run, ``--profile-below-floor`` warm updates profiled."""
     common = shlex.split(sized(case.common, a.size))
     base, cands = case.baseline, only(case.candidate, a)
     sides = {"baseline": base, **{f"candidate {k}": v for k, v in cands.items()}}
@@ -577,11 +578,12 @@ def run_train(case: Train, a, device_name, record):
         row["precision"] = side.precision or a.precision
         if (base.precision or a.precision) != row["precision"]:
             row["baseline precision"] = base.precision or a.precision
-        row.update(compare(runs[who], runs["baseline"], ("tokens/s", "first pass tokens/s",
-                                                         "first pass extra s", "peak GiB",
-                                                         "sentences"), "peak GiB"))
-        if a.gpus > 1 and a.device != "cpu":
-            row["gpus"], row["total tokens/s"] = a.gpus, runs[who][0]["total tokens/s"]
+        several = a.gpus > 1 and a.device != "cpu"  # (then the total over the GPUs too)
+        keys = ("tokens/s", "first pass tokens/s", "first pass extra s", "peak GiB", "sentences")
+        row.update(compare(runs[who], runs["baseline"],
+                           keys + ("total tokens/s",) * several, "peak GiB"))
+        if several:
+            row["gpus"] = a.gpus
         row["warm updates"], row["repeats"] = runs[who][0]["warm updates"], a.repeats
         row["plugin"] = "on" if side.plugin else "off"
         if side.env:
@@ -775,9 +777,8 @@ def main(argv=None):
     for c in sorted(cases, key=lambda c: c.family != "device"):  # rooflines first
         print(f"\n== {c.level} {c.family}/{c.name}", flush=True)
         if isinstance(c, Kernel):
-            for i, shape in enumerate(c.shapes[a.size]):
-                if not only({", ".join(f"{k} {v}" for k, v in shape.items()): 0}, a):
-                    continue
+            shapes = only({shape_text(shape): shape for shape in c.shapes[a.size]}, a)
+            for i, shape in enumerate(shapes.values()):
                 torch.manual_seed(0)
                 row = run_kernel(c, shape, device, dtype, a.repeats or 20, roofline, i)
                 if c.family == "device" and "GB/s" in row:

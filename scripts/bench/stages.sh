@@ -34,12 +34,13 @@ declare -A STAGES=(
     [sweep]="device pkm/launch-sweep"
     [memory-lm]="pkm/memory-lm"
     [precision]="precision/*")
+calls() { IFS=';' read -ra CALLS <<< "${STAGES[$1]}"; }  # a stage's harness calls, in CALLS
 case "${1:-}" in
 plan)  # each stage, its calls and the fairseq processes each starts
     set -f
     for s in "${ORDER[@]}"; do
         echo "$s: ${STAGES[$s]}"
-        IFS=';' read -ra CALLS <<< "${STAGES[$s]}"
+        calls "$s"
         for call in "${CALLS[@]}"; do $PY -m scripts.bench $call --count | sed 's/^/    /'; done
     done
     ;;
@@ -48,7 +49,7 @@ run)
     for stage in "$@"; do
         [ -n "${STAGES[$stage]:-}" ] || { echo "unknown stage $stage (bash $0 plan)" >&2; exit 2; }
         # (the patterns are the harness's to expand: no shell globbing)
-        set -f; IFS=';' read -ra CALLS <<< "${STAGES[$stage]}"
+        set -f; calls "$stage"
         end=$((SECONDS + ${STAGE_SECONDS:-480}))
         for call in "${CALLS[@]}"; do
             [ -z "${DRY:-}" ] || call=${call//--precision fp16/--precision fp32}

@@ -58,7 +58,7 @@ def identity(r):
 
 def profile_lines(rows) -> str:
     """One line per profiled side: the GPU's busy share of the wall time and the top ops."""
-    seen, out = set(), []
+    out = []
     for row in rows:
         for who, p in (row.get("profile") or {}).items():
             text = (f"{p['updates']} warm updates, {p['wall ms per update']:.1f} ms each"
@@ -68,11 +68,9 @@ def profile_lines(rows) -> str:
                     + ("; by host time: " + ", ".join(f"{op} {ms:.2f} ms" for op, _, ms, _ in
                                                       p["host top"][:5]) if p.get("host top")
                        else ""))
-            if (who, text) not in seen:
-                seen.add((who, text))
-                out.append(f"- profile of the {who} (under the profiler, which slows the "
-                           f"host): {text}\n")
-    return "".join(out)
+            out.append(f"- profile of the {who} (under the profiler, which slows the host): "
+                       f"{text}\n")
+    return "".join(dict.fromkeys(out))  # (rows of one run share its baseline's profile)
 
 
 def format_table(rows, cols=None, cell=None) -> str:
@@ -150,8 +148,9 @@ def render(pattern, records):
             out.append("**Noisy**: a baseline drifted more than the harness allows between its "
                        "first and last run; rerun before reading these ratios.\n")
         out.append(format_table(rows, cols, lambda c, v: fmt(c, v)))
-        if level == "train" and profile_lines(rows):
-            out.append("\n" + profile_lines(rows))
+        profiles = profile_lines(rows) if level == "train" else ""
+        if profiles:
+            out.append("\n" + profiles)
         runs = sorted({(r["run"], r["commit"], r["torch"], r["cuda"], r["command"]) for r in rs})
         out.append("\n" + "".join(f"- {run}, commit {commit}, torch {torch}, CUDA {cuda}: "
                                   f"`{command}`\n" for run, commit, torch, cuda, command in runs))
