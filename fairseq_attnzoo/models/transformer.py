@@ -230,19 +230,26 @@ class _ZooLayerMixin:
 
     zoo_side = "encoder"
 
-    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
-        if self.zoo_names[f"{self.zoo_side}_ffn"] != "ffn":
-            return None  # replaced: built as self.ffn below
-        if not _host(self.zoo_cfg, "proj_bias"):
-            return _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size)
-        return super().build_fc1(input_dim, output_dim, q_noise, qn_block_size)
-
-    def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
+    def _fc(self, stock, *dims):
+        """fc1 / fc2 (``stock``: fairseq's builder of it): None when the FFN slot is replaced
+        (built as self.ffn below), bias-free under --no-proj-bias."""
         if self.zoo_names[f"{self.zoo_side}_ffn"] != "ffn":
             return None
-        if not _host(self.zoo_cfg, "proj_bias"):
-            return _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size)
-        return super().build_fc2(input_dim, output_dim, q_noise, qn_block_size)
+        return stock(*dims) if _host(self.zoo_cfg, "proj_bias") else _linear_no_bias(*dims)
+
+    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
+        return self._fc(super().build_fc1, input_dim, output_dim, q_noise, qn_block_size)
+
+    def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
+        return self._fc(super().build_fc2, input_dim, output_dim, q_noise, qn_block_size)
+
+    def _attention(self, attr: str, spec, stock):
+        """The attention of slot ``attr``: its sublayer, or for ``mha`` fairseq's own (``stock()``)
+        unless a host option changes it (then the shared-base one, :func:`host_attention`)."""
+        name = self.zoo_names[attr]
+        if name != "mha":
+            return build_sublayer(name, spec)
+        return stock() if stock_host(spec.args) else host_attention(spec)
 
     def _build_ffn(self, cfg):
         name = self.zoo_names[f"{self.zoo_side}_ffn"]
@@ -284,12 +291,10 @@ class ZooEncoderLayer(_ZooLayerMixin, TransformerEncoderLayerBase):
         _host_norms(self, cfg, ("self_attn_layer_norm", "final_layer_norm"))
 
     def build_self_attention(self, embed_dim, cfg):
-        name = self.zoo_names["encoder_self_attn"]
-        spec = _spec(cfg, "self_attn", "encoder", self.zoo_layer_idx, False)
-        if name == "mha":
-            return super().build_self_attention(embed_dim, cfg) if stock_host(cfg) else \
-                host_attention(spec)
-        return build_sublayer(name, spec)
+        return self._attention("encoder_self_attn",
+                               _spec(cfg, "self_attn", "encoder", self.zoo_layer_idx, False),
+                               lambda: super(ZooEncoderLayer, self).build_self_attention(
+                                   embed_dim, cfg))
 
     def forward(self, x, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
         if attn_mask is not None:  # as stock: 1 = blocked -> large negative (finite)
@@ -324,21 +329,17 @@ class ZooDecoderLayer(_ZooLayerMixin, TransformerDecoderLayerBase):
                                 "final_layer_norm"))
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        name = self.zoo_names["decoder_self_attn"]
-        spec = _spec(cfg, "self_attn", "decoder", self.zoo_layer_idx, True)
-        if name == "mha":
-            if stock_host(cfg) or add_bias_kv or add_zero_attn:
-                return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
-            return host_attention(spec)
-        return build_sublayer(name, spec)
+        # (fairseq's add_bias_kv / add_zero_attn: this layer is built without them)
+        return self._attention("decoder_self_attn",
+                               _spec(cfg, "self_attn", "decoder", self.zoo_layer_idx, True),
+                               lambda: super(ZooDecoderLayer, self).build_self_attention(
+                                   embed_dim, cfg, add_bias_kv, add_zero_attn))
 
     def build_encoder_attention(self, embed_dim, cfg):
-        name = self.zoo_names["cross_attn"]
-        spec = _spec(cfg, "cross_attn", "decoder", self.zoo_layer_idx, False)
-        if name == "mha":
-            return super().build_encoder_attention(embed_dim, cfg) if stock_host(cfg) else \
-                host_attention(spec)
-        return build_sublayer(name, spec)
+        return self._attention("cross_attn",
+                               _spec(cfg, "cross_attn", "decoder", self.zoo_layer_idx, False),
+                               lambda: super(ZooDecoderLayer, self).build_encoder_attention(
+                                   embed_dim, cfg))
 
     def forward(self, x, encoder_out: Optional[Tensor] = None,
                 encoder_padding_mask: Optional[Tensor] = None,
