@@ -960,18 +960,18 @@ def _remove_bpe_check():
     from fairseq import utils
 
     original = utils.post_process_prediction
-    checked = set()
 
     def post_process_prediction(hypo_tokens, src_str, alignment, align_dict, tgt_dict,
                                 remove_bpe=None, extra_symbols_to_ignore=None):
-        key = (id(tgt_dict), remove_bpe)
-        if key not in checked:
+        # (the values checked against a dictionary live on it: it is read once, not per sentence)
+        checked = vars(tgt_dict).setdefault("_attnzoo_remove_bpe_checked", set())
+        if remove_bpe not in checked:
             line = remove_bpe_mismatch(tgt_dict, remove_bpe)
             if line:
                 from .errors import ZooConfigError
 
                 raise ZooConfigError(line)
-            checked.add(key)
+            checked.add(remove_bpe)
         return original(hypo_tokens, src_str, alignment, align_dict, tgt_dict, remove_bpe,
                         extra_symbols_to_ignore)
 
