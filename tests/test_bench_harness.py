@@ -191,6 +191,22 @@ def test_a_kernel_environment_is_its_own_table_never_a_replacement():
     assert table.count("environment `TORCH_CUDNN_SDPA_DEPRIORITIZED=1`") == 1
 
 
+def test_own_arch_with_flags_is_a_row_of_its_own():
+    """``--arch transformer --flags ...`` (e.g. the host-bound stage's 4x batch) is a labelled row,
+    so it sits beside the plain A/A row instead of replacing it in the table."""
+    from scripts.bench.cases import own_arch
+    from scripts.bench.tables import identity
+
+    plain, batch = own_arch("transformer", ""), own_arch("transformer", "--max-tokens=32768")
+    assert list(plain.candidate) == [""]
+    assert list(batch.candidate) == ["transformer --max-tokens=32768"]
+    assert batch.candidate["transformer --max-tokens=32768"].flags["paper"].endswith(
+        "--arch transformer --max-tokens=32768")
+    record = {"case": "own/transformer", "device": "H100", "size": "paper", "dtype": "bf16"}
+    assert identity(dict(record, row={"precision": "bf16"})) != identity(
+        dict(record, row={"run": "transformer --max-tokens=32768", "precision": "bf16"}))
+
+
 def test_user_errors_are_one_line():
     """fp16 on the CPU and a plugin-off side in bf16 (stock --bf16 asks for a TPU) are refused
     in one line each, naming what to pass instead."""

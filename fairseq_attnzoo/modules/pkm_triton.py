@@ -45,6 +45,9 @@ from .constants import cached_constant
 MAX_DIM = 8192
 #: elements of the [reads, columns] tile a program holds at once
 _TILE = 8192
+#: elements of the rows backward's [reads, columns] tile: at d 512 on an H100, 4 reads a step
+#: (1.06 ms) beat 8 (1.46 ms) and 16 (2.60 ms) (pkm/launch-sweep; d 1024 is not yet timed)
+_BACKWARD_TILE = 2048
 #: widest column chunk of one read program: a wider row is read by several programs, each like a
 #: d-512 program (on an H100 a whole d-512 row per program came much closer to the copy bandwidth
 #: than a whole d-1024 row: docs/performance.md, ``pkm/value-read``; CHANGELOG)
@@ -232,7 +235,9 @@ def _pow2(x: int) -> int:
 
 
 def _warps(block_d: int) -> int:
-    return 4 if block_d <= 512 else 8
+    # 2 warps for a chunk of at most 512 columns: on an H100 (bf16, d 512; docs/performance.md,
+    # pkm/launch-sweep) 2 beat 4 and 8 for the read and both backwards at every chunk and row count
+    return 2 if block_d <= 512 else 8
 
 
 def read_launch(d: int, m: int) -> Launch:
@@ -243,14 +248,16 @@ def read_launch(d: int, m: int) -> Launch:
 
 def backward_launch(d: int, method: str = "rows") -> Launch:
     """The backward's launch. ``rows``: the whole row in one program (measured on a GPU by the
-    benchmark case ``pkm/value-read``, docs/performance.md), rows filling the tile;
+    benchmark case ``pkm/value-read``, docs/performance.md), rows filling a tile of
+    :data:`_BACKWARD_TILE`;
     ``reads``: column chunks of at most :data:`READ_COLS` and blocks of 8 reads (its segmented
     scan needs about twice the registers of a plain tile: 16 reads of 512 columns take 230 a
     thread on sm_90, 8 take 128)."""
     if method == "rows":
         cols = _pow2(d)
-        return Launch(cols, max(1, _TILE // cols), _warps(cols))
-    return Launch(min(_pow2(d), READ_COLS), 8, 4)
+        return Launch(cols, max(1, _BACKWARD_TILE // cols), _warps(cols))
+    cols = min(_pow2(d), READ_COLS)
+    return Launch(cols, 8, _warps(cols))
 
 
 def _chunks(d: int, cols: int) -> int:

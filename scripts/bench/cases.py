@@ -419,10 +419,10 @@ def own_arch(arch, flags):
     if getattr(ARCH_MODEL_REGISTRY[arch], "zoo_task", None) == "attnzoo_stream_lm":
         raise SystemExit(f"--arch {arch} trains with --task attnzoo_stream_lm, which has no stock "
                          "baseline: time it with the case adaptive_span/vs-example")
-    lm = issubclass(ARCH_MODEL_REGISTRY[arch], FairseqLanguageModel)
-    return Train("own", arch, "lm" if lm else "mt", LM if lm else MT,
-                 _stock("transformer_lm" if lm else "transformer"),
-                 {s: f"{v} {flags}" for s, v in _zoo(arch, "", {}).items()},
+    lm, side = (issubclass(ARCH_MODEL_REGISTRY[arch], FairseqLanguageModel),
+                Side({s: f"{v} {flags}" for s, v in _zoo(arch, "", {}).items()}))
+    return Train("own", arch, "lm" if lm else "mt", LM if lm else MT, _stock(  # --flags: labelled
+        "transformer_lm" if lm else "transformer"), {f"{arch} {flags}": side} if flags else side,
                  warm="interval" if lm else "epoch", floor=None if lm else "transformer-base")
 
 
