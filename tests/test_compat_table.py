@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import fairseq_attnzoo
 from fairseq_attnzoo import compat
-from fairseq_attnzoo.errors import ZooConfigError
+from fairseq_attnzoo.messages.errors import ZooConfigError
 from fairseq_attnzoo.modules.constrained import (BoundedParameter, UnitIntervalParameter,
                                                  attach_projection)
 from fairseq_attnzoo.modules.precision import Float32Module
@@ -58,7 +58,7 @@ def test_every_entry_is_applied_on_the_pinned_stack():
     from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
     from torch.optim import optimizer as torch_optimizer
 
-    from fairseq_attnzoo.optim import mixed_precision
+    from fairseq_attnzoo.compat import mixed_precision
 
     names = [p.name for p in compat.PATCHES]
     assert len(names) == len(set(names))

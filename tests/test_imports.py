@@ -29,8 +29,9 @@ def _imported(node, module: str, is_package: bool, known) -> List[str]:
     counts as ``X.name`` where that is a module of ours, else as ``X``."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
-    base = module.split(".")
+    base = []
     if node.level:
+        base = module.split(".")
         base = base[:len(base) - node.level + (1 if is_package else 0)]
     source = ".".join(base + ([node.module] if node.module else []))
     return [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
