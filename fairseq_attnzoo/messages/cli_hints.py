@@ -5,8 +5,8 @@ script (``fairseq-train``, ``fairseq-hydra-train``, ``fairseq-generate``, ..., o
 fairseq_cli.<name>``) and our plugin was loaded (``--user-dir``). For an uncaught exception the
 hook prints
 
-- our own errors (:class:`~fairseq_attnzoo.messages.errors.ZooConfigError`, or a ``ValueError`` raised by a
-  ``raise`` statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
+- our own errors (:class:`~.errors.ZooConfigError`, or a ``ValueError`` raised by a ``raise``
+  statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
 - a fairseq/torch error we recognise (:func:`hint_for`): ``fairseq-attnzoo: <hint>`` naming the
   flag and the fix, without fairseq's traceback;
 - anything else: the usual traceback, unchanged.
@@ -504,7 +504,7 @@ def length_flags(max_positions) -> str:
             "model)")
 
 
-# ---- compat entries: fairseq's parsers and the root logger in console scripts ---------------------
+# ---- compat entries: fairseq's parsers and the root logger in console scripts -------------------
 
 def arch_checked(add_model_args):
     """``fairseq.options.add_model_args`` whose --arch is checked by :func:`arch_type` (compat

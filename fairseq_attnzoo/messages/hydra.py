@@ -43,5 +43,5 @@ def hydra_in_fairseq() -> Optional[str]:
         return f"target not found ({e})"
     if utils.initialize is experimental.initialize and utils.compose is experimental.compose:
         return None
-    return ("fairseq.dataclass.utils does not call hydra.experimental's initialize/compose (another "
-            "fairseq version)")
+    return ("fairseq.dataclass.utils does not call hydra.experimental's initialize/compose "
+            "(another fairseq version)")
