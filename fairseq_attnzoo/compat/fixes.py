@@ -18,7 +18,7 @@ from . import Patch, always, fix, known_source, lookup, register, replace
 from .mixed_precision import (amp_step, bf16_flat_build, flat_grads_sync, flat_params_sync,
                               projecting_sync)
 
-logger = logging.getLogger("fairseq_attnzoo.compat")
+logger = logging.getLogger("fairseq_attnzoo.compat")  # the name its log lines have always had
 
 
 # ---- torch and numpy -----------------------------------------------------------------------------
