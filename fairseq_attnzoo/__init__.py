@@ -4,7 +4,7 @@ modules.
 * With fairseq: ``fairseq-train ... --user-dir fairseq_attnzoo --arch ...`` (or hydra's
   ``common.user_dir``). Importing this package registers every model, architecture, task,
   criterion and optimizer with fairseq's registries; the fixes it makes to fairseq, torch and NumPy
-  (``fairseq_attnzoo/compat.py``, one table) are applied where fairseq uses the plugin: when
+  (``fairseq_attnzoo/compat/``, one table) are applied where fairseq uses the plugin: when
   fairseq imports it as a user dir, when one of its models, tasks, criterions or optimizers is
   built, and when one of its ``attnzoo-*`` commands runs.
 * In a script that drives fairseq itself (loads a checkpoint of ours, runs ``fairseq_cli``
@@ -71,7 +71,7 @@ def _register():
 
 def enable() -> Dict[str, str]:
     """Use the plugin with fairseq in this process: apply the compatibility table
-    (``fairseq_attnzoo/compat.py``; idempotent) and return what happened to each entry. fairseq's
+    (``fairseq_attnzoo/compat/``; idempotent) and return what happened to each entry. fairseq's
     ``--user-dir``, the ``attnzoo-*`` commands and building any of our models, tasks, criterions
     or optimizers do this by themselves; a script that loads a checkpoint or runs fairseq's
     commands in-process calls it first."""

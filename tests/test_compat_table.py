@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import fairseq_attnzoo
 from fairseq_attnzoo import compat
-from fairseq_attnzoo.errors import ZooConfigError
+from fairseq_attnzoo.messages.errors import ZooConfigError
 from fairseq_attnzoo.modules.constrained import (BoundedParameter, UnitIntervalParameter,
                                                  attach_projection)
 from fairseq_attnzoo.modules.precision import Float32Module
@@ -58,7 +58,7 @@ def test_every_entry_is_applied_on_the_pinned_stack():
     from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
     from torch.optim import optimizer as torch_optimizer
 
-    from fairseq_attnzoo.optim import mixed_precision
+    from fairseq_attnzoo.compat import mixed_precision
 
     names = [p.name for p in compat.PATCHES]
     assert len(names) == len(set(names))
@@ -137,6 +137,42 @@ def test_known_source_check_rejects_another_version():
     reason = compat.known_source(lambda: g, compat.source_digest(f))()
     assert "not the version" in reason and compat.source_digest(g) in reason
     assert "target not found" in compat.known_source(lambda: _missing_attribute(), "x")()
+
+
+def test_replace_keeps_the_original_and_restore_puts_it_back(monkeypatch):
+    """The table's one helper: ``"module:Class.attribute"`` resolved, the wrapper installed with
+    the original's docstring (a classmethod stays one), the original (or the inherited attribute)
+    back after ``restore``."""
+    import types
+
+    class Base:
+        @classmethod
+        def build(cls, x):
+            """Build."""
+            return (cls.__name__, x)
+
+        def step(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    module = types.ModuleType("attnzoo_replace_probe")
+    module.Base, module.Child = Base, Child
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def twice(build):
+        def build_twice(cls, x):
+            return build(cls, x) * 2
+        return build_twice
+
+    compat.replace("attnzoo_replace_probe:Base.build", twice)
+    assert Child.build(1) == ("Child", 1, "Child", 1) and Base.build.__doc__ == "Build."
+    compat.replace("attnzoo_replace_probe:Child.step", lambda step: lambda self: step(self) + "!")
+    assert Child().step() == "base!" and Base().step() == "base"
+    compat.restore("attnzoo_replace_probe:Base.build")
+    compat.restore("attnzoo_replace_probe:Child.step")
+    assert Child.build(1) == ("Child", 1) and "step" not in vars(Child)
 
 
 def _missing_attribute():

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import fairseq_attnzoo  # noqa: F401  (registers the archs)
-from fairseq_attnzoo.errors import ZooConfigError
+from fairseq_attnzoo.messages.errors import ZooConfigError
 from zoo_testlib import USER_DIR, quiet
 
 

@@ -220,7 +220,7 @@ def test_empty_split(tmp_path):
 
 
 def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
-    from fairseq_attnzoo.cli_hints import hint_for, one_line
+    from fairseq_attnzoo.messages.cli_hints import hint_for, one_line
 
     xla = AttributeError("'NoneType' object has no attribute 'xla_device'")
     cpu = hint_for(xla, cuda=False)
@@ -228,7 +228,7 @@ def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
     gpu = hint_for(xla, cuda=True)
     assert "--bf16" in gpu and "--amp" in gpu
     # our validation errors: a ValueError raised by our code; not one raised elsewhere
-    from fairseq_attnzoo.errors import ZooConfigError
+    from fairseq_attnzoo.messages.errors import ZooConfigError
     from fairseq_attnzoo.models.synthesizer import parse_mix
 
     with pytest.raises(ValueError) as err:

@@ -36,7 +36,7 @@ def test_eval_without_the_stream_task_says_how_to_evaluate_as_trained(arch, lm_d
 def test_a_translation_task_is_refused(mt_data):
     from fairseq import tasks
 
-    from fairseq_attnzoo.errors import ZooConfigError
+    from fairseq_attnzoo.messages.errors import ZooConfigError
     from fairseq_attnzoo.models.adaptive_span import AdaptiveSpanLanguageModel
     from zoo_testlib import parse
 

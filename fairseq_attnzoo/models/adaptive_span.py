@@ -198,8 +198,8 @@ def _check_task(task):
     from fairseq.tasks import TASK_REGISTRY, FairseqTask
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
-    from ..cli_hints import program
-    from ..errors import ZooConfigError
+    from ..messages.cli_hints import program
+    from ..messages.errors import ZooConfigError
     from ..tasks.stream_lm import StreamLanguageModelingTask
 
     if isinstance(task, StreamLanguageModelingTask) or not isinstance(task, FairseqTask):

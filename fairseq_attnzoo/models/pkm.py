@@ -40,6 +40,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
 from fairseq.logging.meters import Meter
 
+from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_triton import KERNELS
 from .registry import Derived
@@ -265,8 +266,19 @@ class SlotUsageMeter(Meter):
         return round(usage if self.stat == "usage" else kl, 4)
 
 
+def _register_meter():
+    from fairseq.logging import meters
+
+    setattr(meters, SlotUsageMeter.__name__, SlotUsageMeter)
+
+
 # fairseq checkpoints the "valid" aggregator and rebuilds its meters by class name from the
-# globals of fairseq.logging.meters: compat.py's "fairseq_meters_slot_usage" registers this class.
+# globals of fairseq.logging.meters: the compat entry registers this class there.
+compat.register(compat.Patch(
+    "fairseq_meters_slot_usage", "fairseq.logging.meters (module globals)",
+    "fairseq rebuilds checkpointed meters by class name from fairseq.logging.meters' globals; "
+    "PKM's SlotUsageMeter must be resolvable there for --restore-file", compat.always,
+    _register_meter), after="fairseq_bf16_without_tpu")
 
 
 class UsageLogger:

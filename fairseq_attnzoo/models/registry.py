@@ -20,6 +20,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY, register_model_architecture
 
+from .. import compat
+from ..messages.errors import ZooConfigError
+
 
 @dataclass(frozen=True)
 class ArchTests:
@@ -151,15 +154,47 @@ def _archs_with(sublayers, like: str):
             if cls is model and a in ARCH_TESTS and set(arch_sublayers(a)) & set(sublayers)]
 
 
+# ---- models built from a checkpoint (compat entry fairseq_model_from_checkpoint) ----------------
+
+_FROM_CHECKPOINT: List[bool] = []
+
+
+def building_from_checkpoint() -> bool:
+    """Whether the model being built is a stored checkpoint's (``load_model_ensemble_and_task``,
+    fairseq-generate, -eval-lm, our commands): its config is not the user's command line, so
+    checks of the flags a user gave (:func:`check_flag_owners`) do not apply. False when the
+    entry ``fairseq_model_from_checkpoint`` is not applied."""
+    return bool(_FROM_CHECKPOINT and _FROM_CHECKPOINT[-1])
+
+
+def noting_origin(build_model):
+    """``fairseq.models.build_model`` that notes ``from_checkpoint`` for
+    :func:`building_from_checkpoint` while it builds."""
+
+    def build_model_noting_origin(cfg, task, from_checkpoint=False):
+        _FROM_CHECKPOINT.append(bool(from_checkpoint))
+        try:
+            return build_model(cfg, task, from_checkpoint)
+        finally:
+            _FROM_CHECKPOINT.pop()
+
+    return build_model_noting_origin
+
+
+compat.fix("fairseq_model_from_checkpoint", "fairseq.models:build_model",
+           "fairseq knows whether it builds a model from a checkpoint (from_checkpoint) but does "
+           "not hand it to the arch function: note it, so that a stored config is never refused "
+           "as if the user had typed it (e.g. flags of a sublayer the model does not use)",
+           noting_origin, "616b10d14de9810d", after="fairseq_parser_one_line")
+
+
 def check_flag_owners(args, arch: str, given):
     """Refuse, in one line, the method flags in ``given`` (set by the user, see
     :func:`~.sublayers.given_options`) that belong to a sublayer this model does not build: not
     one of its slots' sublayers (after the user's slot flags) nor one the arch builds by default
     (a flag that selects layers, e.g. ``--pkm-decoder-layers none``, keeps its sublayer's flags).
     Stock fairseq flags are not looked at. A model built from a checkpoint is never refused
-    (:func:`fairseq_attnzoo.compat.building_from_checkpoint`)."""
-    from ..compat import building_from_checkpoint
-    from ..errors import ZooConfigError
+    (:func:`building_from_checkpoint`)."""
     from .sublayers import and_list, family, flag_name, option_owners, owner_label, used_sublayers
 
     if not given or building_from_checkpoint():

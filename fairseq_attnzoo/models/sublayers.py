@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from ..messages.cli_hints import LENGTH_LIMITS, note_length_limit  # noqa: F401  (builders note)
+
 SLOTS = ("self_attn", "cross_attn", "ffn")
 STOCK = {"self_attn": "mha", "cross_attn": "mha", "ffn": "ffn"}
 
@@ -396,37 +398,6 @@ def layer_names(args, attr: str) -> List[str]:
                              f"{'/'.join(SUBLAYER_REGISTRY[n].slots)} module); choose from: "
                              f"{', '.join(names_for(slot))}")
     return names
-
-
-#: flags that bound the length the model built last accepts (flag -> value), noted by its
-#: sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's --synth-max-len): the
-#: flag to raise when fairseq skips longer examples
-LENGTH_LIMITS: Dict[str, int] = {}
-
-
-def note_length_limit(flag: str, value: int):
-    """For a builder whose module accepts at most ``value`` positions because of ``flag``."""
-    LENGTH_LIMITS[flag] = int(value)
-
-
-def position_numbers(x) -> List[float]:
-    """The numbers in fairseq's ``max_positions`` (a number, or tuples / dicts of them)."""
-    if isinstance(x, (tuple, list)):
-        return [n for v in x for n in position_numbers(v)]
-    if isinstance(x, dict):
-        return [n for v in x.values() for n in position_numbers(v)]
-    return [x] if isinstance(x, (int, float)) else []
-
-
-def length_flags(max_positions) -> str:
-    """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
-    of them): one of ours when it is the bound, else fairseq's position flags."""
-    bound = min(position_numbers(max_positions), default=None)
-    ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
-    if ours:
-        return " and ".join(ours)
-    return ("--max-source-positions/--max-target-positions (--tokens-per-sample for a language "
-            "model)")
 
 
 def validate_sublayer_args(args, decoder_only: bool = False) -> Dict[str, List[str]]:

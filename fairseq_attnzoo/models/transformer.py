@@ -42,7 +42,7 @@ from fairseq.modules.transformer_layer import (
 )
 
 from .. import compat
-from ..errors import ZooConfigError
+from ..messages.errors import ZooConfigError
 from ..modules.attention import mask_scope
 from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm
 from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)

@@ -590,7 +590,7 @@ def span_penalty(model: nn.Module) -> Optional[Tensor]:
 def clamp_spans(model: nn.Module) -> int:
     """Clamp every span into [0, S] by hand; returns the number of span modules. (Not needed after
     updates of fairseq's trainer, after which the model projects its ``UnitIntervalParameter``s --
-    on fairseq's fp32 master copies too, see :mod:`fairseq_attnzoo.optim.mixed_precision` -- nor
+    on fairseq's fp32 master copies too, see :mod:`fairseq_attnzoo.compat.mixed_precision` -- nor
     after steps of an optimizer given ``attach_projection``.)"""
     masks = list(span_masks(model))
     for m in masks:

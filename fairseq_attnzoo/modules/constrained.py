@@ -9,7 +9,7 @@ optimizer that trains it and no other:
 * under fairseq's trainer, the model projects its own parameters after every update
   (``fairseq_attnzoo/models/adaptive_span.py``), and under ``FP16Optimizer`` (``--fp16``/``--bf16``)
   the fp32 master copies are projected before fairseq copies them into the model
-  (:mod:`fairseq_attnzoo.optim.mixed_precision`).
+  (:mod:`fairseq_attnzoo.compat.mixed_precision`).
 
 Imports torch only and changes nothing at import time (no global optimizer hook).
 """

@@ -1,4 +1,4 @@
-"""Four fixes to fairseq's mixed-precision optimizer wrappers (applied by :mod:`fairseq_attnzoo.compat`).
+"""Four fixes to fairseq's mixed-precision optimizer wrappers (rows of the table, :mod:`.fixes`).
 
 1. **Parameter constraints under FP16Optimizer** (see below).
 2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
@@ -46,7 +46,11 @@ from collections import defaultdict
 
 import torch
 
-from ..modules.constrained import BoundedParameter
+
+def _bounded(p) -> bool:
+    """A :class:`~fairseq_attnzoo.modules.constrained.BoundedParameter` (it projects a tensor into
+    its bounds: ``project_tensor_``)."""
+    return callable(getattr(p, "project_tensor_", None))
 
 
 def project_masters_(fp16_params, fp32_params) -> int:
@@ -61,13 +65,13 @@ def project_masters_(fp16_params, fp32_params) -> int:
         for device, flat in fp32_params.items():
             offset = 0
             for p in by_device[device]:
-                if isinstance(p, BoundedParameter):
+                if _bounded(p):
                     p.project_tensor_(flat.data[offset: offset + p.numel()])
                     n += 1
                 offset += p.numel()
     else:
         for p, p32 in zip(fp16_params, fp32_params):
-            if isinstance(p, BoundedParameter):
+            if _bounded(p):
                 p.project_tensor_(p32.data)
                 n += 1
     return n
@@ -89,8 +93,19 @@ def projecting_sync(sync):
         project_masters_(self.fp16_params, self.fp32_params)
         sync(self)
 
-    _sync_fp32_params_to_fp16.__doc__ = sync.__doc__
     return _sync_fp32_params_to_fp16
+
+
+def bf16_flat_build(original):
+    """``FP16Optimizer.build_optimizer`` (the function of the classmethod ``original``) that
+    builds flat masters under ``--bf16`` where :func:`build_bf16_flat` can."""
+
+    def build_optimizer(cls, cfg, params, **kwargs):
+        params = list(params)
+        built = build_bf16_flat(cls, cfg, params, **kwargs)
+        return built if built is not None else original(cls, cfg, params, **kwargs)
+
+    return build_optimizer
 
 
 def build_bf16_flat(cls, cfg, params: list, **kwargs):
@@ -159,7 +174,6 @@ def flat_grads_sync(sync):
                     torch._foreach_zero_([v for v, p in zip(views, params) if p.grad is None])
         self._needs_sync = False
 
-    _sync_fp16_grads_to_fp32.__doc__ = sync.__doc__
     return _sync_fp16_grads_to_fp32
 
 
@@ -175,5 +189,4 @@ def flat_params_sync(sync):
                 params = [p for p in self.fp16_params if p.device.index == device]
                 torch._foreach_copy_(params, _flat_views(self, device, params, grads=False))
 
-    _sync_fp32_params_to_fp16.__doc__ = sync.__doc__
     return _sync_fp32_params_to_fp16

@@ -5,25 +5,35 @@ script (``fairseq-train``, ``fairseq-hydra-train``, ``fairseq-generate``, ..., o
 fairseq_cli.<name>``) and our plugin was loaded (``--user-dir``). For an uncaught exception the
 hook prints
 
-- our own errors (:class:`~fairseq_attnzoo.errors.ZooConfigError`, or a ``ValueError`` raised by a
-  ``raise`` statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
+- our own errors (:class:`~.errors.ZooConfigError`, or a ``ValueError`` raised by a ``raise``
+  statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
 - a fairseq/torch error we recognise (:func:`hint_for`): ``fairseq-attnzoo: <hint>`` naming the
   flag and the fix, without fairseq's traceback;
 - anything else: the usual traceback, unchanged.
 
 ``ATTNZOO_TRACEBACK=1`` prints the traceback in every case (the one line still follows it).
+
+Also here, for the compat entries that change what fairseq's commands print: the one-line parser
+errors (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``), the root logger's level
+(``fairseq_root_log_level``), and the flags that bound an example's length (named by
+``fairseq_skipped_examples``, ``fairseq_subset_score`` and the hook).
 """
 
 import argparse
 import difflib
+import inspect
 import linecache
+import logging
 import os
 import re
 import sys
+from typing import Dict, List, Optional
+
+from .errors import ZooConfigError
 
 ENV_TRACEBACK = "ATTNZOO_TRACEBACK"
 PREFIX = "fairseq-attnzoo: "
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def program() -> str:
@@ -59,8 +69,6 @@ def is_user_error(exc: BaseException) -> bool:
     """Our one-line validation errors: a ZooConfigError anywhere, or a ValueError raised by a
     ``raise`` statement of this package (so validation code written before ZooConfigError needs no
     edit; a ValueError from a library call inside our code is not one of them)."""
-    from .errors import ZooConfigError
-
     if isinstance(exc, ZooConfigError):
         return True
     if not isinstance(exc, ValueError) or type(exc).__module__ != "builtins":
@@ -317,8 +325,6 @@ def hint_for(exc: BaseException, cuda=None, data=None):
                 "--save-dir")
     m = _TOO_LONG.search(text)
     if m:
-        from .models.sublayers import length_flags
-
         size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
         bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
         flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
@@ -463,3 +469,84 @@ def install():
 
     hook._attnzoo = True
     sys.excepthook = hook
+
+
+# ---- the flags that bound an example's length ----------------------------------------------------
+
+#: flags that bound the length the model built last accepts (flag -> value), noted by its
+#: sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's --synth-max-len): the
+#: flag to raise when fairseq skips longer examples
+LENGTH_LIMITS: Dict[str, int] = {}
+
+
+def note_length_limit(flag: str, value: int):
+    """For a builder whose module accepts at most ``value`` positions because of ``flag``."""
+    LENGTH_LIMITS[flag] = int(value)
+
+
+def position_numbers(x) -> List[float]:
+    """The numbers in fairseq's ``max_positions`` (a number, or tuples / dicts of them)."""
+    if isinstance(x, (tuple, list)):
+        return [n for v in x for n in position_numbers(v)]
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in position_numbers(v)]
+    return [x] if isinstance(x, (int, float)) else []
+
+
+def length_flags(max_positions) -> str:
+    """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
+    of them): one of ours when it is the bound, else fairseq's position flags."""
+    bound = min(position_numbers(max_positions), default=None)
+    ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
+    if ours:
+        return " and ".join(ours)
+    return ("--max-source-positions/--max-target-positions (--tokens-per-sample for a language "
+            "model)")
+
+
+# ---- compat entries: fairseq's parsers and the root logger in console scripts -------------------
+
+def arch_checked(add_model_args):
+    """``fairseq.options.add_model_args`` whose --arch is checked by :func:`arch_type` (compat
+    entry ``fairseq_train_parser_one_line``)."""
+
+    def add_model_args_checked(parser):
+        group = add_model_args(parser)
+        for action in group._group_actions:
+            if "--arch" in action.option_strings:
+                action.type = arch_type
+        return group
+
+    return add_model_args_checked
+
+
+def parsing_in_one_line(add_dataset_args):
+    """``fairseq.options.add_dataset_args`` (every command's parser adds it) that makes the parser
+    answer in one line (compat entry ``fairseq_parser_one_line``)."""
+
+    def add_dataset_args_one_line(parser, *args, **kwargs):
+        one_line_parser_errors(parser)
+        return add_dataset_args(parser, *args, **kwargs)
+
+    return add_dataset_args_one_line
+
+
+def debug_root_logger() -> Optional[str]:
+    """None when fairseq's wav2vec2_classification module sets the root logger to DEBUG at import
+    (``logging.basicConfig(level=logging.DEBUG)``, fairseq-fixed 0.12.3)."""
+    try:
+        from fairseq.models.wav2vec import wav2vec2_classification as module
+    except ImportError as e:
+        return f"target not found ({e})"
+    if "logging.basicConfig(level=logging.DEBUG)" in inspect.getsource(module):
+        return None
+    return "fairseq.models.wav2vec.wav2vec2_classification no longer sets the root logger to DEBUG"
+
+
+def root_log_level():
+    """In a console script, a root logger left at DEBUG goes back to ``$LOGLEVEL`` (INFO) (compat
+    entry ``fairseq_root_log_level``)."""
+    root = logging.getLogger()
+    wanted = os.environ.get("LOGLEVEL", "INFO").upper()
+    if in_console_script() and root.level == logging.DEBUG and wanted != "DEBUG":
+        root.setLevel(wanted)
