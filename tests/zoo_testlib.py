@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 from typing import Dict, List, Optional
 
@@ -116,9 +117,9 @@ def wiring(arch: str) -> tuple:
     value, not a code path. Presets that differ only in sizes the tests shrink away or in such
     values (``adaptive_span_lm`` / ``_large``, ``attnzoo_lm_llama`` / ``_small``) share a wiring."""
     cls = model_class(arch)
-    options_ = parse(arch, "DATA")  # parsing reads no data
+    parsed = parse(arch, "DATA")  # parsing reads no data
     config = tuple(sorted((k, bool(v) if isinstance(v, float) else v)
-                          for k, v in vars(options_).items() if k != "arch"))
+                          for k, v in vars(parsed).items() if k != "arch"))
     return (cls, cls.zoo_task, tuple(hooks(arch).flags), tuple(train_flags(arch)),
             tuple(eval_flags(arch)) if is_lm(arch) else (), repr(config))
 
@@ -315,8 +316,6 @@ class TrainedRun:
 
     def copy_to(self, path: str) -> str:
         """A writable copy of the run's folder at ``path`` (to resume it, to write beside it)."""
-        import shutil
-
         shutil.copytree(self.folder, path, ignore=shutil.ignore_patterns(".done"))
         return str(path)
 
