@@ -14,17 +14,10 @@ def _records(path):
 
 
 @pytest.fixture(scope="module")
-def mt163(tmp_path_factory):
+def mt163(tiny_data):
     """Toy translation data of 163 training sentences: not a multiple of fairseq's batch multiple
     (8), so stock fairseq 0.12 drops the last batch of every epoch and the plugin keeps it."""
-    from zoo_testlib import make_parallel_text, preprocess
-
-    root = str(tmp_path_factory.mktemp("mt163"))
-    make_parallel_text(root, n_train=163)
-    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{root}/train",
-                "--validpref", f"{root}/valid", "--testpref", f"{root}/test",
-                "--destdir", f"{root}/bin", "--joined-dictionary", "--workers", "1"])
-    return f"{root}/bin"
+    return tiny_data("mt", n_train=163)
 
 
 def _dry(*argv, data_mt, data_lm, out):

@@ -388,14 +388,13 @@ COMMON = ["--user-dir", USER_DIR, "--cpu", "--no-progress-bar", "--log-format", 
 
 
 @pytest.fixture(scope="module")
-def vanilla(mt_data, tmp_path_factory):
-    """A tiny attnzoo_transformer (concatenated heads) trained for 3 updates on the toy task."""
-    root = tmp_path_factory.mktemp("collab")
-    run_cli("train", [
-        mt_data, "--arch", "attnzoo_transformer", *TINY, "--optimizer", "adam", "--lr", "1e-3",
-        "--max-tokens", "400", "--max-update", "3", "--save-dir", str(root / "ck"),
-        "--no-epoch-checkpoints", "--disable-validation", *COMMON])
-    return root, mt_data, str(root / "ck" / "checkpoint_last.pt")
+def vanilla(trained, tmp_path_factory):
+    """A tiny attnzoo_transformer (concatenated heads, the sizes of TINY) trained for 3 updates on
+    the toy task (the sweep's run, read only), and a folder for what the tests write."""
+    run = trained("attnzoo_transformer")
+    args = torch.load(run.ckpt, weights_only=False)["cfg"]["model"]
+    assert [args.encoder_embed_dim, args.encoder_layers] == [32, 2]  # TINY's
+    return tmp_path_factory.mktemp("collab"), run.data, run.ckpt
 
 
 def _load(path, data):

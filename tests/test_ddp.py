@@ -1,4 +1,5 @@
-"""2-process CPU training (gloo, torchrun; the same code path as multi-GPU DDP) for every arch:
+"""2-process CPU training (gloo, torchrun; the same code path as multi-GPU DDP) for every distinct
+wiring (``zoo_testlib.wiring``; test_sweep builds every preset name against its wiring's):
 the first update's loss and the updated parameters equal 1 process with --update-freq 2. With
 sparse product-key memory values (pkm_adam's row exchange instead of the dense all-reduce), the
 value tables after every one of several updates equal 1 process with --update-freq 2 and are
@@ -12,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from zoo_testlib import zoo_archs
+from zoo_testlib import wirings, zoo_archs
 
-ARCHS = zoo_archs()
+ARCHS = list(wirings(zoo_archs()))
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 

@@ -108,33 +108,27 @@ def test_row_key_changes_with_commands_and_parent(tmp_path):
     assert child.cached() is None  # nothing on disk
 
 
-# ---- the picture report, from a tiny fake demo run (tiny checkpoints trained here) -------------
+# ---- the picture report, from a tiny fake demo run (the sweep's tiny checkpoints) --------------
 
-def _train_row(out, name, arch, data, max_update=2):
-    from zoo_testlib import run_cli, tiny_flags, train_flags
-
-    save = out / name / "checkpoints"
-    flags = tiny_flags(arch, data) + [
-        "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "400", "--max-update",
-        str(max_update), "--save-dir", str(save), "--no-epoch-checkpoints", "--log-format", "json",
-        "--log-interval", "1", "--seed", "1", "--num-workers", "0",
-        "--skip-invalid-size-inputs-valid-test"] + train_flags(arch)
-    logs = run_cli("train", flags)
-    (out / name / "train.log").write_text("\n".join(logs) + "\n")
-    return str(save / "checkpoint_last.pt")
+def _row(out, name, run):
+    """A demo row's folder from a tiny fairseq-train run (conftest's ``trained``): its
+    checkpoints and its json log, where the demo writes them."""
+    run.copy_to(out / name / "checkpoints")
+    (out / name / "train.log").write_text("\n".join(run.logs) + "\n")
+    return str(out / name / "checkpoints" / "checkpoint_last.pt")
 
 
 @pytest.mark.slow
-def test_report_from_a_tiny_fake_demo_run(mt_data, lm_data, tmp_path):
+def test_report_from_a_tiny_fake_demo_run(mt_data, trained, tmp_path):
     import re
 
     conv = collab_reparametrize
     out, docs = tmp_path / "work", tmp_path / "docs"
-    vanilla = _train_row(out, "transformer", "attnzoo_transformer", mt_data)
-    _train_row(out, "transformer_synth_random_dense", "transformer_synth_random_dense", mt_data)
-    _train_row(out, "transformer_pkm", "transformer_pkm", mt_data)
+    vanilla = _row(out, "transformer", trained("attnzoo_transformer"))
+    _row(out, "transformer_synth_random_dense", trained("transformer_synth_random_dense"))
+    _row(out, "transformer_pkm", trained("transformer_pkm"))
     # transformer_aop: no picture, so no checkpoint is read
-    _train_row(out, "adaptive_span_lm_small", "adaptive_span_lm", lm_data)
+    _row(out, "adaptive_span_lm_small", trained("adaptive_span_lm"))
     (out / "collab_convert64").mkdir()
     conv.main([vanilla, str(out / "collab_convert64" / "converted.pt"), "--key-dim", "16",
                "--quiet"])

@@ -80,6 +80,8 @@ def demo_data(tmp_path_factory):
     return data
 
 
+# one worker runs them all: demo_data (toy corpora and demo checkpoints) is built once
+@pytest.mark.xdist_group("docs")
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in doc_files() if _runnable(p)])
 def test_documented_commands_run(path, demo_data, tmp_path):

@@ -3,11 +3,12 @@ multiple of --required-batch-size-multiple (default 8), so fairseq-generate and 
 up to 7 sentences (20 -> 16, 30 -> 24, newstest2014's 3,003 -> at most 3,000). The compat entry
 ``fairseq_batch_keep_tail`` keeps it as one more, smaller batch."""
 
+import os
+
 import numpy as np
 import pytest
 
-from zoo_testlib import (USER_DIR, make_mono_text, make_parallel_text, preprocess, quiet, run_cli,
-                         tiny_flags)
+from zoo_testlib import USER_DIR, quiet, run_cli, tiny_flags
 
 N_VALID, N_TEST = 20, 30  # neither a multiple of 8
 
@@ -34,23 +35,13 @@ def test_batch_by_size_keeps_every_index(n, max_tokens, max_sentences):
 
 
 @pytest.fixture(scope="module")
-def mt20(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("mt20"))
-    make_parallel_text(root, n_train=64, n_valid=N_VALID, n_test=N_TEST)
-    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{root}/train",
-                "--validpref", f"{root}/valid", "--testpref", f"{root}/test",
-                "--destdir", f"{root}/bin", "--joined-dictionary", "--workers", "1"])
-    return root
+def mt20(tiny_data):
+    return os.path.dirname(tiny_data("mt", n_train=64, n_valid=N_VALID, n_test=N_TEST))
 
 
 @pytest.fixture(scope="module")
-def lm20(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("lm20"))
-    make_mono_text(root, n_train=64, n_valid=N_VALID, n_test=N_TEST)
-    preprocess(["--only-source", "--trainpref", f"{root}/train.txt", "--validpref",
-                f"{root}/valid.txt", "--testpref", f"{root}/test.txt", "--destdir",
-                f"{root}/bin", "--workers", "1"])
-    return root
+def lm20(tiny_data):
+    return os.path.dirname(tiny_data("lm", n_train=64, n_valid=N_VALID, n_test=N_TEST))
 
 
 def _train_counting_valid(monkeypatch, flags):

@@ -1,4 +1,5 @@
-"""Reduced precision: every registered arch in bfloat16, in float16 and under bfloat16 autocast.
+"""Reduced precision: every distinct wiring of the registered archs (``zoo_testlib.wiring``; the
+other presets: test_sweep's build check) in bfloat16, in float16 and under bfloat16 autocast.
 
 For each arch (tiny sizes, the sweep's padded batch) and precision, with the SAME weights as the
 float32 model:
@@ -24,8 +25,8 @@ import pytest
 import torch
 
 from zoo_testlib import (USER_DIR, DispatchedOps, build, decode_steps, decoder_inputs, incremental_vs_full, is_lm,
-                         json_logs, lm_extra, model_class, run_cli, sweep_batch, tiny_flags,
-                         tolerance, train_flags, zoo_archs)
+                         json_logs, lm_extra, model_class, one_per_wiring, run_cli, sweep_batch,
+                         tiny_flags, tolerance, train_flags, zoo_archs)
 
 from fairseq_attnzoo import compat
 
@@ -104,7 +105,7 @@ def _generate(task, model, sample, arch):
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", one_per_wiring(ARCHS))
 def test_reduced_precision(arch, precision, data_for):
     check_reduced_precision(arch, precision, data_for(arch))
 

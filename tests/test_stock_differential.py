@@ -145,22 +145,10 @@ def compat_warnings(result):
 # ---- data and commands ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(tiny_data, lm_data):
     """Tiny binarised translation (20 test sentences: a last batch of 4 at --batch-size 8) and
     monolingual data (~190 test tokens)."""
-    from zoo_testlib import make_mono_text, make_parallel_text, preprocess
-
-    root = tmp_path_factory.mktemp("stock")
-    make_parallel_text(str(root / "mt"), n_test=20)
-    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref",
-                f"{root}/mt/train", "--validpref", f"{root}/mt/valid", "--testpref",
-                f"{root}/mt/test", "--destdir", f"{root}/mt/bin", "--joined-dictionary",
-                "--workers", "1"])
-    make_mono_text(str(root / "lm"))
-    preprocess(["--only-source", "--trainpref", f"{root}/lm/train.txt", "--validpref",
-                f"{root}/lm/valid.txt", "--testpref", f"{root}/lm/test.txt", "--destdir",
-                f"{root}/lm/bin", "--workers", "1"])
-    return {"mt": f"{root}/mt/bin", "lm": f"{root}/lm/bin"}
+    return {"mt": tiny_data("mt", n_test=20), "lm": lm_data}
 
 
 #: --required-batch-size-multiple 1: stock fairseq drops a last batch below the multiple (8) even

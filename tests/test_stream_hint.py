@@ -7,20 +7,14 @@ import shlex
 
 import pytest
 
-from zoo_testlib import USER_DIR, quiet, run_cli, tiny_flags
+from zoo_testlib import USER_DIR, quiet, run_cli
 
 HINT = "the adaptive-span cache is off under --task language_modeling"
 
 
 @pytest.mark.parametrize("arch", ["adaptive_span_lm", "all_attention_lm"])
-def test_eval_without_the_stream_task_says_how_to_evaluate_as_trained(arch, lm_data, tmp_path):
-    flags = tiny_flags(arch, lm_data) + [
-        "--save-dir", str(tmp_path), "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1",
-        "--batch-size", "4", "--num-workers", "0", "--no-epoch-checkpoints",
-        "--disable-validation"]
-    with quiet():
-        run_cli("train", flags)
-    ckpt = str(tmp_path / "checkpoint_last.pt")
+def test_eval_without_the_stream_task_says_how_to_evaluate_as_trained(arch, lm_data, trained):
+    ckpt = trained(arch).ckpt  # the sweep's tiny fairseq-train run of the arch
     out = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path", ckpt, "--cpu",
                               "--task", "language_modeling", "--tokens-per-sample", "24",
                               "--batch-size", "4", "--context-window", "8"])

@@ -8,11 +8,13 @@ flags, tolerances) come from the arch registry (``register_arch``/``register_bas
 """
 
 import contextlib
+import functools
 import io
 import json
 import logging
 import os
 import random
+import shutil
 import sys
 from typing import Dict, List, Optional
 
@@ -107,17 +109,43 @@ def eval_flags(arch) -> List[str]:
     return ["--tokens-per-sample", "24"] if flags is None else list(flags)
 
 
-def one_per_wiring(archs: List[str]) -> list:
-    """pytest params for an end-to-end sweep: the first arch of each (model class, task, test
-    flags) -- what a command-line run exercises beyond the modules -- as is, the others marked
-    ``slow`` (``make test`` runs them all, ``make test-fast`` the first of each)."""
+@functools.lru_cache(maxsize=None)
+def wiring(arch: str) -> tuple:
+    """What a tiny end-to-end run of ``arch`` exercises: its model class and task, its test and
+    fairseq-train/eval-lm flags, and every option of its tiny config but the arch's name, with a
+    float option (a dropout rate, a loss weight, a RoPE base) reduced to whether it is 0: a
+    value, not a code path. Presets that differ only in sizes the tests shrink away or in such
+    values (``adaptive_span_lm`` / ``_large``, ``attnzoo_lm_llama`` / ``_small``) share a wiring."""
+    cls = model_class(arch)
+    parsed = parse(arch, "DATA")  # parsing reads no data
+    config = tuple(sorted((k, bool(v) if isinstance(v, float) else v)
+                          for k, v in vars(parsed).items() if k != "arch"))
+    return (cls, cls.zoo_task, tuple(hooks(arch).flags), tuple(train_flags(arch)),
+            tuple(eval_flags(arch)) if is_lm(arch) else (), repr(config))
+
+
+def wirings(archs: List[str]) -> Dict[str, List[str]]:
+    """Each distinct wiring's first arch -> the archs that share it (itself first)."""
+    out: Dict[str, List[str]] = {}
+    first: Dict[tuple, str] = {}
+    for arch in archs:
+        out.setdefault(first.setdefault(wiring(arch), arch), []).append(arch)
+    return out
+
+
+def one_per_wiring(archs: List[str], all_fast: bool = True) -> list:
+    """pytest params for the arch-generic checks: the first arch of each distinct
+    :func:`wiring` (the other presets of a wiring: ``test_sweep.test_preset_builds_its_wiring``).
+    With ``all_fast=False`` (the end-to-end runs) only the first of each (model class, task, test
+    flags) runs in ``make test-fast``, the others are marked ``slow``."""
     import pytest
 
     seen, out = set(), []
-    for arch in archs:
+    for arch in wirings(archs):
         cls = model_class(arch)
         key = (cls, cls.zoo_task, tuple(hooks(arch).flags))
-        out.append(arch if key not in seen else pytest.param(arch, marks=pytest.mark.slow))
+        out.append(arch if all_fast or key not in seen
+                   else pytest.param(arch, marks=pytest.mark.slow))
         seen.add(key)
     return out
 
@@ -248,6 +276,48 @@ def decode_steps(model, tokens, encoder_out, new_order=None, reorder_at=None, st
         out = model.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
         outs.append(out[:, -1:])
     return torch.cat(outs, dim=1), tokens
+
+
+# ---- the sweep's tiny fairseq-train run (one per wiring and test run: conftest's `trained`) -----
+
+def sweep_train_flags(arch: str, data: str, save_dir: str, max_update: int) -> List[str]:
+    """fairseq-train flags of the sweep's tiny run of ``arch``."""
+    return tiny_flags(arch, data) + [
+        "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "400", "--max-update",
+        str(max_update), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "json",
+        "--log-interval", "1", "--seed", "1", "--num-workers", "0",
+        "--skip-invalid-size-inputs-valid-test",
+    ] + train_flags(arch)
+
+
+#: updates of the shared tiny run
+TRAINED_UPDATES = 3
+
+
+def train_once(arch: str, data: str, folder: str):
+    """The shared tiny run: fairseq-train ``arch`` for TRAINED_UPDATES updates into ``folder``
+    (checkpoint_last.pt, checkpoint_best.pt), its log lines in ``folder/train.log``."""
+    logs = run_cli("train", sweep_train_flags(arch, data, folder, TRAINED_UPDATES))
+    with open(os.path.join(folder, "train.log"), "w") as f:
+        f.write("\n".join(logs) + "\n")
+
+
+class TrainedRun:
+    """A finished shared tiny run (conftest's ``trained``): read-only."""
+
+    def __init__(self, folder: str, data: str):
+        self.folder, self.data = folder, data
+        self.ckpt = os.path.join(folder, "checkpoint_last.pt")
+
+    @property
+    def logs(self) -> List[str]:
+        with open(os.path.join(self.folder, "train.log")) as f:
+            return f.read().splitlines()
+
+    def copy_to(self, path: str) -> str:
+        """A writable copy of the run's folder at ``path`` (to resume it, to write beside it)."""
+        shutil.copytree(self.folder, path, ignore=shutil.ignore_patterns(".done"))
+        return str(path)
 
 
 # ---- tiny data --------------------------------------------------------------------------------
