@@ -207,12 +207,12 @@ def require(name: str, needed_by: str, alternative: str = "") -> None:
     if state == DISABLED:
         raw = os.environ.get(ENV_DISABLE, "")
         why = f"disabled by {ENV_DISABLE}={raw}"
-        fix = f"leave {name} out of {ENV_DISABLE}"
+        remedy = f"leave {name} out of {ENV_DISABLE}"
     else:
         why = f"not applied: {_REASONS.get(name, 'unknown reason')}"
-        fix = "install fairseq-fixed==0.12.3.1"
+        remedy = "install fairseq-fixed==0.12.3.1"
     more = f" {alternative}" if alternative else ""
-    raise ZooConfigError(f"{needed_by} needs the compat entry {name} ({why}): {fix}{more}")
+    raise ZooConfigError(f"{needed_by} needs the compat entry {name} ({why}): {remedy}{more}")
 
 
 def describe() -> str:

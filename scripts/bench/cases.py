@@ -409,8 +409,8 @@ add(Train("adaptive_span", "vs-example", "lm", "", lambda size: _span_commands()
 
 
 def own_arch(arch, flags):
-    """``--arch ARCH`` (ours or stock) against its task's stock baseline (A/A: ``transformer``
-    against ``transformer``, ``attnzoo_lm`` against ``transformer_lm``, the same model)."""
+    """``--arch ARCH`` (ours or stock; with ``--flags``, a row labelled by them) against its
+    task's stock baseline (A/A: ``transformer``, ``attnzoo_lm`` against ``transformer_lm``)."""
     import fairseq_attnzoo  # noqa: F401  (our arch names)
     from fairseq.models import ARCH_MODEL_REGISTRY, FairseqLanguageModel
 
@@ -419,11 +419,11 @@ def own_arch(arch, flags):
     if getattr(ARCH_MODEL_REGISTRY[arch], "zoo_task", None) == "attnzoo_stream_lm":
         raise SystemExit(f"--arch {arch} trains with --task attnzoo_stream_lm, which has no stock "
                          "baseline: time it with the case adaptive_span/vs-example")
-    lm, side = (issubclass(ARCH_MODEL_REGISTRY[arch], FairseqLanguageModel),
-                Side({s: f"{v} {flags}" for s, v in _zoo(arch, "", {}).items()}))
-    return Train("own", arch, "lm" if lm else "mt", LM if lm else MT, _stock(  # --flags: labelled
+    lm = issubclass(ARCH_MODEL_REGISTRY[arch], FairseqLanguageModel)
+    side = Side({s: f"{v} {flags}" for s, v in _zoo(arch, "", {}).items()})
+    return Train("own", arch, "lm" if lm else "mt", LM if lm else MT, _stock(
         "transformer_lm" if lm else "transformer"), {f"{arch} {flags}": side} if flags else side,
-                 warm="interval" if lm else "epoch", floor=None if lm else "transformer-base")
+        warm="interval" if lm else "epoch", floor=None if lm else "transformer-base")
 
 
 # ---- quality at equal updates --------------------------------------------------------------
