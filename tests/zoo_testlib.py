@@ -380,8 +380,14 @@ class LogCapture(logging.Handler):
 
 def run_cli(module: str, argv: List[str]) -> List[str]:
     """Run a fairseq console entry point in-process (same code as the `fairseq-*` script);
-    return its log messages."""
+    return its log messages. Data is loaded in this process (``--num-workers 0`` unless ``argv``
+    names it): a DataLoader worker started in-process is joined when its loader is collected,
+    which waits out torch's 5 s status-check interval each time, where a console process just
+    exits (measured: generate 0.4 s, then 5.2 s in gc.collect)."""
     import importlib
+
+    if "--num-workers" not in argv:
+        argv = argv + ["--num-workers", "0"]
 
     mod = importlib.import_module(f"fairseq_cli.{module}")
     cap = LogCapture()
