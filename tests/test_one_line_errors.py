@@ -1,34 +1,36 @@
 """Every mistake a user can make with our flags, archs and the shipped configs ends in one line on
 stderr that names the flag and the fix (the last line, ``fairseq-attnzoo: ...``), with a non-zero
-exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real console script."""
+exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real console script, in
+a process of its own (tests/console_server.py)."""
 
 import os
-import subprocess
 import sys
 import tempfile
 
 import pytest
 
+from console_server import ConsoleServer
 from zoo_testlib import REPO, USER_DIR, quiet, run_cli
 
-BIN = os.path.dirname(sys.executable)
 TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
            "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
            "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
            "--decoder-attention-heads", "2"]
 
 
+SERVER = ConsoleServer()
+
+
 def cli(program, *argv, env=None, cwd=None, stdout_too=False):
-    """Run a fairseq console script; return (exit code, non-empty stderr lines; with
+    """Run a fairseq console script (in a process of its own forked from one that has imported
+    fairseq: tests/console_server.py); return (exit code, non-empty stderr lines; with
     ``stdout_too`` the lines of both, where fairseq's log goes)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
-    r = subprocess.run([os.path.join(BIN, program), *argv], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT if stdout_too else subprocess.PIPE, text=True,
-                       timeout=300, env=full_env, cwd=cwd or tempfile.gettempdir())
-    out = r.stdout if stdout_too else r.stderr
-    return r.returncode, [line for line in out.splitlines() if line.strip()]
+    code, out, err = SERVER.run(program, argv, env=full_env, cwd=cwd or tempfile.gettempdir(),
+                                merge=stdout_too)
+    return code, [line for line in (out if stdout_too else err).splitlines() if line.strip()]
 
 
 def assert_one_line(code, lines, *words):

@@ -1,0 +1,51 @@
+"""tests/console_server.py runs a console script as its own process would: the same exit code,
+the same stderr line for an error, and fairseq's log configured the same way (format, stream,
+level), checked here against the real ``fairseq-train``."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from console_server import ConsoleServer
+from zoo_testlib import USER_DIR
+
+TINY = ["--user-dir", USER_DIR, "--cpu", "--arch", "transformer_pkm", "--encoder-layers", "1",
+        "--decoder-layers", "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+        "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--pkm-n-keys", "16", "--pkm-knn", "4",
+        "--pkm-k-dim", "8", "--pkm-heads", "1", "--max-tokens", "500", "--optimizer", "adam",
+        "--lr", "1e-3", "--num-workers", "0", "--disable-validation", "--no-save",
+        "--log-format", "json", "--log-interval", "1"]
+
+
+def _kinds(text):
+    """Each log line's level and logger (fairseq's format: time | level | name | message), or the
+    line itself when it is not one, in order: what the two runs must share (times differ)."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(" | ")
+        out.append(tuple(parts[1:3]) if len(parts) >= 4 else line)
+    return out
+
+
+def test_a_command_runs_as_in_its_own_process(mt_data):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ATTNZOO_TRACEBACK", None)
+    cwd = tempfile.gettempdir()
+    server = ConsoleServer()
+    for argv, merge in ((["--max-update", "1"], True),  # trains: its log on stdout
+                        (["--pkm-knn", "32"], False)):  # our one-line error on stderr
+        argv = [mt_data, *TINY, *argv]
+        real = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                               *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
+                              timeout=300)
+        code, out, err = server.run("fairseq-train", argv, env=env, cwd=cwd, merge=merge)
+        assert code == real.returncode
+        if merge:
+            assert code == 0, out[-2000:]
+            assert _kinds(out) == _kinds(real.stdout)
+            assert any("| INFO | fairseq_cli.train |" in line for line in out.splitlines())
+        else:
+            assert code != 0 and err == real.stderr and "--pkm-knn" in err
