@@ -7,7 +7,8 @@ parameters.
 Both see the same two batches in each update (fairseq shards batches round-robin across ranks), so
 the loss and the parameters after the update must agree. ``--sparse-values`` trains with
 ``--optimizer pkm_adam --pkm-sparse true`` and records, on every rank, the product-key memory value
-tables after every optimizer step. Used by test_ddp.py.
+tables after every optimizer step. ``--setups`` trains the archs once per setup (DDP wrapper,
+flags, gradient accumulation), one after another in the same process(es). Used by test_ddp.py.
 """
 
 import argparse
@@ -32,55 +33,67 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--updates", type=int, default=1)
     p.add_argument("--sparse-values", action="store_true")
-    p.add_argument("--ddp-backend", default="legacy_ddp")
-    p.add_argument("--update-freq", type=int, default=1, help="of each of the 2 processes")
-    p.add_argument("--flags", default="", help="more fairseq-train flags (space-separated)")
+    p.add_argument("--setups", default='[["run", "legacy_ddp", "", 1]]',
+                   help="JSON list of [name, --ddp-backend, more fairseq-train flags "
+                        "(space-separated), --update-freq of each of the 2 processes]: each "
+                        "trains every arch, in this one process")
     a = p.parse_args()
-    if a.ddp_backend in ("pytorch_ddp", "c10d"):
+    setups = json.loads(a.setups)
+    if any(backend in ("pytorch_ddp", "c10d") for _, backend, _, _ in setups):
         _pytorch_ddp_on_cpu()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
-    results = {}
+    results = {name: {} for name, _, _, _ in setups}
     steps = _record_value_tables() if a.sparse_values else None
-    for arch in a.archs.split(","):
-        data = a.lm_data if is_lm(arch) else a.mt_data
-        run = os.path.splitext(os.path.basename(a.out))[0]  # one save dir per run and arch
-        save = os.path.join(os.path.dirname(a.out), f"{run}-{arch}")
-        optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr", "0.01"]
-                     if a.sparse_values else ["--optimizer", "adam"])
-        flags = tiny_flags(arch, data) + optimizer + [
-            "--lr", "0.01", "--max-tokens", "200", "--max-update", str(a.updates),
-            "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format", "json",
-            "--log-interval", "1", "--seed", "1", "--num-workers", "0", "--disable-validation",
-        ] + train_flags(arch) + a.flags.split()
-        if a.mode == "single":  # the same batches per update as 2 processes
-            flags += ["--update-freq", str(2 * a.update_freq)]
-        else:
-            flags += ["--update-freq", str(a.update_freq)] if a.update_freq > 1 else []
-            flags += ["--distributed-world-size", os.environ["WORLD_SIZE"], "--distributed-rank",
-                      str(rank), "--device-id", os.environ["LOCAL_RANK"],
-                      "--distributed-init-method", "env://", "--distributed-no-spawn",
-                      "--distributed-backend", "gloo", "--ddp-backend", a.ddp_backend]
-        try:
-            if steps is not None:
-                steps.clear()
-            logs = run_cli("train", flags)
-            inner = json_logs(logs, "train_inner")
-            if steps is not None:  # every rank writes its own tables
-                torch.save(steps, os.path.join(save, f"values-rank{rank}.pt"))
-            if rank == 0:
-                state = torch.load(os.path.join(save, "checkpoint_last.pt"), map_location="cpu",
-                                   weights_only=False)["model"]
-                torch.save(state, os.path.join(save, "params.pt"))
-                results[arch] = {"loss": float(inner[0]["loss"]) if inner else None,
-                                 "params": os.path.join(save, "params.pt"),
-                                 "values": os.path.join(save, "values-rank{}.pt"),
-                                 "train_inner": inner, "ddp_ignored": list(DDP_IGNORED)}
-        except BaseException as e:  # record and go on with the other archs
-            results[arch] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
+    for name, backend, more, update_freq in setups:
+        for arch in a.archs.split(","):
+            data = a.lm_data if is_lm(arch) else a.mt_data
+            run = os.path.splitext(os.path.basename(a.out))[0]
+            save = os.path.join(os.path.dirname(a.out), f"{run}-{name}-{arch}")  # one per run
+            optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr",
+                          "0.01"] if a.sparse_values else ["--optimizer", "adam"])
+            flags = tiny_flags(arch, data) + optimizer + [
+                "--lr", "0.01", "--max-tokens", "200", "--max-update", str(a.updates),
+                "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format",
+                "json", "--log-interval", "1", "--seed", "1", "--num-workers", "0",
+                "--disable-validation",
+            ] + train_flags(arch) + more.split()
+            if a.mode == "single":  # the same batches per update as 2 processes
+                flags += ["--update-freq", str(2 * update_freq)]
+            else:
+                flags += ["--update-freq", str(update_freq)] if update_freq > 1 else []
+                flags += ["--distributed-world-size", os.environ["WORLD_SIZE"],
+                          "--distributed-rank", str(rank), "--device-id",
+                          os.environ["LOCAL_RANK"], "--distributed-init-method", "env://",
+                          "--distributed-no-spawn", "--distributed-backend", "gloo",
+                          "--ddp-backend", backend]
+            results[name][arch] = _train(flags, save, rank, steps)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
+
+
+def _train(flags, save, rank, steps):
+    """One fairseq-train run; what rank 0 records of it (every rank writes its value tables)."""
+    try:
+        DDP_IGNORED.clear()
+        if steps is not None:
+            steps.clear()
+        logs = run_cli("train", flags)
+        inner = json_logs(logs, "train_inner")
+        if steps is not None:
+            torch.save(steps, os.path.join(save, f"values-rank{rank}.pt"))
+        if rank != 0:
+            return None
+        state = torch.load(os.path.join(save, "checkpoint_last.pt"), map_location="cpu",
+                           weights_only=False)["model"]
+        torch.save(state, os.path.join(save, "params.pt"))
+        return {"loss": float(inner[0]["loss"]) if inner else None,
+                "params": os.path.join(save, "params.pt"),
+                "values": os.path.join(save, "values-rank{}.pt"),
+                "train_inner": inner, "ddp_ignored": list(DDP_IGNORED)}
+    except BaseException as e:  # record and go on with the other runs
+        return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
 
 
 def _pytorch_ddp_on_cpu():

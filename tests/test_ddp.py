@@ -40,7 +40,7 @@ def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=()):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, mt_data, lm_data):
     root = tmp_path_factory.mktemp("ddp")
-    return {mode: _run(mode, str(root / f"{mode}.json"), mt_data, lm_data)
+    return {mode: _run(mode, str(root / f"{mode}.json"), mt_data, lm_data)["run"]
             for mode in ("single", "ddp")}
 
 
@@ -64,13 +64,15 @@ def test_ddp_matches_single_process(arch, runs):
 
 @pytest.fixture(scope="module")
 def sparse_runs(tmp_path_factory, mt_data, lm_data):
+    """Every setup of a mode in one launch (1 process, or one 2-process torchrun)."""
     root = tmp_path_factory.mktemp("ddp_sparse")
-    extra = ["--sparse-values", "--updates", str(SPARSE_UPDATES)]
     runs = {}
-    for name, mode, backend, exchange, update_freq in SPARSE_SETUPS:
-        runs[name] = _run(mode, str(root / f"{name}.json"), mt_data, lm_data, SPARSE_ARCHS,
-                          extra + ["--ddp-backend", backend, f"--flags=--pkm-exchange {exchange}",
-                                   "--update-freq", str(update_freq)])
+    for mode in ("single", "ddp"):
+        setups = [[name, backend, f"--pkm-exchange {exchange}", update_freq]
+                  for name, m, backend, exchange, update_freq in SPARSE_SETUPS if m == mode]
+        runs.update(_run(mode, str(root / f"{mode}.json"), mt_data, lm_data, SPARSE_ARCHS,
+                         ["--sparse-values", "--updates", str(SPARSE_UPDATES), "--setups",
+                          json.dumps(setups)]))
     return runs
 
 
