@@ -34,10 +34,19 @@ def test_train_rows_in_bf16_both_sides_through_the_same_fairseq(mt163, lm_data, 
     """End to end on the CPU at toy size in bf16 (stock --bf16 asks for a TPU; the plugin, enabled
     in every child as --user-dir enables it, trains it on the CPU): a train row whose baseline and
     arch train the same 163 sentences an epoch (the batch-tail fix on both sides: before, only
-    the arch's child applied it), and the A/A control ``--arch transformer``."""
+    the arch's child applied it), and the A/A control ``--arch transformer``, profiled: 2 warm
+    updates of each side, in the record; a profile window the run does not fill is one line (it
+    crashed the child with -11: the profiler was never stopped)."""
     out = tmp_path / "r.jsonl"
     _dry("--arch", "transformer_aop", data_mt=mt163, data_lm=lm_data, out=out)
-    train, a_a = _dry("--arch", "transformer", data_mt=mt163, data_lm=lm_data, out=out)
+    train, a_a = _dry("--arch", "transformer", "--profile", "2", data_mt=mt163, data_lm=lm_data,
+                      out=out)
+    assert {k: p["updates"] for k, p in a_a["row"]["profile"].items()} == {
+        "baseline": 2, "candidate": 2}
+    with pytest.raises(SystemExit, match=r"train failed \(1\)(.|\n)*--profile 50: training ended "
+                       "before 50 warm updates were profiled; lower --profile"):
+        _dry("--arch", "transformer", "--profile", "50", data_mt=mt163, data_lm=lm_data,
+             out=tmp_path / "none.jsonl")
     row = train["row"]
     assert train["case"] == "own/transformer_aop" and row["precision"] == "bf16"
     assert row["sentences"] == row["baseline sentences"] == 163

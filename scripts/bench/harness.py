@@ -162,18 +162,15 @@ def environment(device, gpus=1) -> Dict[str, Any]:
             "commit": commit, "kernel env": kernel_env()}
 
 
-def without_records(argv):  # (where a run wrote its records is not how to rerun it)
-    return [x for i, x in enumerate(argv) if not x.startswith("--records")
-            and (i == 0 or argv[i - 1] != "--records")]
-
-
 class Recorder:
     """Appends a JSON line per row to ``path`` as the row finishes (a run cut off keeps them)."""
 
     def __init__(self, path, env, argv, size, dtype):
         self.path, self.run = path, datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M:%S UTC")
-        command = "python -m scripts.bench " + shlex.join(without_records(argv))
+        command = "python -m scripts.bench " + shlex.join(  # (where it wrote: not how to rerun)
+            [x for i, x in enumerate(argv) if not x.startswith("--records")
+             and (i == 0 or argv[i - 1] != "--records")])
         self.head = {**env, "run": self.run, "size": size, "dtype": dtype, "command": command}
 
     def __call__(self, case, row: Dict[str, Any]):
@@ -231,8 +228,7 @@ def peak_mib(call, device):
 
 
 def fwd_bwd(module, *inputs):
-    """A call: ``module(*inputs)`` (its first output) summed and back-propagated, gradients
-    cleared first."""
+    """A call: ``module(*inputs)`` (first output) summed and back-propagated, grads cleared."""
     def call():
         module.zero_grad(set_to_none=True)
         out = module(*inputs)
@@ -301,12 +297,12 @@ def train_child(argv):
 
     torch.cuda.reset_peak_memory_stats = read_then_reset
     sentences = count_sentences()
-    if os.environ.get(PROFILE_TAG):
-        n, warm = os.environ[PROFILE_TAG].split(":")
-        profile_updates(int(n), warm)
+    n, warm = (os.environ.get(PROFILE_TAG) or "0:").split(":")
+    finish = profile_updates(int(n), warm) if int(n) else (lambda: None)
     sys.argv = ["fairseq-train"] + argv
     try:
         train.cli_main()
+        finish()
     finally:
         print(SENTENCES_TAG, json.dumps(sentences), flush=True)
         if torch.cuda.is_available():
@@ -379,16 +375,16 @@ def count_sentences() -> List[int]:
 def profile_updates(n: int, warm: str):
     """Profile ``n`` warm updates (from epoch 2's third, or after the first ``n``): the GPU's busy
     share of the wall time (well under 100 %: it waits for the host), the top ops by self device
-    time (CPU: self CPU time) and, on CUDA, by the host's self time."""
+    time (CPU: self CPU time) and, on CUDA, by the host's self time. Returns the check to call
+    after training: a window it did not fill is an error (unstopped, the profiler crashed it)."""
     import torch
     from fairseq.trainer import Trainer
 
     step, begin, cuda = Trainer.train_step, Trainer.begin_epoch, torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     state = {"calls": 0, "start": None if warm == "epoch" else n + 1, "t0": 0.0}
-    acts = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    prof = torch.profiler.profile(activities=acts)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
 
     def begin_epoch(self, epoch):
         if epoch == 2 and state["start"] is None:
@@ -404,7 +400,7 @@ def profile_updates(n: int, warm: str):
         out = step(self, samples, raise_oom)
         if state["start"] and state["calls"] == state["start"] + n - 1:
             sync()
-            wall = time.perf_counter() - state["t0"]
+            wall, state["t0"] = time.perf_counter() - state["t0"], None  # (None: stopped)
             prof.stop()
             ops = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)
                    and not e.key.startswith("ProfilerStep")
@@ -422,7 +418,15 @@ def profile_updates(n: int, warm: str):
                 "host top": top("self_cpu_time_total")[1] if cuda else None}), flush=True)
         return out
 
+    def finish():  # (t0: 0.0 before the window, a time in it, None after)
+        if state["t0"] is not None:
+            if state["t0"]:  # in the window: stop the profiler (running, it crashed the exit)
+                prof.stop()
+            raise SystemExit(f"--profile {n}: training ended before {n} warm updates were "
+                             "profiled; lower --profile, or raise --epochs / --updates")
+
     Trainer.train_step, Trainer.begin_epoch = train_step, begin_epoch
+    return finish
 
 
 def fairseq_log(text: str, tag: str) -> List[dict]:
@@ -717,14 +721,12 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
                    help="kernel cases' dtype (default: bf16 on CUDA, fp32 on the CPU)")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
-                   help="train and quality runs (default bf16, on the CPU too; a case's side may "
-                   "name its own)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16", help="train and "
+                   "quality runs (default bf16, on the CPU too; a case's side may name its own)")
     p.add_argument("--gpus", type=int, default=1, help="train and quality: GPUs per run "
                    "(fairseq's --distributed-world-size; tokens/s is reported per GPU)")
-    p.add_argument("--profile-below-floor", type=int, default=20, metavar="N",
-                   help="train: a baseline below its floor gets one more run, N warm updates "
-                   "profiled (0: none)")
+    p.add_argument("--profile-below-floor", type=int, default=20, metavar="N", help="train: a "
+                   "baseline below its floor gets one more run, N warm updates profiled (0: none)")
     p.add_argument("--repeats", type=int, default=None,
                    help="kernel: timed calls (default 20); train: alternating pairs (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="train: timed epochs after the first")
