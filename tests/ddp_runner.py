@@ -45,13 +45,13 @@ def main():
     rank = int(os.environ.get("RANK", 0))
     results = {name: {} for name, _, _, _ in setups}
     steps = _record_value_tables() if a.sparse_values else None
+    run = os.path.splitext(os.path.basename(a.out))[0]
+    optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr", "0.01"]
+                 if a.sparse_values else ["--optimizer", "adam"])
     for name, backend, more, update_freq in setups:
         for arch in a.archs.split(","):
             data = a.lm_data if is_lm(arch) else a.mt_data
-            run = os.path.splitext(os.path.basename(a.out))[0]
             save = os.path.join(os.path.dirname(a.out), f"{run}-{name}-{arch}")  # one per run
-            optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr",
-                          "0.01"] if a.sparse_values else ["--optimizer", "adam"])
             flags = tiny_flags(arch, data) + optimizer + [
                 "--lr", "0.01", "--max-tokens", "200", "--max-update", str(a.updates),
                 "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format",

@@ -13,8 +13,9 @@ from zoo_testlib import USER_DIR
 TINY = ["--user-dir", USER_DIR, "--cpu", "--arch", "transformer_pkm", "--encoder-layers", "1",
         "--decoder-layers", "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
         "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--pkm-n-keys", "16", "--pkm-knn", "4",
-        "--pkm-k-dim", "8", "--pkm-heads", "1", "--max-tokens", "500", "--optimizer", "adam",
+        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--pkm-n-keys", "16",
+        "--pkm-knn", "4", "--pkm-k-dim", "8", "--pkm-heads", "1", "--max-tokens", "500",
+        "--optimizer", "adam",
         "--lr", "1e-3", "--num-workers", "0", "--disable-validation", "--no-save",
         "--log-format", "json", "--log-interval", "1"]
 

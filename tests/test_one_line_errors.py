@@ -4,7 +4,6 @@ exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real c
 a process of its own (tests/console_server.py)."""
 
 import os
-import sys
 import tempfile
 
 import pytest
@@ -22,8 +21,8 @@ SERVER = ConsoleServer()
 
 
 def cli(program, *argv, env=None, cwd=None, stdout_too=False):
-    """Run a fairseq console script (in a process of its own forked from one that has imported
-    fairseq: tests/console_server.py); return (exit code, non-empty stderr lines; with
+    """Run a fairseq console script (in a process of its own, forked from one that has run the
+    script's imports: tests/console_server.py); return (exit code, non-empty stderr lines; with
     ``stdout_too`` the lines of both, where fairseq's log goes)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)

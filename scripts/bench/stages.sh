@@ -17,7 +17,6 @@ PY=python3
 if [ -n "${DRY:-}" ]; then
     export PYTHONPATH=$PWD PATH=${VENV:-$PWD/.venv}/bin:$PATH TRITON_INTERPRET=1
     PY=python BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
-    DRY_PROFILE="--profile 2"
 fi
 # a stage: harness calls separated by ";" (the GPU issue's stages 1-5 first, then the rest); on an
 # H100 a transformer-base run of this corpus takes 60-90 s (its first epoch builds cuDNN plans)
@@ -25,8 +24,9 @@ ORDER=(baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest
        decode attention sweep memory-lm precision)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
 # calls of it skip that extra run. mt-bf16-rest profiles 10 warm updates of every run (AOP's
-# sublayer missed its kernel target: where its time goes end to end). host-bound: the same model at 4x the tokens per update, against
-# the baseline at 8,192 (a host-bound step runs faster per token with a larger batch)
+# sublayer missed its kernel target: where its time goes end to end). host-bound: the same model
+# at 4x the tokens per update, against the baseline at 8,192 (a host-bound step runs faster per
+# token with a larger batch)
 declare -A STAGES=(
     [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; --arch transformer --precision bf16 --repeats 1"
     [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0"
@@ -61,7 +61,7 @@ run)
         end=$((SECONDS + ${STAGE_SECONDS:-480}))
         for call in "${CALLS[@]}"; do
             [ -z "${DRY:-}" ] || call=${call//--precision fp16/--precision fp32}
-            [ -z "${DRY:-}" ] || call=${call//--profile 10/$DRY_PROFILE}
+            [ -z "${DRY:-}" ] || call=${call//--profile 10/--profile 2}
             timeout $((end > SECONDS ? end - SECONDS : 1)) $PY -m scripts.bench $call \
                 --records "$RECORDS" ${BENCH_ARGS:-}; echo "stage $stage: $call: rc $?"
         done; set +f
