@@ -285,3 +285,28 @@ def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_sma
             assert c.shapes["tiny"], c.name
     files = glob.glob(os.path.join(REPO, "scripts", "bench", "*.py"))
     assert sum(len(open(f).readlines()) for f in files) <= 1500
+
+
+def test_a_dry_run_has_no_visit_budget_unless_named(tmp_path):
+    """``DRY=1`` checks a plan on the CPU, where a train stage's toy runs take minutes each (the
+    five of mt-bf16-rest: about 12 on two cores): a visit's 480 s must not cut it off with no
+    records; ``STAGE_SECONDS`` still bounds it. The limit is read off a stand-in ``timeout``."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "timeout").write_text('#!/bin/sh\necho "limit $1"\n')
+    (bin_dir / "timeout").chmod(0o755)
+
+    def limits(**env):
+        run = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), "run",
+                              str(tmp_path / "records.jsonl"), "kernels"],
+                             env={**{k: v for k, v in os.environ.items() if k != "STAGE_SECONDS"},
+                                  "DRY": "1", "VENV": str(tmp_path), **env},
+                             capture_output=True, text=True, check=True)
+        return [int(line.split()[1]) for line in run.stdout.splitlines()
+                if line.startswith("limit ")]
+
+    assert min(limits()) > 3600
+    assert max(limits(STAGE_SECONDS="5")) <= 5

@@ -7,8 +7,10 @@
 #   bash scripts/bench/stages.sh plan                 the stages, in order, their calls and runs
 #   bash scripts/bench/stages.sh run RECORDS STAGE... run stages (BENCH_ARGS: more harness flags)
 # DRY=1: every stage at toy size on the CPU with this checkout's .venv (VENV=), fp16 as fp32 (the
-# CPU has none), 2 updates profiled where a stage profiles (a toy epoch has 5): a plan checked,
-# and its runs counted, before device time is spent on it.
+# CPU has none), 2 updates profiled where a stage profiles (what an epoch of the tests' toy data,
+# 5 updates, allows: BENCH_ARGS may name it), no time limit unless STAGE_SECONDS names one (a toy
+# run trains the whole corpus: 2-3 minutes on 2 cores): a plan checked, and its runs counted,
+# before device time is spent on it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root
 SITE=${SITE:-/tmp/site}
@@ -17,6 +19,7 @@ PY=python3
 if [ -n "${DRY:-}" ]; then
     export PYTHONPATH=$PWD PATH=${VENV:-$PWD/.venv}/bin:$PATH TRITON_INTERPRET=1
     PY=python BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
+    STAGE_SECONDS=${STAGE_SECONDS:-86400}
 fi
 # a stage: harness calls separated by ";" (the GPU issue's stages 1-5 first, then the rest); on an
 # H100 a transformer-base run of this corpus takes 60-90 s (its first epoch builds cuDNN plans)
