@@ -4,20 +4,13 @@ level), checked here against the real ``fairseq-train``."""
 
 import os
 import subprocess
-import sys
 import tempfile
 
-from console_server import ConsoleServer
-from zoo_testlib import USER_DIR
+from console_server import BIN, ConsoleServer
+from zoo_testlib import tiny_flags
 
-TINY = ["--user-dir", USER_DIR, "--cpu", "--arch", "transformer_pkm", "--encoder-layers", "1",
-        "--decoder-layers", "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-        "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--pkm-n-keys", "16",
-        "--pkm-knn", "4", "--pkm-k-dim", "8", "--pkm-heads", "1", "--max-tokens", "500",
-        "--optimizer", "adam",
-        "--lr", "1e-3", "--num-workers", "0", "--disable-validation", "--no-save",
-        "--log-format", "json", "--log-interval", "1"]
+TRAIN = ["--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--num-workers", "0",
+         "--disable-validation", "--no-save", "--log-format", "json", "--log-interval", "1"]
 
 
 def _kinds(text):
@@ -37,11 +30,10 @@ def test_a_command_runs_as_in_its_own_process(mt_data):
     server = ConsoleServer()
     for argv, merge in ((["--max-update", "1"], True),  # trains: its log on stdout
                         (["--pkm-knn", "32"], False)):  # our one-line error on stderr
-        argv = [mt_data, *TINY, *argv]
-        real = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
-                               *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
-                              timeout=300)
+        argv = [*tiny_flags("transformer_pkm", mt_data), *TRAIN, *argv]
+        real = subprocess.run([os.path.join(BIN, "fairseq-train"), *argv], env=env, cwd=cwd,
+                              stdout=subprocess.PIPE, text=True, timeout=300,
+                              stderr=subprocess.STDOUT if merge else subprocess.PIPE)
         code, out, err = server.run("fairseq-train", argv, env=env, cwd=cwd, merge=merge)
         assert code == real.returncode
         if merge:
