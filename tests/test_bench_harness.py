@@ -3,6 +3,7 @@ cold split and the peak-memory path on a fairseq log, the sanity floor, and the 
 (``--check`` against the records). The figures themselves come from a GPU (docs/performance.md)."""
 
 import json
+import sys
 
 import pytest
 
@@ -298,6 +299,9 @@ def test_a_dry_run_has_no_visit_budget_unless_named(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "timeout").write_text('#!/bin/sh\necho "limit $1"\n')
     (bin_dir / "timeout").chmod(0o755)
+    # the venv's python, which imports fairseq (a symlink would lose the venv's site-packages)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
 
     def limits(**env):
         run = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), "run",
@@ -310,3 +314,23 @@ def test_a_dry_run_has_no_visit_budget_unless_named(tmp_path):
 
     assert min(limits()) > 3600
     assert max(limits(STAGE_SECONDS="5")) <= 5
+
+
+def test_stages_without_an_install_say_so_in_one_line(tmp_path):
+    """Where the node's python cannot import torch and fairseq (nothing installed into ``SITE``),
+    ``stages.sh`` says so once and exits 2, instead of a traceback from every harness call. The
+    python is a stand-in that imports nothing."""
+    import os
+    import subprocess
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    for args in (["plan"], ["run", str(tmp_path / "records.jsonl"), "kernels"]):
+        run = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), *args],
+                             env={**{k: v for k, v in os.environ.items() if k != "DRY"},
+                                  "SITE": str(tmp_path)},
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and run.stdout == "", args
+        assert run.stderr.count("\n") == 1 and "install_offline.sh" in run.stderr, run.stderr
+        assert not (tmp_path / "records.jsonl").exists()

@@ -21,6 +21,12 @@ if [ -n "${DRY:-}" ]; then
     PY=python BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
     STAGE_SECONDS=${STAGE_SECONDS:-86400}
 fi
+if [ "${1:-}" = plan ] || [ "${1:-}" = run ]; then  # one line, not a traceback per call
+    where=${DRY:+the venv ${VENV:-$PWD/.venv} (make install)}
+    $PY -c "import torch, fairseq" >/dev/null 2>&1 || { echo "stages.sh: $PY cannot import torch and" \
+        "fairseq from ${where:-$SITE (bash scripts/install_offline.sh WHEELS $SITE)}: install" \
+        "there first (docs/performance.md, \"Offline clusters\")" >&2; exit 2; }
+fi
 # a stage: harness calls separated by ";" (the GPU issue's stages 1-5 first, then the rest); on an
 # H100 a transformer-base run of this corpus takes 60-90 s (its first epoch builds cuDNN plans)
 ORDER=(baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest lm span kernels
