@@ -9,6 +9,8 @@ import pytest
 
 from zoo_testlib import REPO
 
+STAGES = f"{REPO}/scripts/bench/stages.sh"
+
 
 def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -268,7 +270,7 @@ def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_sma
     from scripts.bench.cases import CASES
     from scripts.bench.harness import Kernel, main
 
-    text = open(os.path.join(REPO, "scripts", "bench", "stages.sh")).read()
+    text = open(STAGES).read()
     stages = dict(re.findall(r'\[([\w-]+)\]="([^"]+)"', text))
     assert len(stages) >= 10 and set(stages) == set(re.search(
         r"ORDER=\(([^)]*)\)", text).group(1).split())
@@ -288,27 +290,34 @@ def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_sma
     assert sum(len(open(f).readlines()) for f in files) <= 1500
 
 
+def _stages(*args, unset=(), **env):
+    """``bash scripts/bench/stages.sh ARGS`` with this environment but ``unset``, plus ``env``."""
+    import os
+    import subprocess
+
+    return subprocess.run(["bash", STAGES, *args], capture_output=True, text=True,
+                          env={**{k: v for k, v in os.environ.items() if k not in unset}, **env})
+
+
+def _stand_in(bin_dir, name, body):
+    """A program ``name`` in ``bin_dir`` (made if need be): a shell script of ``body``."""
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / name).chmod(0o755)
+
+
 def test_a_dry_run_has_no_visit_budget_unless_named(tmp_path):
     """``DRY=1`` checks a plan on the CPU, where a train stage's toy runs take minutes each (the
     five of mt-bf16-rest: about 12 on two cores): a visit's 480 s must not cut it off with no
     records; ``STAGE_SECONDS`` still bounds it. The limit is read off a stand-in ``timeout``."""
-    import os
-    import subprocess
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "timeout").write_text('#!/bin/sh\necho "limit $1"\n')
-    (bin_dir / "timeout").chmod(0o755)
+    _stand_in(tmp_path / "bin", "timeout", 'echo "limit $1"')
     # the venv's python, which imports fairseq (a symlink would lose the venv's site-packages)
-    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    (bin_dir / "python").chmod(0o755)
+    _stand_in(tmp_path / "bin", "python", f'exec {sys.executable} "$@"')
 
     def limits(**env):
-        run = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), "run",
-                              str(tmp_path / "records.jsonl"), "kernels"],
-                             env={**{k: v for k, v in os.environ.items() if k != "STAGE_SECONDS"},
-                                  "DRY": "1", "VENV": str(tmp_path), **env},
-                             capture_output=True, text=True, check=True)
+        run = _stages("run", str(tmp_path / "records.jsonl"), "kernels", unset=["STAGE_SECONDS"],
+                      DRY="1", VENV=str(tmp_path), **env)
+        assert run.returncode == 0, run.stderr
         return [int(line.split()[1]) for line in run.stdout.splitlines()
                 if line.startswith("limit ")]
 
@@ -320,17 +329,9 @@ def test_stages_without_an_install_say_so_in_one_line(tmp_path):
     """Where the node's python cannot import torch and fairseq (nothing installed into ``SITE``),
     ``stages.sh`` says so once and exits 2, instead of a traceback from every harness call. The
     python is a stand-in that imports nothing."""
-    import os
-    import subprocess
-
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 1\n")
-    (tmp_path / "bin" / "python3").chmod(0o755)
+    _stand_in(tmp_path / "bin", "python3", "exit 1")
     for args in (["plan"], ["run", str(tmp_path / "records.jsonl"), "kernels"]):
-        run = subprocess.run(["bash", os.path.join(REPO, "scripts", "bench", "stages.sh"), *args],
-                             env={**{k: v for k, v in os.environ.items() if k != "DRY"},
-                                  "SITE": str(tmp_path)},
-                             capture_output=True, text=True)
+        run = _stages(*args, unset=["DRY"], SITE=str(tmp_path))
         assert run.returncode == 2 and run.stdout == "", args
         assert run.stderr.count("\n") == 1 and "install_offline.sh" in run.stderr, run.stderr
         assert not (tmp_path / "records.jsonl").exists()

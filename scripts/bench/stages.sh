@@ -15,17 +15,17 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root
 SITE=${SITE:-/tmp/site}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH
-PY=python3
+PY=python3 FROM="$SITE (bash scripts/install_offline.sh WHEELS $SITE)"  # (FROM: where PY imports)
 if [ -n "${DRY:-}" ]; then
     export PYTHONPATH=$PWD PATH=${VENV:-$PWD/.venv}/bin:$PATH TRITON_INTERPRET=1
-    PY=python BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
+    PY=python FROM="the venv ${VENV:-$PWD/.venv} (make install)"
+    BENCH_ARGS="--size tiny --device cpu --repeats 1 --epochs 1 --log-interval 1 ${BENCH_ARGS:-}"
     STAGE_SECONDS=${STAGE_SECONDS:-86400}
 fi
 if [ "${1:-}" = plan ] || [ "${1:-}" = run ]; then  # one line, not a traceback per call
-    where=${DRY:+the venv ${VENV:-$PWD/.venv} (make install)}
-    $PY -c "import torch, fairseq" >/dev/null 2>&1 || { echo "stages.sh: $PY cannot import torch and" \
-        "fairseq from ${where:-$SITE (bash scripts/install_offline.sh WHEELS $SITE)}: install" \
-        "there first (docs/performance.md, \"Offline clusters\")" >&2; exit 2; }
+    $PY -c "import torch, fairseq" >/dev/null 2>&1 || { echo "stages.sh: $PY cannot import torch" \
+        "and fairseq from $FROM: install there first (docs/performance.md, \"Offline clusters\")" >&2
+        exit 2; }
 fi
 # a stage: harness calls separated by ";" (the GPU issue's stages 1-5 first, then the rest); on an
 # H100 a transformer-base run of this corpus takes 60-90 s (its first epoch builds cuDNN plans)
