@@ -361,8 +361,8 @@ triton_only = pytest.mark.skipif(not aop_triton.HAS_TRITON,
 
 
 def _close(a, b, dtype):
-    """fp32: rounding only; 16-bit: the kernel and the reference round the probabilities and the
-    output differently (each within a few ulps of the dtype), measured against the tensor's scale."""
+    """fp32: rounding only; 16-bit: the kernel and the reference round the probabilities and
+    the output differently (each within a few ulps of the dtype), against the tensor's scale."""
     scale = b.float().abs().max().clamp_min(1e-6)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = ((a.float() - b.float()).abs().max() / scale).item()
@@ -455,3 +455,34 @@ def test_kernel_flag_reaches_the_module_and_an_unavailable_kernel_is_one_line(mo
     with pytest.raises(ValueError, match="needs a CUDA device.*--aop-kernel sdpa") as e:
         m(torch.randn(3, 2, 32))
     assert "\n" not in str(e.value)
+
+
+def test_one_sdpa_backend_alone_gives_the_same_function_or_one_line_naming_it():
+    """``sdpa_backend`` restricts SDPA to one backend (the benchmark's sweep): a backend that runs
+    here gives torch's pick's output and gradients; one that cannot (on a CPU: cuDNN's and the
+    memory-efficient kernel) is one line naming it, not torch's warnings and its generic error."""
+    import warnings
+
+    from fairseq_attnzoo.modules.aop import SDPA_BACKENDS
+
+    results = {}
+    for backend in (None, *SDPA_BACKENDS):
+        torch.manual_seed(0)
+        m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=9)
+        m.sdpa_backend, m.token_groups = backend, 2
+        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (none escapes)
+            try:
+                y = m(x)
+            except RuntimeError as e:
+                results[backend] = str(e)
+                continue
+        y.square().sum().backward()
+        results[backend] = [y.detach()] + [p.grad for p in m.parameters()] + [x.grad]
+    for backend in ("flash", "math"):
+        for a, b in zip(results[backend], results[None]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for backend in ("cuDNN", "efficient"):
+        assert results[backend].startswith(f"AOP's SDPA backend {backend} cannot run float32 "
+                                           "on cpu: ") and "\n" not in results[backend]

@@ -32,6 +32,7 @@ Triton's interpreter on the CPU), whose backward splits the sum over tokens into
 """
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -45,6 +46,9 @@ from .feedforward import ZooFeedForward
 SCALE_AT = ("use", "init")
 #: how the attention over the memory runs: torch's SDPA (reference, default) or the Triton kernel
 KERNELS = ("sdpa", "triton")
+#: SDPA's backends (``AttentionOverParameters.sdpa_backend``) by their torch.nn.attention names
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cuDNN": "CUDNN_ATTENTION",
+                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
 def aop_num_params(embed_dim: int, heads: int, key_dim: int, value_dim: int, slots: int) -> int:
@@ -103,6 +107,9 @@ class AttentionOverParameters(ZooFeedForward):
         #: kernel sees: cuDNN's builds an execution graph for each new one, and fairseq's
         #: batches keep changing N
         self.token_bucket = token_bucket
+        #: None: torch picks SDPA's backend; or one of :data:`SDPA_BACKENDS` alone (the
+        #: benchmark case aop/sublayer-vs-ffn times each at 1-32 token groups)
+        self.sdpa_backend = None
         #: "sdpa" or "triton" (see the module docstring); a plain attribute, not in state dicts
         self.kernel = kernel
         self.reset_parameters()
@@ -177,11 +184,30 @@ class AttentionOverParameters(ZooFeedForward):
             k, v = k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1)
         # softmax(q (√h_p K)ᵀ) V over the n_p slots: the key constant √h_p (which replaces
         # 1/√d_pk) is the kernel's logit scale, so no scaled copy of K is made
-        y = F.scaled_dot_product_attention(q, k, v, scale=self.key_scale)
+        y = self._sdpa(q, k, v)
         y = y.transpose(1, 2).reshape(padded, self.heads * self.value_dim)
         if padded != n:  # (unpadded: no slice, whose backward would zero-fill and copy)
             y = y[:n]
         return F.linear(y.view(t, b, -1), w_o)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``F.scaled_dot_product_attention`` with the logit scale √h_p, under
+        :attr:`sdpa_backend` alone if set (its backward follows the forward's backend); where that
+        backend cannot run, one line naming it and torch's first reason."""
+        if self.sdpa_backend is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=self.key_scale)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[self.sdpa_backend])), \
+                warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            try:
+                return F.scaled_dot_product_attention(q, k, v, scale=self.key_scale)
+            except RuntimeError as e:  # (torch warns its reasons, then raises "No available ...")
+                why = [str(w.message) for w in told if "because" not in str(w.message)] or [str(e)]
+                raise RuntimeError(f"AOP's SDPA backend {self.sdpa_backend} cannot run "
+                                   f"{str(q.dtype)[6:]} on {q.device.type}: "
+                                   f"{why[0].strip().splitlines()[0]}") from None
 
     def _forward_triton(self, q: Tensor, t: int, b: int) -> Tensor:
         """The Triton kernel over all t·b tokens (no grouping or bucket: it compiles once per
