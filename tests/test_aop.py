@@ -182,6 +182,15 @@ def test_bad_flags_fail_at_build_with_one_line(flag, value, match):
     _one_line_error(_args("transformer_aop", [flag, value]), match)
 
 
+def _explicit(m, x):
+    """The "use" form written out: softmax(q (√h_p K)ᵀ) (√d V) W_o, no 1/√d_pk."""
+    t, b, d = x.shape
+    q = m.q_proj(x).view(t, b, m.heads, m.key_dim)
+    w = F.softmax(torch.einsum("tbhk,hnk->tbhn", q, m.keys * math.sqrt(m.heads)), -1)
+    v = m.values * math.sqrt(d)
+    return m.out_proj(torch.einsum("tbhn,hnv->tbhv", w, v).reshape(t, b, -1))
+
+
 def test_sdpa_path_matches_explicit_math_in_training_mode_backward():
     """Gradients through the fused kernel equal the explicit softmax formulation."""
     torch.manual_seed(0)
@@ -191,10 +200,7 @@ def test_sdpa_path_matches_explicit_math_in_training_mode_backward():
     g_fused = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
     m.zero_grad()
     x.grad = None
-    q = m.q_proj(x).view(4, 3, 2, 4)
-    w = F.softmax(torch.einsum("tbhk,hnk->tbhn", q, m.keys * math.sqrt(2)), -1)
-    y = m.out_proj(torch.einsum("tbhn,hnv->tbhv", w, m.values * 4.0).reshape(4, 3, 8))
-    y.square().sum().backward()
+    _explicit(m, x).square().sum().backward()
     g_ref = [p.grad for p in m.parameters()] + [x.grad]
     for a, b in zip(g_fused, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -344,9 +350,7 @@ def test_unpadded_path_scales_the_smaller_of_v_and_w_o_and_slices_nothing(slots,
     grads = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
     m.zero_grad()
     x.grad = None
-    q = m.q_proj(x).view(6, 2, 2, 4)
-    w = F.softmax(torch.einsum("tbhk,hnk->tbhn", q, m.keys * math.sqrt(2)), -1)
-    ref = m.out_proj(torch.einsum("tbhn,hnv->tbhv", w, m.values * 4.0).reshape(6, 2, 8))
+    ref = _explicit(m, x)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     ref.backward(up)
     for a, b in zip(grads, [p.grad for p in m.parameters()] + [x.grad]):
