@@ -497,7 +497,8 @@ def test_triton_kernels_compile_for_an_h100():
     """The three kernels compile for sm_90 in fp32 and bf16 (fp16 takes bf16's code path) at the
     paper's head dims and the CUDA tiles (in a process where Triton is not in interpreter mode;
     no GPU needed): a codegen error that the interpreter cannot see fails here, not on a lent
-    machine."""
+    machine. None spills registers to local memory (read from the cubin where Triton ships
+    cuobjdump)."""
     import os
     import subprocess
     import sys
@@ -507,13 +508,18 @@ def test_triton_kernels_compile_for_an_h100():
                          env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(__file__))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["compiled"] * 6, run.stdout
+    assert len(run.stdout.splitlines()) == 6, run.stdout
+    for line in run.stdout.splitlines():
+        name, _, local = line.rpartition(" local ")
+        assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
 
 
 def compile_for_sm90():
     from triton import compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from test_pkm_triton import _local_bytes
 
     assert not aop_triton.interpreted()
     scalars = dict(n="i32", slots="i32", dk="i32", dv="i32", stride_qn="i32", stride_qh="i32")
@@ -529,6 +535,6 @@ def compile_for_sm90():
                      v_scale="fp32")]
         for kernel, sig in zip(aop_triton._kernels(), sigs):
             sig.update({k: "constexpr" for k in meta})
-            compile(ASTSource(kernel, sig, constexprs=dict(meta, PRECISION=precision)),
-                    target=GPUTarget("cuda", 90, 32))
-            print("compiled")
+            compiled = compile(ASTSource(kernel, sig, constexprs=dict(
+                meta, PRECISION=precision)), target=GPUTarget("cuda", 90, 32))
+            print(f"{kernel.fn.__name__} {dt} local {_local_bytes(compiled)}")
