@@ -122,7 +122,7 @@ class AttentionOverParameters(ZooFeedForward):
         nn.init.normal_(self.values, 0.0, self._init_std[1])
 
     def _dropped_values(self, c: float) -> Tensor:
-        """V with whole rows dropped (training), times ``c`` and dropout's 1/(1-p), in one
+        """V with whole rows dropped, times ``c`` and dropout's 1/(1-p), in one
         multiply of the table (both constants ride on the small keep mask)."""
         # one keep/drop decision per (head, slot), shared by every token: drops memory rows
         keep = torch.empty(self.heads, self.slots, 1, device=self.values.device,
@@ -218,10 +218,10 @@ class AttentionOverParameters(ZooFeedForward):
         if why is not None:
             raise ValueError(f"AOP kernel 'triton' cannot run: {why}; use kernel 'sdpa' "
                              "(fairseq: --aop-kernel sdpa)")
-        c = self.value_scale
-        v = self._dropped_values(c) if self._dropping() else self.values
+        v, c = ((self._dropped_values(self.value_scale), 1.0) if self._dropping()
+                else (self.values, self.value_scale))
         k, v = self.keys.to(q.dtype), v.to(q.dtype)  # (autocast: q is in the autocast dtype)
-        y = aop_triton.attention(q, k, v, self.key_scale, 1.0 if self._dropping() else c)
+        y = aop_triton.attention(q, k, v, self.key_scale, c)
         return self.out_proj(y.view(t, b, -1))
 
     def extra_repr(self) -> str:
