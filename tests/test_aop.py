@@ -409,14 +409,14 @@ def test_triton_kernel_matches_sdpa_forward_and_every_gradient(dtype, chunks):
 def test_triton_chunked_backward_is_deterministic_and_equals_one_chunk():
     """The partial sums are reduced in a fixed order (no atomics): two runs are bitwise equal, and
     any chunking gives the one-chunk gradient within fp32 rounding."""
-    q, k, v, up = _memory_problem(torch.float32, n=70)
+    q, k, v, up = _memory_problem(torch.float32, n=40)  # 3 blocks of 16 tokens
     grads = {}
-    for chunks in (1, 2, 5, 5):
+    for chunks in (1, 2, 3, 3):
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
         aop_triton.attention(qq, kk, vv, 1.0, 1.0, chunks=chunks).backward(up)
         grads.setdefault(chunks, []).append((kk.grad, vv.grad))
-    assert all(torch.equal(a, b) for a, b in zip(*grads[5]))
-    for chunks in (2, 5):
+    assert all(torch.equal(a, b) for a, b in zip(*grads[3]))
+    for chunks in (2, 3):
         for a, b in zip(grads[chunks][0], grads[1][0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

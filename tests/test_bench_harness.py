@@ -73,7 +73,8 @@ def test_kernel_rows_dry_run_with_cold_warm_and_no_cpu_peak(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     main(["device", "aop/sublayer-vs-ffn", "pkm/layer-vs-ffn", "pkm/value-read", "--size", "tiny",
           "--device", "cpu", "--repeats", "2", "--records", str(out),
-          "--only", "MiB", "n 64", "groups 1", "dense torch", "peer LayerNorm", "kernel torch, pass"])
+          "--only", "MiB", "n 64", "width 1, groups 1", "dense torch", "peer LayerNorm",
+          "kernel torch, pass"])
     rows = {r["case"] + ": " + r["row"]["shape"]: r for r in _records(out)}
     aop = next(r for k, r in rows.items() if k.startswith("aop/"))
     assert aop["level"] == "kernel" and aop["device"].startswith("cpu") and aop["command"]
