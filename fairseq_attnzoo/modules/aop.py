@@ -216,8 +216,8 @@ class AttentionOverParameters(ZooFeedForward):
 
         why = aop_triton.why_unavailable(q, self.key_dim, self.value_dim)
         if why is not None:
-            raise ValueError(f"AOP kernel 'triton' cannot run: {why}; use kernel 'sdpa' "
-                             "(fairseq: --aop-kernel sdpa)")
+            raise ValueError(f"--aop-kernel triton cannot run: {why}; use --aop-kernel sdpa (a "
+                             "checkpoint: --model-overrides \"{'aop_kernel': 'sdpa'}\")")
         v, c = ((self._dropped_values(self.value_scale), 1.0) if self._dropping()
                 else (self.values, self.value_scale))
         k, v = self.keys.to(q.dtype), v.to(q.dtype)  # (autocast: q is in the autocast dtype)
