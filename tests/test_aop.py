@@ -538,3 +538,22 @@ def compile_for_sm90():
             compiled = compile(ASTSource(kernel, sig, constexprs=dict(
                 meta, PRECISION=precision)), target=GPUTarget("cuda", 90, 32))
             print(f"{kernel.fn.__name__} {dt} local {_local_bytes(compiled)}")
+
+
+@triton_only
+def test_fairseq_train_with_the_triton_kernel_logs_the_same_losses(lm_data, tmp_path):
+    """``fairseq-train --aop-kernel triton`` (interpreted here) and ``--aop-kernel sdpa`` log the
+    same losses update after update, and the flag reaches every memory."""
+    from zoo_testlib import json_logs, run_cli, tiny_flags
+
+    logs = {}
+    for kernel in ("triton", "sdpa"):
+        lines = run_cli("train", tiny_flags("transformer_lm_aop", lm_data) + [
+            "--aop-kernel", kernel, "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "200",
+            "--max-update", "3", "--no-save", "--disable-validation", "--log-interval", "1",
+            "--log-format", "json", "--num-workers", "0", "--seed", "1",
+            "--save-dir", str(tmp_path / kernel)])
+        assert any("kernel=triton" in line for line in lines) == (kernel == "triton")
+        logs[kernel] = [float(r["loss"]) for r in json_logs(lines, "train_inner")]
+    assert len(logs["triton"]) == 3
+    assert logs["triton"] == pytest.approx(logs["sdpa"], abs=1e-3)
