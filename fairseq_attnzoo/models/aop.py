@@ -62,7 +62,7 @@ class AOPConfig(FairseqDataclass):
                 "scaled_dot_product_attention (the reference), 'triton' = the Triton kernel of "
                 "modules/aop_triton.py (CUDA only; its backward sums the shared keys' and values' "
                 "gradients over token chunks in fp32, no atomics); not yet timed on a GPU "
-                "(benchmark case aop/kernel-sweep), so the default stays sdpa (default sdpa)"})
+                "(benchmark case aop/sublayer-vs-ffn), so the default stays sdpa (default sdpa)"})
 
     def validate(self):
         for name in ("aop_heads", "aop_key_dim", "aop_value_dim", "aop_slots"):

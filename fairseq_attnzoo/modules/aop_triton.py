@@ -15,8 +15,8 @@ sequence, then ``· c``); this computes the same, with the constant c folded int
   ``dQ = s · Σ_j P (c·dO·V_j − Δ) K_j`` with ``Δ = rowsum(dO ∘ O)``, which it computes from its
   own tiles and stores for the next kernel;
 * **dK, dV**, one program per (block of slots, head, **chunk of tokens**): the memory is shared by
-  all N tokens, so a program per slot block alone gives only h·n_p/block programs (96 at AOP₁'s
-  shape, fewer than an H100's 132 SMs), however the tokens are grouped. Splitting the token sum
+  all N tokens, so a program per slot block alone gives only h·n_p/block programs (SDPA's
+  backward, one sequence of blocks of 128 slots at AOP₁'s shape: 96, for an H100's 132 SMs). Splitting the token sum
   into chunks gives h·n_p/block × chunks programs; each writes its chunk's partial sums in fp32
   to its own slice of a ``[chunks, h, n_p, d]`` buffer, summed after (one ``sum`` over the
   chunks) -- no atomics, so the result is deterministic. :func:`token_chunks` picks enough chunks
@@ -28,7 +28,8 @@ probabilities are cast to the values' dtype for the P·V product, as FlashAttent
 Triton is optional and imported on first use; the kernels run on CUDA tensors, or on CPU tensors
 in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is imported (how the
 tests compare them with the SDPA reference without a GPU). The launch sizes below are not tuned
-on a GPU yet (the benchmark case ``aop/kernel-sweep`` times this kernel against SDPA's backends).
+on a GPU yet (the benchmark case ``aop/sublayer-vs-ffn`` times this kernel and SDPA's backends
+against the FFN).
 """
 
 import math
@@ -260,9 +261,9 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
         **meta)
     if chunks is None:
         chunks = token_chunks(n, heads, slots, q.device)
-    # each chunk a whole number of token blocks
-    chunk = -(-(-(-n // meta["BLOCK_N"])) // chunks) * meta["BLOCK_N"]
-    chunks = -(-n // chunk)
+    blocks = -(-n // meta["BLOCK_N"])
+    chunk = -(-blocks // chunks) * meta["BLOCK_N"]  # tokens a chunk: whole token blocks
+    chunks = -(-n // chunk)  # (none left empty)
     if chunks == 1:  # the gradients themselves
         d_k, d_v = torch.empty_like(k), torch.empty_like(v)
     else:  # fp32 partial sums per chunk, summed below
