@@ -127,6 +127,8 @@ class AttentionOverParameters(ZooFeedForward):
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
         # position-wise: [T, B, C] is just T·B independent tokens; pads are computed and ignored
+        # (the mask checked all the same: a mask of another layout is a mistake upstream)
+        self.padding(x, padding_mask)
         t, b, _ = x.shape
         n = t * b
         q = self.q_proj(x).view(n, self.heads, self.key_dim)
@@ -145,7 +147,7 @@ class AttentionOverParameters(ZooFeedForward):
         # 1/√d_pk) is the kernel's logit scale, so no scaled copy of K is made
         y = F.scaled_dot_product_attention(q, k, v, scale=self.key_scale)
         y = y.transpose(1, 2).reshape(padded, self.heads * self.value_dim)
-        return self.out_proj(y[:n].view(t, b, -1))
+        return self.out_proj(y[:n].view(t, b, self.heads * self.value_dim))
 
     def extra_repr(self) -> str:
         return (f"h_p={self.heads}, d_pk={self.key_dim}, d_pv={self.value_dim}, n_p={self.slots}, "

@@ -65,7 +65,7 @@ class RotaryEmbedding(nn.Module):
         """``x [..., T, d]`` (``seq_dim=-2``) or ``[..., T, H, d]`` (``seq_dim=-3``), its first
         token at position ``offset``."""
         angles = self.angles(offset, x.size(seq_dim), x.device)
-        return apply_rotary(x, angles.view(angles.size(0), *[1] * (-seq_dim - 2), -1))
+        return apply_rotary(x, angles.view(angles.size(0), *[1] * (-seq_dim - 2), angles.size(1)))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}"
