@@ -587,9 +587,15 @@ def host_span_maxima(masks: List[AdaptiveMask], extra: Sequence[Tensor] = ()
 
 
 def span_penalty(model: nn.Module) -> Optional[Tensor]:
-    """lambda * sum over layers of the mean span (None if the model has no adaptive span)."""
-    losses = [m.loss() for m in span_masks(model) if m.span_loss > 0]
-    return torch.stack(losses).sum() if losses else None
+    """lambda * sum over layers of the mean span, a float32 scalar (zero where every lambda is 0,
+    so ``loss + span_penalty(model)`` always works; None if the model has no adaptive span)."""
+    masks = list(span_masks(model))
+    if not masks:
+        return None
+    losses = [m.loss() for m in masks if m.span_loss > 0]
+    if not losses:
+        return next(masks[0].parameters()).new_zeros((), dtype=torch.float32)
+    return torch.stack(losses).sum()
 
 
 def clamp_spans(model: nn.Module) -> int:
