@@ -34,8 +34,8 @@ from ..modules.synthesizer import (
     SynthesizerAttention,
     factorized_dense_sizes,
 )
-from .sublayers import (SublayerSpec, build_options, note_length_limit, register_sublayer,
-                        require)
+from .sublayers import (FlagErrors, SublayerSpec, build_options, note_length_limit,
+                        register_sublayer, require)
 from .transformer import host_rope_theta, register_arch
 
 logger = logging.getLogger(__name__)
@@ -134,19 +134,15 @@ def _log_mixture(module: SynthesizerAttention, name: str):
     module.register_forward_hook(hook)
 
 
-class FairseqSynthesizerAttention(SynthesizerAttention):
+class FairseqSynthesizerAttention(FlagErrors, SynthesizerAttention):
     """The sublayer: :class:`SynthesizerAttention` whose errors name the flags that set its
-    arguments (the module's own name ``max_len``, the user of fairseq ``--synth-max-len``)."""
+    arguments (``--synth-max-len`` where the module says ``max_len``)."""
 
-    def forward(self, *args, **kwargs):
-        try:
-            return super().forward(*args, **kwargs)
-        except SequenceTooLong as e:
-            raise ValueError(
-                f"sequence length {e.length} (the first dimension of time-first [T, B, C] inputs) "
-                f"exceeds the synthesizer max length {e.max_len}: raise --synth-max-len (or keep "
-                "--max-source-positions/--max-target-positions/--tokens-per-sample within it so "
-                "longer examples are skipped)") from None
+    flag_errors = {SequenceTooLong: lambda e: (
+        f"sequence length {e.length} (the first dimension of time-first [T, B, C] inputs) "
+        f"exceeds the synthesizer max length {e.max_len}: raise --synth-max-len (or keep "
+        "--max-source-positions/--max-target-positions/--tokens-per-sample within it so longer "
+        "examples are skipped)")}
 
 
 def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> SynthesizerAttention:
