@@ -11,6 +11,7 @@ from fairseq_attnzoo.modules.adaptive_span import (AdaptiveSpanAttention, Adapti
                                                    span_penalty)
 from fairseq_attnzoo.modules.aop import AttentionOverParameters
 from fairseq_attnzoo.modules.collab import CollaborativeAttention
+from fairseq_attnzoo.modules.persistent_memory import PersistentMemory
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory
 from fairseq_attnzoo.modules.sdpa import ZooMultiheadAttention
 from fairseq_attnzoo.modules.swiglu import SwiGLU
@@ -281,3 +282,19 @@ def test_synthesizer_self_attention_is_decided_by_value():
 def test_synthesizer_rope_refusal_names_its_arguments():
     _one_line_error(lambda: SynthesizerAttention(D, 2, components=("random",), rope_theta=1e4),
                     "pass rope_theta=None or add 'vanilla' to components")
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda: ZooMultiheadAttention(12, 5), "embed_dim 12 is not divisible by num_heads 5"),
+    (lambda: ZooMultiheadAttention(12, 4, rope_theta=1e4), "dim 3 is odd"),
+    (lambda: AdaptiveSpanAttention(12, 5, max_span=8), "not divisible by num_heads 5"),
+    (lambda: AdaptiveSpanAttention(D, 2, max_span=8, persistent_slots=2, kernel="sdpa"),
+     "persistent_slots=0"),
+    (lambda: PersistentMemory(0, 2, 8), "num_slots 0"),
+], ids=["heads", "rope", "span_heads", "span_kernel", "persistent"])
+def test_module_errors_name_the_modules_arguments_not_fairseq_flags(make, words):
+    """Flags (``--*-attention-heads``, ``--adaptive-span-kernel``, ``--persistent-memory-size``)
+    meant nothing to a plain PyTorch user; the fairseq side words them as flags."""
+    with pytest.raises(ValueError, match=words) as err:
+        make()
+    assert "--" not in str(err.value) and "\n" not in str(err.value)

@@ -422,6 +422,10 @@ def build_sublayer(name: str, spec: SublayerSpec) -> nn.Module:
     assert spec.slot in entry.slots, f"{name} is a {'/'.join(entry.slots)} module, not {spec.slot}"
     if spec.options is None:
         spec.options = options_for(name, spec.args)
+    if spec.slot != "ffn" and spec.embed_dim % spec.num_heads:  # (the module names its args)
+        raise ZooConfigError(f"--{spec.side}-embed-dim {spec.embed_dim} is not divisible by "
+                             f"--{spec.side}-attention-heads {spec.num_heads}: choose heads that "
+                             "divide it")
     return entry.builder(spec)
 
 

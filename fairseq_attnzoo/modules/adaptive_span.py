@@ -271,15 +271,15 @@ class AdaptiveSpanAttention(nn.Module):
                  exclude_self: bool = False, kernel: str = "auto"):
         super().__init__()
         if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by {num_heads} heads: change "
-                             "--decoder-attention-heads or --decoder-embed-dim")
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}: "
+                             "choose num_heads dividing embed_dim")
         if kernel not in KERNELS:
             raise ValueError(f"adaptive-span kernel must be one of {', '.join(KERNELS)}, "
                              f"got {kernel!r}")
         if kernel == "sdpa" and (persistent_slots > 0 or not renorm):
-            raise ValueError("--adaptive-span-kernel sdpa needs the renormalised span mask and no "
-                             "persistent memory: drop --adaptive-span-no-renorm / "
-                             "--persistent-memory-size, or use --adaptive-span-kernel auto")
+            raise ValueError("kernel='sdpa' needs the renormalised span mask and no persistent "
+                             "memory (renorm=True, persistent_slots=0): pass those, or "
+                             "kernel='auto'")
         self.kernel = kernel
         self.embed_dim = embed_dim
         self.num_heads = num_heads

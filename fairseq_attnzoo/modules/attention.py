@@ -303,8 +303,8 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
         super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(
-                f"embed_dim {embed_dim} is not divisible by attention heads {num_heads}: "
-                "change --*-attention-heads or --*-embed-dim")
+                f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}: choose "
+                "num_heads dividing embed_dim")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads

@@ -47,8 +47,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, theta: float = 10000.0):
         super().__init__()
         if dim % 2:
-            raise ValueError(f"rotary position embeddings need an even head size, got {dim}: "
-                             "change --*-attention-heads or --*-embed-dim")
+            raise ValueError(f"rotary position embeddings turn feature pairs: dim {dim} is odd; "
+                             "use an even head size embed_dim / num_heads (CollaborativeAttention: "
+                             "an even key_dim), or rope_theta=None")
         self.dim, self.theta = dim, float(theta)
         self._angles: Optional[Tensor] = None  # float32 [T_max, d/2], grown on demand
 
