@@ -316,12 +316,6 @@ def output_form(options: PKMConfig) -> str:
 POOL = "pkm_pool"
 
 
-@register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
-                   tiny={"pkm_n_keys": 8, "pkm_knn": 4, "pkm_k_dim": 16, "pkm_heads": 2},
-                   # a token decoded alone and in a batch differs by the rounding of its inputs,
-                   # which can swap two near-equal keys in the top-k: one of k reads changes,
-                   # so the step's outputs differ by more than rounding (docs/precision.md)
-                   tolerances={"reduced_precision_step": 0.5})
 class FairseqProductKeyMemory(FlagErrors, ProductKeyMemory):
     """The sublayer: :class:`ProductKeyMemory` whose errors name the flags that set its
     arguments (``--pkm-kernel`` where the module says ``kernel``)."""
@@ -331,6 +325,12 @@ class FairseqProductKeyMemory(FlagErrors, ProductKeyMemory):
         "--model-overrides \"{'pkm_kernel': 'auto'}\")")}
 
 
+@register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
+                   tiny={"pkm_n_keys": 8, "pkm_knn": 4, "pkm_k_dim": 16, "pkm_heads": 2},
+                   # a token decoded alone and in a batch differs by the rounding of its inputs,
+                   # which can swap two near-equal keys in the top-k: one of k reads changes,
+                   # so the step's outputs differ by more than rounding (docs/precision.md)
+                   tolerances={"reduced_precision_step": 0.5})
 def build_pkm(spec):
     """product-key memory: exact top-k over n_keys² product keys, sparse value reads"""
     o = spec.options
