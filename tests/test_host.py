@@ -360,7 +360,7 @@ def test_hydra_model_config_builds_the_llama_host(lm_data):
     task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
     model = models.build_model(cfg, task)
     layers = model.decoder.layers
-    assert [type(layer.ffn).__name__ for layer in layers] == ["ProductKeyMemory"] * 2
+    assert [type(layer.ffn).__name__ for layer in layers] == ["FairseqProductKeyMemory"] * 2
     assert all(layer.normalize_before and isinstance(layer.final_layer_norm, RMSNorm)
                for layer in layers)
     assert layers[0].self_attn.rotary.theta == 500000.0 and model.decoder.embed_positions is None
