@@ -3,8 +3,9 @@ and the base class every attention replacement derives from.
 
 Everything that is easy to get subtly wrong is written here once:
 
-* **Masking**: key padding masks (``True`` = pad) and fairseq's causal ``attn_mask`` (float ``-inf``
-  above the diagonal, or bool) are merged into one boolean "blocked" mask, and turned into additive
+* **Masking**: key padding masks (``True`` = pad; every form ``nn.MultiheadAttention`` takes, made
+  bool by :func:`bool_mask`) and fairseq's causal ``attn_mask`` (float ``-inf`` above the
+  diagonal, or bool) are merged into one boolean "blocked" mask, and turned into additive
   logits with a *finite* minimum (:func:`.precision.mask_value`), so a fully padded query row
   yields a uniform distribution instead of NaN.
 * **Incremental decoding**: per-token tensors (keys, values, synthesized inputs, ...) are appended to
