@@ -171,9 +171,10 @@ def test_sdpa_kernel_choice_and_errors():
     att.kernel = "sdpa"
     assert att.uses_sdpa(torch.zeros(1))
     assert "kernel=sdpa" in repr(att)
-    with pytest.raises(ValueError, match="--adaptive-span-kernel sdpa needs"):
+    # the module names its arguments; the model its flags (test_sdpa_kernel_flag_refusals)
+    with pytest.raises(ValueError, match="kernel='sdpa' needs .* persistent_slots=0"):
         _attn(persistent_slots=2, kernel="sdpa")
-    with pytest.raises(ValueError, match="--adaptive-span-kernel sdpa needs"):
+    with pytest.raises(ValueError, match=r"kernel='sdpa' needs .*\(renorm=True"):
         _attn(renorm=False, kernel="sdpa")
     with pytest.raises(ValueError, match="must be one of auto, sdpa, explicit"):
         _attn(kernel="flash")
@@ -232,6 +233,15 @@ def test_spans_clamped_after_optimizer_step(lm_data):
 def _load(task, split):
     task.load_dataset(split)
     return task.dataset(split)
+
+
+@pytest.mark.parametrize("flags", [["--persistent-memory-size", "2"],
+                                   ["--adaptive-span-no-renorm"]])
+def test_sdpa_kernel_flag_refusals(lm_data, flags):
+    with pytest.raises(ValueError, match="--adaptive-span-kernel sdpa needs .* drop "
+                       "--adaptive-span-no-renorm / --persistent-memory-size") as err:
+        _lm(lm_data, extra=["--adaptive-span-kernel", "sdpa"] + flags)
+    assert "\n" not in str(err.value)
 
 
 def _lm(lm_data, arch="adaptive_span_lm_small", extra=()):

@@ -459,6 +459,11 @@ def test_kernel_flag_reaches_the_module_and_an_unavailable_kernel_is_one_line(mo
     with pytest.raises(ValueError, match="needs a CUDA device.*--aop-kernel sdpa") as e:
         m(torch.randn(3, 2, 32))
     assert "\n" not in str(e.value)
+    # the plain module names its own argument, not the flag
+    plain = AttentionOverParameters(32, heads=4, key_dim=8, value_dim=8, slots=16, kernel="triton")
+    with pytest.raises(ValueError, match="needs a CUDA device.*pass kernel='sdpa'") as e:
+        plain(torch.randn(3, 2, 32))
+    assert "--" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_one_sdpa_backend_alone_gives_the_same_function_or_one_line_naming_it():

@@ -265,6 +265,11 @@ def test_methods_with_a_qk_product_rotate_it(arch, flags, data_for, monkeypatch)
     ("attnzoo_lm", ["--decoder-self-attn", "synth_dense", "--rope"], "add the vanilla component"),
     ("attnzoo_lm", ["--rope", "--rope-theta", "0"], "--rope-theta must be positive"),
     ("attnzoo_lm", ["--rope-theta", "500"], "add --rope or drop --rope-theta"),
+    # the rotary module says dim / embed_dim / num_heads; the host names the flags
+    ("attnzoo_lm", ["--rope", "--decoder-embed-dim", "12", "--decoder-attention-heads", "4"],
+     "choose --decoder-embed-dim / --decoder-attention-heads = 12 / 4 with an even quotient"),
+    ("attnzoo_lm", ["--rope", "--decoder-self-attn", "collab", "--collab-key-dim", "7"],
+     "width is 7 (odd): choose an even --collab-key-dim"),
 ])
 def test_host_refusals_are_one_line(arch, flags, fix, lm_data):
     with pytest.raises(ValueError) as err:
@@ -355,8 +360,17 @@ def test_hydra_model_config_builds_the_llama_host(lm_data):
     task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
     model = models.build_model(cfg, task)
     layers = model.decoder.layers
-    assert [type(layer.ffn).__name__ for layer in layers] == ["ProductKeyMemory"] * 2
+    assert [type(layer.ffn).__name__ for layer in layers] == ["FairseqProductKeyMemory"] * 2
     assert all(layer.normalize_before and isinstance(layer.final_layer_norm, RMSNorm)
                for layer in layers)
     assert layers[0].self_attn.rotary.theta == 500000.0 and model.decoder.embed_positions is None
     assert layers[0].ffn.values is layers[1].ffn.values  # one shared value pool
+
+
+def test_attention_sublayer_heads_must_divide_the_width(mt_data):
+    """The module says embed_dim / num_heads; the host names the side's flags."""
+    with pytest.raises(ValueError) as err:
+        build("transformer_collab", mt_data, ["--encoder-embed-dim", "12",
+                                              "--encoder-attention-heads", "5"])
+    assert str(err.value) == ("--encoder-embed-dim 12 is not divisible by "
+                              "--encoder-attention-heads 5: choose heads that divide it")

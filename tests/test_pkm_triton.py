@@ -200,9 +200,17 @@ def test_kernel_choice(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.zeros(4, 8)
     assert not pkm_triton.use_kernel("auto", cpu) and not pkm_triton.use_kernel("torch", cpu)
+    with pytest.raises(ValueError, match=r"kernel='triton' cannot run: .*CUDA.*"
+                                         r"pass kernel='auto'") as e:
+        pkm_triton.use_kernel("triton", cpu)
+    assert "\n" not in str(e.value) and "--" not in str(e.value)  # the module's own arguments
+    # the fairseq sublayer names the flag
+    from fairseq_attnzoo.models.pkm import FairseqProductKeyMemory
+
+    hosted = FairseqProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="triton")
     with pytest.raises(ValueError, match=r"--pkm-kernel triton cannot run: .*CUDA.*"
                                          r"--pkm-kernel auto") as e:
-        pkm_triton.use_kernel("triton", cpu)
+        hosted(torch.randn(3, 2, 16))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="PKM kernel must be one of auto, triton, torch"):
         ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="cuda")

@@ -378,20 +378,27 @@ def test_dense_row_depends_only_on_its_token():
 
 
 def test_too_long_input_is_a_one_line_error():
+    """The module names its own argument (max_len); the fairseq sublayer names the flag."""
+    from fairseq_attnzoo.models.synthesizer import FairseqSynthesizerAttention
+
     m = make("random", max_len=8)
-    with pytest.raises(ValueError, match="--synth-max-len") as err:
+    with pytest.raises(ValueError, match="max_len >= 9") as err:
         run(m, torch.randn(1, 9, D))
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "--" not in str(err.value)
+    hosted = FairseqSynthesizerAttention(D, H, components=("random",), max_len=8)
+    with pytest.raises(ValueError, match="raise --synth-max-len") as err:
+        run(hosted, torch.randn(1, 9, D))
+    assert "\n" not in str(err.value) and "max_len >=" not in str(err.value)
     # left padding beyond N is fine as long as every real sentence fits
     pad = torch.zeros(1, 10, dtype=torch.bool)
     pad[0, :2] = True
-    run(m, torch.randn(1, 10, D), pad=pad)
+    run(hosted, torch.randn(1, 10, D), pad=pad)
     # incremental decoding past N fails the same way
     state = {}
     for t in range(8):
-        run(m, torch.randn(1, 1, D), state=state)
+        run(hosted, torch.randn(1, 1, D), state=state)
     with pytest.raises(ValueError, match="--synth-max-len"):
-        run(m, torch.randn(1, 1, D), state=state)
+        run(hosted, torch.randn(1, 1, D), state=state)
 
 
 # ---- fairseq wiring -----------------------------------------------------------------------------

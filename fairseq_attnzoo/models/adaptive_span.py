@@ -162,6 +162,11 @@ def _check(args):
         raise ValueError("--adaptive-span-trim-chunk and --adaptive-span-cache-buffer must be >= 0")
     if args.persistent_memory_size < 0 or args.decoder_ffn_embed_dim < 0:
         raise ValueError("--persistent-memory-size and --decoder-ffn-embed-dim must be >= 0")
+    if str(getattr(args, "adaptive_span_kernel", None)) == "sdpa" and (
+            args.persistent_memory_size > 0 or args.adaptive_span_no_renorm):
+        raise ValueError("--adaptive-span-kernel sdpa needs the renormalised span mask and no "
+                         "persistent memory: drop --adaptive-span-no-renorm / "
+                         "--persistent-memory-size, or use --adaptive-span-kernel auto")
 
 
 #: commands that decode with incremental state (the window is cached there): no hint

@@ -17,7 +17,8 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.aop import (KERNELS, SCALE_AT, AttentionOverParameters, aop_num_params,
                            ffn_matching_slots)
-from .sublayers import register_sublayer, require
+from ..modules.aop_triton import KernelUnavailable
+from .sublayers import FlagErrors, register_sublayer, require
 from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,15 @@ def _log_budget(spec, sizes):
                 f"{d + d_ff:,} biases (d={d}, d_ff={d_ff})")
 
 
+class FairseqAttentionOverParameters(FlagErrors, AttentionOverParameters):
+    """The sublayer: :class:`AttentionOverParameters` whose errors name the flags that set its
+    arguments (``--aop-kernel`` where the module says ``kernel``)."""
+
+    flag_errors = {KernelUnavailable: lambda e: (
+        f"--aop-kernel triton cannot run: {e.why}; use --aop-kernel sdpa (a checkpoint: "
+        "--model-overrides \"{'aop_kernel': 'sdpa'}\")")}
+
+
 @register_sublayer("aop", slots=("ffn",), options=AOPConfig,
                    tiny={"aop_heads": 2, "aop_key_dim": 8, "aop_value_dim": 8, "aop_slots": 16})
 def build_aop(spec):
@@ -121,10 +131,10 @@ def build_aop(spec):
     p = spec.attention_dropout if o.aop_dropout is None else o.aop_dropout
     _log_budget(spec, sizes)
     heads, key_dim, value_dim, slots = sizes
-    return AttentionOverParameters(spec.embed_dim, heads=heads, key_dim=key_dim,
-                                   value_dim=value_dim, slots=slots, dropout=p,
-                                   scale_at=o.aop_scale_at, token_bucket=o.aop_token_bucket,
-                                   kernel=o.aop_kernel)
+    return FairseqAttentionOverParameters(spec.embed_dim, heads=heads, key_dim=key_dim,
+                                          value_dim=value_dim, slots=slots, dropout=p,
+                                          scale_at=o.aop_scale_at,
+                                          token_bucket=o.aop_token_bucket, kernel=o.aop_kernel)
 
 
 # AOP₁ = the AOPConfig defaults; AOP₂ (tensor2tensor transformer_parameter_attention_b) sets

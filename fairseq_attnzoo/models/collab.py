@@ -55,11 +55,13 @@ def resolve_key_dim(key_dim: int, embed_dim: int) -> int:
 def build_collab(spec):
     """collaborative multi-head attention: shared W̃Q, W̃K (D̃k) with per-head mixing"""
     o = spec.options
+    key_dim = resolve_key_dim(o.collab_key_dim, spec.embed_dim)
     return CollaborativeAttention(
-        spec.embed_dim, spec.num_heads, resolve_key_dim(o.collab_key_dim, spec.embed_dim),
+        spec.embed_dim, spec.num_heads, key_dim,
         dropout=spec.attention_dropout, kdim=spec.kdim, vdim=spec.kdim,
         mixing_init=o.collab_mixing_init, qk_bias=o.collab_qk_bias, scaling=o.collab_scaling,
-        proj_init=o.collab_proj_init, rope_theta=host_rope_theta(spec))
+        proj_init=o.collab_proj_init,
+        rope_theta=host_rope_theta(spec, key_dim, "choose an even --collab-key-dim"))
 
 
 COLLAB_SLOTS = dict(encoder_self_attn="collab", decoder_self_attn="collab", cross_attn="collab")

@@ -42,9 +42,9 @@ from fairseq.logging.meters import Meter
 
 from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
-from ..modules.pkm_triton import KERNELS
+from ..modules.pkm_triton import KERNELS, KernelUnavailable
 from .registry import Derived
-from .sublayers import register_sublayer, require, to_bool
+from .sublayers import FlagErrors, register_sublayer, require, to_bool
 from .llama import LLAMA, llama_post
 from .transformer import register_arch
 
@@ -316,6 +316,15 @@ def output_form(options: PKMConfig) -> str:
 POOL = "pkm_pool"
 
 
+class FairseqProductKeyMemory(FlagErrors, ProductKeyMemory):
+    """The sublayer: :class:`ProductKeyMemory` whose errors name the flags that set its
+    arguments (``--pkm-kernel`` where the module says ``kernel``)."""
+
+    flag_errors = {KernelUnavailable: lambda e: (
+        f"--pkm-kernel triton cannot run: {e.why}; use --pkm-kernel auto (a checkpoint: "
+        "--model-overrides \"{'pkm_kernel': 'auto'}\")")}
+
+
 @register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
                    tiny={"pkm_n_keys": 8, "pkm_knn": 4, "pkm_k_dim": 16, "pkm_heads": 2},
                    # a token decoded alone and in a batch differs by the rounding of its inputs,
@@ -333,7 +342,7 @@ def build_pkm(spec):
     if o.pkm_shared_values and str(getattr(spec.args, "ddp_backend", "")) == "fully_sharded":
         raise ValueError("--pkm-shared-values cannot be used with --ddp-backend fully_sharded "
                          "(FSDP wraps layers separately): use another --ddp-backend")
-    memory = ProductKeyMemory(
+    memory = FairseqProductKeyMemory(
         spec.embed_dim, spec.embed_dim, n_keys=o.pkm_n_keys, heads=o.pkm_heads, knn=o.pkm_knn,
         k_dim=o.pkm_k_dim, v_dim=v_dim, query_batchnorm=o.pkm_query_batchnorm,
         input_dropout=o.pkm_input_dropout, query_dropout=o.pkm_query_dropout,

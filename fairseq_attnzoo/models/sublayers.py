@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from ..messages.errors import ZooConfigError
 from ..messages.cli_hints import LENGTH_LIMITS, note_length_limit  # noqa: F401  (builders note)
 
 SLOTS = ("self_attn", "cross_attn", "ffn")
@@ -421,6 +422,10 @@ def build_sublayer(name: str, spec: SublayerSpec) -> nn.Module:
     assert spec.slot in entry.slots, f"{name} is a {'/'.join(entry.slots)} module, not {spec.slot}"
     if spec.options is None:
         spec.options = options_for(name, spec.args)
+    if spec.slot != "ffn" and spec.embed_dim % spec.num_heads:  # (the module names its args)
+        raise ZooConfigError(f"--{spec.side}-embed-dim {spec.embed_dim} is not divisible by "
+                             f"--{spec.side}-attention-heads {spec.num_heads}: choose heads that "
+                             "divide it")
     return entry.builder(spec)
 
 
@@ -430,3 +435,18 @@ def tiny_overrides(names) -> Dict[str, Any]:
     for n in names:
         out.update(SUBLAYER_REGISTRY[n].tiny)
     return out
+
+
+class FlagErrors:
+    """Mixin for the class a builder makes of a plain module: the errors that module raises in
+    its own argument names (``max_len``), of the types in :attr:`flag_errors`, are raised again
+    as the one line naming the flags that set those arguments (``--synth-max-len``)."""
+
+    #: exception type -> the flag-worded line for one of them
+    flag_errors: Dict[type, Callable[[Exception], str]] = {}
+
+    def forward(self, *args, **kwargs):
+        try:
+            return super().forward(*args, **kwargs)
+        except tuple(self.flag_errors) as e:  # (evaluated only when something was raised)
+            raise ZooConfigError(self.flag_errors[type(e)](e)) from None

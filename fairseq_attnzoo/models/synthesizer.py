@@ -30,11 +30,12 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from ..modules.synthesizer import (
     COMPONENTS,
     TABLE_KERNELS,
+    SequenceTooLong,
     SynthesizerAttention,
     factorized_dense_sizes,
 )
-from .sublayers import (SublayerSpec, build_options, note_length_limit, register_sublayer,
-                        require)
+from .sublayers import (FlagErrors, SublayerSpec, build_options, note_length_limit,
+                        register_sublayer, require)
 from .transformer import host_rope_theta, register_arch
 
 logger = logging.getLogger(__name__)
@@ -133,16 +134,32 @@ def _log_mixture(module: SynthesizerAttention, name: str):
     module.register_forward_hook(hook)
 
 
+class FairseqSynthesizerAttention(FlagErrors, SynthesizerAttention):
+    """The sublayer: :class:`SynthesizerAttention` whose errors name the flags that set its
+    arguments (``--synth-max-len`` where the module says ``max_len``)."""
+
+    flag_errors = {SequenceTooLong: lambda e: (
+        f"sequence length {e.length} (the first dimension of time-first [T, B, C] inputs) "
+        f"exceeds the synthesizer max length {e.max_len}: raise --synth-max-len (or keep "
+        "--max-source-positions/--max-target-positions/--tokens-per-sample within it so longer "
+        "examples are skipped)")}
+
+
 def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> SynthesizerAttention:
     o: SynthesizerConfig = spec.options
     _check_positions(spec, o.synth_max_len)
+    rope_theta = host_rope_theta(spec)
+    if rope_theta is not None and "vanilla" not in components:
+        raise ValueError(f"rotary positions need a q.k product: the Synthesizer "
+                         f"{'+'.join(components)} has none (its tables are its positions); "
+                         "drop --rope or add the vanilla component")
     note_length_limit("--synth-max-len", o.synth_max_len)  # named when fairseq skips examples
-    module = SynthesizerAttention(
+    module = FairseqSynthesizerAttention(
         spec.embed_dim, spec.num_heads, components=components, max_len=o.synth_max_len,
         dropout=spec.attention_dropout, freeze_random=freeze or o.synth_freeze_random,
         factor_a=o.synth_factor_a, factor_b=o.synth_factor_b, rank=o.synth_rank,
         share_heads=o.synth_share_heads, table_kernel=str(o.synth_table_kernel),
-        rope_theta=host_rope_theta(spec))
+        rope_theta=rope_theta)
     if len(components) > 1:
         _log_mixture(module, f"mix_{spec.side[:3]}{spec.layer_idx}_{components[0]}")
     return module

@@ -157,11 +157,20 @@ def _check_host(args, names: Dict[str, List[str]]):
                 f"{' or '.join(ROPE_ATTENTION)}")
 
 
-def host_rope_theta(spec) -> Optional[float]:
+def host_rope_theta(spec, rotated: Optional[int] = None, fix: str = "") -> Optional[float]:
     """For an attention builder: the RoPE base when --rope is on and ``spec`` is a
-    self-attention (encoder-decoder attention is never rotated), else None."""
+    self-attention (encoder-decoder attention is never rotated), else None. ``rotated``: the
+    width RoPE turns in pairs (default: the head size); odd, one line naming ``fix`` (default:
+    the side's head and width flags)."""
     if spec.slot != "self_attn" or not _host(spec.args, "rope"):
         return None
+    width = rotated or spec.embed_dim // spec.num_heads
+    if width % 2:
+        side = spec.side
+        raise ZooConfigError(
+            f"--rope turns feature pairs, but the {side} self-attention's rotated width is "
+            f"{width} (odd): " + (fix or f"choose --{side}-embed-dim / --{side}-attention-heads "
+                                  f"= {spec.embed_dim} / {spec.num_heads} with an even quotient"))
     return float(_host(spec.args, "rope_theta"))
 
 

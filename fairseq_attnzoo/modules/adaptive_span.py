@@ -52,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention import bool_mask
 from .constrained import UnitIntervalParameter
 from .persistent_memory import PersistentMemory
 from .precision import Float32Module, float32_region, mask_value
@@ -256,7 +257,8 @@ class AdaptiveSpanAttention(nn.Module):
     * ``memory [B, T_m, C]``: hidden states of the previous positions (Transformer-XL cache), or
     * ``past_kv``: projected keys and values ``[B, H, T_m, d_h]`` of the previous positions
       (incremental decoding)
-    * ``key_padding_mask [B, T_m + M]`` (True = pad) over previous + current positions
+    * ``key_padding_mask [B, T_m + M]`` (True = pad, or any mask ``nn.MultiheadAttention``
+      takes) over previous + current positions
 
     Returns ``(out [B, M, C], (k, v))`` where ``(k, v)`` are previous + current keys/values when
     ``past_kv`` was given (to be cached), else None.
@@ -269,15 +271,15 @@ class AdaptiveSpanAttention(nn.Module):
                  exclude_self: bool = False, kernel: str = "auto"):
         super().__init__()
         if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by {num_heads} heads: change "
-                             "--decoder-attention-heads or --decoder-embed-dim")
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}: "
+                             "choose num_heads dividing embed_dim")
         if kernel not in KERNELS:
             raise ValueError(f"adaptive-span kernel must be one of {', '.join(KERNELS)}, "
                              f"got {kernel!r}")
         if kernel == "sdpa" and (persistent_slots > 0 or not renorm):
-            raise ValueError("--adaptive-span-kernel sdpa needs the renormalised span mask and no "
-                             "persistent memory: drop --adaptive-span-no-renorm / "
-                             "--persistent-memory-size, or use --adaptive-span-kernel auto")
+            raise ValueError("kernel='sdpa' needs the renormalised span mask and no persistent "
+                             "memory (renorm=True, persistent_slots=0): pass those, or "
+                             "kernel='auto'")
         self.kernel = kernel
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -357,7 +359,10 @@ class AdaptiveSpanAttention(nn.Module):
                              f"key_pe [1, d_h = {self.head_dim}, S = {self.max_span}] to forward, "
                              "or build the module with own_key_pe=True")
         self._check_layout(x, memory, past_kv, key_padding_mask)
+        key_padding_mask = bool_mask(key_padding_mask)
         m = x.size(1)
+        if m == 0:  # no positions: an empty output, the cache as it was
+            return self.out_proj(x), past_kv
         z = self.mask.spans(x)
         prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
         n_prev = 0 if prev is None else prev.size(-2)
@@ -367,7 +372,7 @@ class AdaptiveSpanAttention(nn.Module):
         keep = min(n_prev, span - 1 + shift)  # previous positions inside the window
         pad = None
         if key_padding_mask is not None:
-            pad = key_padding_mask[:, n_prev - keep:key_padding_mask.size(1) - shift].to(torch.bool)
+            pad = key_padding_mask[:, n_prev - keep:key_padding_mask.size(1) - shift]
 
         new_kv = None
         if past_kv is not None:
@@ -582,9 +587,15 @@ def host_span_maxima(masks: List[AdaptiveMask], extra: Sequence[Tensor] = ()
 
 
 def span_penalty(model: nn.Module) -> Optional[Tensor]:
-    """lambda * sum over layers of the mean span (None if the model has no adaptive span)."""
-    losses = [m.loss() for m in span_masks(model) if m.span_loss > 0]
-    return torch.stack(losses).sum() if losses else None
+    """lambda * sum over layers of the mean span, a float32 scalar (zero where every lambda is 0,
+    so ``loss + span_penalty(model)`` always works; None if the model has no adaptive span)."""
+    masks = list(span_masks(model))
+    if not masks:
+        return None
+    losses = [m.loss() for m in masks if m.span_loss > 0]
+    if not losses:
+        return next(masks[0].parameters()).new_zeros((), dtype=torch.float32)
+    return torch.stack(losses).sum()
 
 
 def clamp_spans(model: nn.Module) -> int:

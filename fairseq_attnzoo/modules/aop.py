@@ -165,6 +165,8 @@ class AttentionOverParameters(ZooFeedForward):
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
         # position-wise: [T, B, C] is just T·B independent tokens; pads are computed and ignored
+        # (the mask checked all the same: a mask of another layout is a mistake upstream)
+        self.padding(x, padding_mask)
         t, b, _ = x.shape
         n = t * b
         q = self.q_proj(x).view(n, self.heads, self.key_dim)
@@ -188,7 +190,7 @@ class AttentionOverParameters(ZooFeedForward):
         y = y.transpose(1, 2).reshape(padded, self.heads * self.value_dim)
         if padded != n:  # (unpadded: no slice, whose backward would zero-fill and copy)
             y = y[:n]
-        return F.linear(y.view(t, b, -1), w_o)
+        return F.linear(y.view(t, b, self.heads * self.value_dim), w_o)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """``F.scaled_dot_product_attention`` with the logit scale √h_p, under
@@ -216,13 +218,12 @@ class AttentionOverParameters(ZooFeedForward):
 
         why = aop_triton.why_unavailable(q, self.key_dim, self.value_dim)
         if why is not None:
-            raise ValueError(f"--aop-kernel triton cannot run: {why}; use --aop-kernel sdpa (a "
-                             "checkpoint: --model-overrides \"{'aop_kernel': 'sdpa'}\")")
+            raise aop_triton.KernelUnavailable(why)
         v, c = ((self._dropped_values(self.value_scale), 1.0) if self._dropping()
                 else (self.values, self.value_scale))
         k, v = self.keys.to(q.dtype), v.to(q.dtype)  # (autocast: q is in the autocast dtype)
         y = aop_triton.attention(q, k, v, self.key_scale, c)
-        return self.out_proj(y.view(t, b, -1))
+        return self.out_proj(y.view(t, b, self.heads * self.value_dim))
 
     def extra_repr(self) -> str:
         return (f"h_p={self.heads}, d_pk={self.key_dim}, d_pv={self.value_dim}, n_p={self.slots}, "

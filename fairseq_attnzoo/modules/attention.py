@@ -3,8 +3,9 @@ and the base class every attention replacement derives from.
 
 Everything that is easy to get subtly wrong is written here once:
 
-* **Masking**: key padding masks (``True`` = pad) and fairseq's causal ``attn_mask`` (float ``-inf``
-  above the diagonal, or bool) are merged into one boolean "blocked" mask, and turned into additive
+* **Masking**: key padding masks (``True`` = pad; every form ``nn.MultiheadAttention`` takes, made
+  bool by :func:`bool_mask`) and fairseq's causal ``attn_mask`` (float ``-inf`` above the
+  diagonal, or bool) are merged into one boolean "blocked" mask, and turned into additive
   logits with a *finite* minimum (:func:`.precision.mask_value`), so a fully padded query row
   yields a uniform distribution instead of NaN.
 * **Incremental decoding**: per-token tensors (keys, values, synthesized inputs, ...) are appended to
@@ -55,8 +56,37 @@ except ImportError:  # pragma: no cover - torch-only use
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
 
+#: float mask entries at or below this are blocked: -inf, and fairseq's finite stand-ins (-1e8,
+#: or -1e4 in float16) for it
+BLOCKED_AT = -1e4
+
+
+def bool_mask(mask: Optional[Tensor], name: str = "key_padding_mask",
+              check: bool = True) -> Optional[Tensor]:
+    """A mask in any form ``nn.MultiheadAttention`` takes, as the bool mask it stands for (True =
+    masked; a bool mask as it is): an integer mask (uint8 too) as bool (nonzero = masked); a float
+    mask as the additive mask it is (0 attends, -inf or another large negative masks). A float
+    mask with any other entry (a soft bias, 1.0 meant as True) stands for no bool mask: refused in
+    one line (``check``; the values are read to the host, for float masks only). Every module of
+    the package takes its padding masks through this function."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return mask != 0
+    blocked = mask <= BLOCKED_AT
+    if check:
+        odd = ~(blocked | (mask == 0))
+        if bool(odd.any()):
+            raise ValueError(
+                f"{name} of dtype {str(mask.dtype).replace('torch.', '')} is an additive mask (0 "
+                f"attends, -inf masks) but holds {mask[odd][0].item()!r}: pass a bool mask "
+                "(True = pad), 0/1 integers, or only 0 and -inf")
+    return blocked
+
+
 def positions_from_padding(padding_mask: Optional[Tensor], length: int, device=None) -> Tensor:
     """Absolute positions 0,1,2,... of non-pad tokens ([B, T] or [1, T] if no mask); pads get 0.
+    ``padding_mask``: bool (:func:`bool_mask` makes one of any other).
 
     Matches fairseq's ``make_positions`` up to the offset, so left-padded and unpadded copies of a
     sentence see the same positions."""
@@ -190,7 +220,9 @@ class AttnContext:
                     f"[{self.q_len}, {k_len}] for these inputs (time-first [T, B, C]): pass "
                     "query/key as [T, B, C] and a mask of exactly that size")
             # fairseq passes -inf (decoder), -1e8 or -1e4 (encoder layer, fp16) for blocked entries
-            am = am if am.dtype == torch.bool else am <= -1e4
+            # (its values not checked: fairseq hands a float one to every pass, and a host read
+            # of it would be a GPU synchronisation per pass)
+            am = bool_mask(am, "attn_mask", check=False)
             mask = am[-self.q_len:, -k_len:].to(device).view(1, 1, self.q_len, k_len)
         if self.key_padding_mask is not None:
             pad = self.key_padding_mask.to(device=device, dtype=torch.bool)[:, -k_len:]
@@ -263,12 +295,17 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
     :class:`AttnContext`, returning ``[B, Tq, C]``.
     """
 
+    #: the weights come from the query alone (Synthesizer): ``key`` and ``value`` must be None
+    #: or equal ``query`` (compared by value where they are other tensors, as a user calling
+    #: ``attn(norm(x), norm(x), norm(x))`` expects), and nothing is cached as encoder keys
+    self_attention_only = False
+
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
         super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(
-                f"embed_dim {embed_dim} is not divisible by attention heads {num_heads}: "
-                "change --*-attention-heads or --*-embed-dim")
+                f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}: choose "
+                "num_heads dividing embed_dim")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
@@ -290,6 +327,12 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
                     f"key_padding_mask has shape {list(key_padding_mask.shape)} but should be "
                     f"[B, T_k] = [{bsz}, {src}] for time-first inputs [T, B, C]: pass query/key "
                     "as [T, B, C] and the padding mask as [B, T]")
+            if key_padding_mask.dtype != torch.bool:  # once for the layers of a mask_scope
+                mask = key_padding_mask
+                key_padding_mask = _derived((mask,), "bool padding", lambda: bool_mask(mask))
+        if self.self_attention_only:
+            self._check_self_attention(query, key, value, static_kv)
+            key = None
         # one batch-first copy of each input, read by all of a module's projections (an nn.Linear
         # on the transposed view would copy it again to flatten, once per projection)
         x_q = query.transpose(0, 1).contiguous()
@@ -305,6 +348,19 @@ class ZooAttention(FairseqIncrementalState, nn.Module):
 
     def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
         raise NotImplementedError
+
+    def _check_self_attention(self, query: Tensor, key: Optional[Tensor],
+                              value: Optional[Tensor], static_kv: bool):
+        """For :attr:`self_attention_only`: key and value None, ``query`` itself (fairseq's
+        call), or tensors equal to it (one comparison each, only then)."""
+        def same(t: Optional[Tensor]) -> bool:
+            return t is None or t is query or (t.shape == query.shape and torch.equal(t, query))
+
+        if static_kv or not (same(key) and same(value)):
+            raise ValueError(
+                f"{type(self).__name__} is self-attention only (its weights come from the query "
+                "alone): pass key and value equal to query, or None (with static_kv=False); for "
+                "attention over another sequence use ZooMultiheadAttention")
 
     # helpers -----------------------------------------------------------------------------------
     def split_heads(self, x: Tensor, head_dim: Optional[int] = None) -> Tensor:

@@ -35,8 +35,9 @@ class PersistentMemory(nn.Module):
     def __init__(self, num_slots: int, num_heads: int, head_dim: int):
         super().__init__()
         if num_slots <= 0:
-            raise ValueError(f"persistent memory needs at least one slot, got {num_slots}: "
-                             "set --persistent-memory-size to a positive number (or 0 to disable)")
+            raise ValueError(f"persistent memory needs at least one slot, got num_slots "
+                             f"{num_slots}: pass a positive number (AdaptiveSpanAttention: "
+                             "persistent_slots=0 for none)")
         self.num_slots = num_slots
         self.num_heads = num_heads
         self.head_dim = head_dim

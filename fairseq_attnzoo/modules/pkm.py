@@ -505,12 +505,9 @@ class ProductKeyMemory(ZooFeedForward):
         t, b, c = x.shape
         flat = x.reshape(t * b, c)
         keep = None
-        if padding_mask is not None and tuple(padding_mask.shape) != (b, t):
-            raise ValueError(
-                f"PKM padding_mask has shape {list(padding_mask.shape)} but should be [B, T] = "
-                f"[{b}, {t}] for the time-first input x [T, B, C] (a [T, B] mask: transpose it)")
+        padding_mask = self.padding(x, padding_mask)
         if padding_mask is not None:
-            pad = padding_mask.transpose(0, 1).reshape(-1).bool()
+            pad = padding_mask.transpose(0, 1).reshape(-1)
             # the tokens kept, time-major like ``flat``: on CUDA the one host sync of the layer
             keep = (~pad).nonzero().squeeze(1)
             if keep.numel() < t * b:

@@ -376,15 +376,22 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
     return grad_table, grad_w.view(n, m)
 
 
+class KernelUnavailable(ValueError):
+    """``kernel="triton"`` where the kernels cannot run (``why``)."""
+
+    def __init__(self, why: str):
+        self.why = why
+        super().__init__(f"ProductKeyMemory kernel='triton' cannot run: {why}; pass kernel='auto' "
+                         "(the kernels where they run) or 'torch'")
+
+
 def use_kernel(kernel: str, table: Tensor) -> bool:
     """Resolve ``kernel`` ("auto", "triton", "torch") for a read of ``table``."""
     if kernel == "torch":
         return False
     if kernel == "triton":
         if not available(table):
-            raise ValueError(f"--pkm-kernel triton cannot run: {why_unavailable(table)}; use "
-                             "--pkm-kernel auto (a checkpoint: --model-overrides "
-                             "\"{'pkm_kernel': 'auto'}\")")
+            raise KernelUnavailable(why_unavailable(table))
         return True
     return available(table) and table.is_cuda
 

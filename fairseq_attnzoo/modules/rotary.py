@@ -47,8 +47,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, theta: float = 10000.0):
         super().__init__()
         if dim % 2:
-            raise ValueError(f"rotary position embeddings need an even head size, got {dim}: "
-                             "change --*-attention-heads or --*-embed-dim")
+            raise ValueError(f"rotary position embeddings turn feature pairs: dim {dim} is odd; "
+                             "use an even head size embed_dim / num_heads (CollaborativeAttention: "
+                             "an even key_dim), or rope_theta=None")
         self.dim, self.theta = dim, float(theta)
         self._angles: Optional[Tensor] = None  # float32 [T_max, d/2], grown on demand
 
@@ -65,7 +66,7 @@ class RotaryEmbedding(nn.Module):
         """``x [..., T, d]`` (``seq_dim=-2``) or ``[..., T, H, d]`` (``seq_dim=-3``), its first
         token at position ``offset``."""
         angles = self.angles(offset, x.size(seq_dim), x.device)
-        return apply_rotary(x, angles.view(angles.size(0), *[1] * (-seq_dim - 2), -1))
+        return apply_rotary(x, angles.view(angles.size(0), *[1] * (-seq_dim - 2), angles.size(1)))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}"

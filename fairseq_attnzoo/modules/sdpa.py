@@ -57,7 +57,8 @@ class ZooMultiheadAttention(ZooAttention):
         k = self.k_proj(x_kv)
         if self.rotary is not None:  # rotated once, at the keys' own positions, then cached
             b, t, _ = k.shape
-            k = self.rotary(k.view(b, t, self.num_heads, -1), ctx.offset, seq_dim=-3).flatten(2)
+            k = self.rotary(k.view(b, t, self.num_heads, self.head_dim), ctx.offset,
+                            seq_dim=-3).flatten(2)
         kv = ctx.cache(k=k, v=self.v_proj(x_kv))
         return self.split_heads(kv["k"]), self.split_heads(kv["v"])
 

@@ -37,5 +37,6 @@ class SwiGLU(ZooFeedForward):
         self.dropout = dropout  # on the gated hidden units (fairseq's --activation-dropout)
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
+        self.padding(x, padding_mask)  # position-wise: pads are computed and ignored
         h = F.silu(self.w1(x)) * self.w3(x)
         return self.w2(F.dropout(h, p=self.dropout, training=self.training))

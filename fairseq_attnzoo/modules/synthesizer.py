@@ -107,8 +107,25 @@ def _select_positions(table: Tensor, index: Tensor) -> Tensor:
     return out.view(table.shape[:1] + index.shape + table.shape[2:]).transpose(0, 1)
 
 
+class SequenceTooLong(ValueError):
+    """A sequence longer than the synthesized tables: ``length`` positions, ``max_len`` rows (a
+    host words the fix in its own terms: the fairseq sublayer names its flags)."""
+
+    def __init__(self, length: int, max_len: int):
+        self.length, self.max_len = length, max_len
+        super().__init__(
+            f"sequence length {length} (the first dimension of time-first [T, B, C] inputs) "
+            f"exceeds the synthesizer max length {max_len}: build SynthesizerAttention with "
+            f"max_len >= {length}, or pass at most {max_len} positions")
+
+
 class SynthesizerAttention(ZooAttention):
     """Multi-head synthetic self-attention, time-first [T, B, C]; ``components``: mode or mixture.
+
+    Self-attention only: the weights come from the query alone, so ``key`` and ``value`` are
+    None or equal to ``query`` (``attn(x, x, x)``, as ``nn.MultiheadAttention`` is called);
+    others are refused (:attr:`ZooAttention.self_attention_only`). A sequence longer than
+    ``max_len`` raises :class:`SequenceTooLong`.
 
     Args:
         embed_dim, num_heads, dropout: as fairseq's MultiheadAttention (dropout on the weights).
@@ -122,6 +139,8 @@ class SynthesizerAttention(ZooAttention):
         table_kernel: how Random and Factorized Random run, one of :data:`TABLE_KERNELS`.
     """
 
+    self_attention_only = True
+
     def __init__(self, embed_dim: int, num_heads: int, components: Sequence[str] = ("random",),
                  max_len: int = 256, dropout: float = 0.0, freeze_random: bool = False,
                  factor_a: Optional[int] = None, factor_b: Optional[int] = None, rank: int = 32,
@@ -132,7 +151,7 @@ class SynthesizerAttention(ZooAttention):
         if rope_theta is not None and "vanilla" not in components:
             raise ValueError(f"rotary positions need a q.k product: the Synthesizer "
                              f"{'+'.join(components)} has none (its tables are its positions); "
-                             "drop --rope or add the vanilla component")
+                             "pass rope_theta=None or add 'vanilla' to components")
         # RoPE on the vanilla component's Q and K only: the synthesized tables stay absolute
         self.rotary = None if rope_theta is None else RotaryEmbedding(embed_dim // num_heads,
                                                                       rope_theta)
@@ -227,13 +246,9 @@ class SynthesizerAttention(ZooAttention):
         if k_len <= self.max_len:
             return
         pad = ctx.key_padding_mask
-        real = k_len if pad is None else int((~pad.bool()).sum(1).max())
+        real = k_len if pad is None else int((~pad).sum(1).max())
         if real > self.max_len:
-            raise ValueError(
-                f"sequence length {real} (the first dimension of time-first [T, B, C] inputs) "
-                f"exceeds the synthesizer max length {self.max_len}: raise "
-                "--synth-max-len (or keep --max-source-positions/--max-target-positions/"
-                "--tokens-per-sample within it so longer examples are skipped)")
+            raise SequenceTooLong(real, self.max_len)
 
     def _hidden(self, x: Tensor, W1: nn.Linear) -> Tensor:
         """ReLU(X W1 + b1), split per head: [B, T, C] -> [B, H, T, d_h]."""
@@ -381,8 +396,6 @@ class SynthesizerAttention(ZooAttention):
 
     # ---- attention -----------------------------------------------------------------------------
     def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
-        if ctx.static_kv or (x_kv is not None and x_kv is not x_q):
-            raise ValueError("Synthesizer attention is self-attention only: keep --cross-attn mha")
         bsz, tq, d = x_q.shape
         new = {"v": self.v_proj(x_q)}  # G(X)
         if "vanilla" in self.components:
