@@ -514,3 +514,65 @@ def test_memory_with_search_kernel_equals_memory_without(dtype):
     torch.testing.assert_close(gx, ref_gx, **_tol(dtype))
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **_tol(dtype), msg=name)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the kernels run compiled on this device")
+def test_search_kernels_compile_for_an_h100():
+    """The search (float32 and bfloat16 inputs) and both backward kernels compile for sm_90 at the
+    paper's shape (k_dim 256, knn 32; n_keys is not compiled in) -- no GPU needed: a codegen error
+    that the interpreter cannot see (tl.dot, tl.topk of int64, atomics) fails here -- and none
+    spills registers to local memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import test_pkm_triton as t; t.compile_search_for_sm90()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(__file__), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 5, run.stdout
+    for line in lines:
+        name, _, local = line.rpartition(" local ")
+        assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
+
+
+def compile_search_for_sm90():
+    from triton import compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert not pkm_triton.interpreted()
+    search, query_backward, key_backward = pkm_search_triton._kernels()
+    S = pkm_search_triton
+
+    def build(kernel, sig, **constexprs):
+        compiled = compile(ASTSource(kernel, sig, constexprs=constexprs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        return _local_bytes(compiled)
+
+    half, knn = 128, 32
+    block_d, key_block, knn_p = S.search_launch(half, knn, 512)
+    for dt in ("fp32", "bf16"):
+        sig = dict(q=f"*{dt}", keys=f"*{dt}", w_out="*fp32", slot_out="*i32", sub_out="*i32",
+                   n="i32", heads="i32", n_keys="i32", knn="i32", stride_qh="i32",
+                   stride_qn="i32", HALF="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr",
+                   KEY_BLOCK="constexpr", KNN="constexpr", ROWS="constexpr",
+                   PRECISION="constexpr", UPCAST="constexpr")
+        local = build(search, sig, HALF=half, BLOCK_N=S.BLOCK_N, BLOCK_D=block_d,
+                      KEY_BLOCK=key_block, KNN=knn_p, ROWS=S.CANDIDATES // knn_p,
+                      PRECISION=S._precision({"fp32": torch.float32}.get(dt, torch.bfloat16)),
+                      UPCAST=False)
+        print(f"search {dt} local {local}")
+    dt = "bf16"
+    for atomic in (False, True):
+        sig = dict(grad_w="*fp32", w="*fp32", sub="*i32", q=f"*{dt}", keys=f"*{dt}",
+                   grad_q=f"*{dt}", grad_s="*fp32", grad_keys="*fp32", n="i32", heads="i32",
+                   n_keys="i32", knn="i32", stride_qh="i32", stride_qn="i32",
+                   HALF="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr",
+                   KNN="constexpr", ATOMIC="constexpr")
+        local = build(query_backward, sig, HALF=half, BLOCK_N=S.BLOCK_N, BLOCK_D=block_d,
+                      KNN=knn_p, ATOMIC=atomic)
+        print(f"query backward {dt} atomic {atomic} local {local}")
+    sig = dict(grad_s="*fp32", order="*i64", starts="*i64", counts="*i64", q=f"*{dt}",
+               grad_keys="*fp32", heads="i32", knn="i32", n_keys="i32", stride_qh="i32",
+               stride_qn="i32", HALF="constexpr", BLOCK_R="constexpr", BLOCK_D="constexpr")
+    local = build(key_backward, sig, HALF=half, BLOCK_R=S.KEY_ROWS // block_d, BLOCK_D=block_d)
+    print(f"key backward {dt} local {local}")

@@ -58,6 +58,8 @@ BLOCK_N = 16
 #: candidate pairs scored a step: ROWS rows a of the knn x knn pairs (a, b), whose top-knn is
 #: merged into the final top-knn (knn 32: 8 rows, 4 steps)
 CANDIDATES = 256
+#: elements of the key-gradient program's [reads, k_dim/2] tile (32 reads of a 128-wide half)
+KEY_ROWS = 4096
 #: the key-gradient methods; :data:`KEY_BACKWARD` is the default (deterministic)
 KEY_BACKWARDS = ("segment", "atomic")
 KEY_BACKWARD = "segment"
@@ -326,7 +328,7 @@ def _backward(grad_w: Tensor, weights: Tensor, sub: Tensor, query: Tensor, keys:
         starts, counts = pkm_triton.row_ranges(rows_sorted, h * 2 * n_keys)
         key_kernel[(h * 2 * n_keys,)](
             grad_s, order, starts, counts, query, grad_keys, h, knn, n_keys, query.stride(0),
-            query.stride(1), HALF=half, BLOCK_R=max(1, 4096 // block_d), BLOCK_D=block_d,
+            query.stride(1), HALF=half, BLOCK_R=max(1, KEY_ROWS // block_d), BLOCK_D=block_d,
             num_warps=4)
     return grad_q.transpose(0, 1), grad_keys.to(keys.dtype)
 
