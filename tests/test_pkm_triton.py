@@ -576,3 +576,13 @@ def compile_search_for_sm90():
                stride_qn="i32", HALF="constexpr", BLOCK_R="constexpr", BLOCK_D="constexpr")
     local = build(key_backward, sig, HALF=half, BLOCK_R=S.KEY_ROWS // block_d, BLOCK_D=block_d)
     print(f"key backward {dt} local {local}")
+
+
+def test_search_kernel_flag_reaches_the_memory(lm_data):
+    """``--pkm-search-kernel`` (default auto) reaches every memory of a fairseq model."""
+    from zoo_testlib import build
+
+    for flags, expected in (([], "auto"), (["--pkm-search-kernel", "torch"], "torch")):
+        model = build("transformer_lm_pkm", lm_data, flags)[2]
+        kernels = {m.search_kernel for m in model.modules() if isinstance(m, ProductKeyMemory)}
+        assert kernels == {expected}
