@@ -214,13 +214,19 @@ def test_kernels_compile_for_an_h100():
     methods) compiles for sm_90 (in a process where Triton is not in interpreter mode; no GPU
     needed), and none spills registers to local memory (read from the cubin with the cuobjdump
     that Triton ships, where it does)."""
+    _compile_without_spills("compile_for_sm90", 54, timeout=300)
+
+
+def _compile_without_spills(function: str, count: int, timeout: int):
+    """Run this module's ``function`` in a process where Triton is not in interpreter mode; it
+    prints a line ``NAME local BYTES`` per compiled kernel: ``count`` lines, none spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import test_pkm_triton as t; t.compile_for_sm90()"
+    code = f"import test_pkm_triton as t; t.{function}()"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__), timeout=300)
+                         cwd=os.path.dirname(__file__), timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 54, run.stdout
+    assert len(lines) == count, run.stdout
     for line in lines:
         name, _, local = line.rpartition(" local ")
         assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
@@ -522,16 +528,7 @@ def test_search_kernels_compile_for_an_h100():
     paper's shape (k_dim 256, knn 32; n_keys is not compiled in) -- no GPU needed: a codegen error
     that the interpreter cannot see (tl.dot, tl.topk of int64, atomics) fails here -- and none
     spills registers to local memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import test_pkm_triton as t; t.compile_search_for_sm90()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__), timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert len(lines) == 5, run.stdout
-    for line in lines:
-        name, _, local = line.rpartition(" local ")
-        assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
+    _compile_without_spills("compile_search_for_sm90", 5, timeout=600)
 
 
 def compile_search_for_sm90():
