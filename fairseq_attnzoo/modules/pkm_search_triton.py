@@ -7,8 +7,10 @@ The reference is :class:`~fairseq_attnzoo.modules.pkm._ProductTopk` (and the sof
 * both halves' scores ``q^i · C_i`` by ``tl.dot`` (bf16/fp16 in with float32 accumulation; float32
   in as IEEE float32, no TF32), one block of ``KEY_BLOCK`` sub-keys at a time, each block's
   top-knn merged into a running top-knn kept in registers -- no score block in global memory;
-* the knn × knn candidate pairs (a, b) of the two lists, scored ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32
-  (the reference's arithmetic), one row a at a time merged into the final top-knn;
+* all knn × knn candidate pairs (a, b) of the two lists, scored ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32
+  (the reference's arithmetic), a few rows a at a time (:data:`CANDIDATES` pairs), each step's
+  top-knn merged into the final top-knn (the reference skips the pairs that cannot win, those
+  with (a+1)(b+1) > knn; here every pair competes, so the tie rule below holds over all of them);
 * the softmax of the knn final scores (float32).
 
 It writes only the answer: the softmax weights ``[N, H, knn]`` (float32), the slots a·n_keys + b
@@ -16,10 +18,10 @@ It writes only the answer: the softmax weights ``[N, H, knn]`` (float32), the sl
 
 A top-k carries its indices by sorting one integer per element: the score's float32 bits mapped
 to an integer of the same order (negative floats' magnitude bits flipped; -0 counted as +0) in
-the high 32 bits, and ``MAX - index`` in the low 32 bits, so ``tl.topk`` on the packed int64 is
+the high 32 bits, and ``MAX - index`` in the low 31 bits, so ``tl.topk`` on the packed int64 is
 the top-k by score with **ties going to the lower index** (the sub-key id within a half; the slot
 among the candidates) -- the tie rule of this kernel. On random inputs the slots equal the
-reference's; there, ties go wherever ``torch.topk`` puts them (undocumented).
+reference's (whose ties go wherever ``torch.topk`` puts them: undocumented).
 
 Backward (``g`` = ∂L/∂score = w ⊙ (∂L/∂w − Σ w ∂L/∂w), the softmax's backward, in float32):
 
@@ -66,7 +68,7 @@ KEY_BACKWARD = "segment"
 
 _KERNELS = []
 triton = tl = None  # set by _define()
-_pack = _unpack_score = _column = _half_topk = None
+_pack = _unpack_score = _half_topk = None
 
 
 def _kernels():
@@ -76,7 +78,7 @@ def _kernels():
 
 
 def _define():
-    global triton, tl, _pack, _unpack_score, _column, _half_topk  # (found by the kernels here)
+    global triton, tl, _pack, _unpack_score, _half_topk  # (found by the kernels here)
     import triton
     import triton.language as tl
 
@@ -91,11 +93,6 @@ def _define():
     def _unpack_score(packed):
         key = (packed >> 32).to(tl.int32)
         return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _column(x, pos, j, EMPTY: tl.constexpr):
-        """Column j of a [rows, cols] tile whose column numbers are ``pos``."""
-        return tl.max(tl.where(pos[None, :] == j, x, EMPTY), axis=1)
 
     @triton.jit
     def _half_topk(q, keys, h, i, rows, row_ok, n_keys, knn, stride_qh, stride_qn,
@@ -214,7 +211,8 @@ def _define():
         for s in range(0, count, BLOCK_R):
             t = s + tl.arange(0, BLOCK_R)
             t_ok = t < count
-            read = tl.load(order + start + t, mask=t_ok, other=0).to(tl.int64)  # ((n·H+h)·2+i)·knn+j
+            # read ((n·H + h)·2 + i)·knn + j
+            read = tl.load(order + start + t, mask=t_ok, other=0).to(tl.int64)
             nh = read // (2 * knn)
             g = tl.load(grad_s + nh * knn + read % knn, mask=t_ok, other=0)
             qr = tl.load(q + (nh % heads)[:, None] * stride_qh + (nh // heads)[:, None] * stride_qn
