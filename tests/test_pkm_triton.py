@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_attnzoo.modules import pkm_triton
-from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
+from fairseq_attnzoo.modules import pkm_search_triton, pkm_triton
+from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _ProductTopk, _WeightedRowSum
 
 pytestmark = pytest.mark.skipif(not pkm_triton.HAS_TRITON,
                                 reason="Triton is not installed (make install adds it)")
@@ -222,13 +222,19 @@ def test_kernels_compile_for_an_h100():
     methods) compiles for sm_90 (in a process where Triton is not in interpreter mode; no GPU
     needed), and none spills registers to local memory (read from the cubin with the cuobjdump
     that Triton ships, where it does)."""
+    _compile_without_spills("compile_for_sm90", 54, timeout=300)
+
+
+def _compile_without_spills(function: str, count: int, timeout: int):
+    """Run this module's ``function`` in a process where Triton is not in interpreter mode; it
+    prints a line ``NAME local BYTES`` per compiled kernel: ``count`` lines, none spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import test_pkm_triton as t; t.compile_for_sm90()"
+    code = f"import test_pkm_triton as t; t.{function}()"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__), timeout=300)
+                         cwd=os.path.dirname(__file__), timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 54, run.stdout
+    assert len(lines) == count, run.stdout
     for line in lines:
         name, _, local = line.rpartition(" local ")
         assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
@@ -319,3 +325,278 @@ def test_fairseq_train_with_kernels_logs_the_same_losses(sparse, lm_data, tmp_pa
         logs[kernel] = [float(r["loss"]) for r in json_logs(lines, "train_inner")]
     assert len(logs["triton"]) == 4
     assert logs["triton"] == pytest.approx(logs["torch"], abs=1e-3)
+
+
+# ---- the fused product-key search (modules/pkm_search_triton.py) ------------------------------
+
+def _search_problem(dtype, heads=2, n=19, k_dim=16, n_keys=12, seed=5):
+    """Queries as the layer hands them over (a [H, N, k_dim] view of [N, H·k_dim]) and sub-keys
+    [H, 2, n_keys, k_dim/2]; 19 tokens: a full block of 16 and a cut one."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(n, heads, k_dim, generator=g).to(DEVICE, dtype).transpose(0, 1)
+    keys = torch.randn(heads, 2, n_keys, k_dim // 2, generator=g).to(DEVICE, dtype)
+    return query, keys
+
+
+def _reference_search(query, keys, knn):
+    """The PyTorch path in float32 on the same (rounded) inputs: softmax weights, slots."""
+    scores, slots = _ProductTopk.apply(query.float(), keys.float(), knn)
+    return torch.softmax(scores, -1), slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_search_equals_the_reference(dtype):
+    """The fused search finds the reference's slots in the reference's order (fp32, fp16 and bf16
+    inputs; scores accumulated in float32), the sub-key pairs behind them, and its softmax weights
+    agree to float32 rounding (the sums differ only in order); knn not a power of two."""
+    query, keys = _search_problem(dtype)
+    weights, slots, sub = pkm_search_triton.search_op(query, keys, 3)
+    ref_w, ref_slots = _reference_search(query, keys, 3)
+    assert slots.dtype == sub.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(slots.long(), ref_slots)
+    assert torch.equal(sub.long(), torch.stack([ref_slots // 12, ref_slots % 12], 2))
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_search_merges_blocks_of_sub_keys():
+    """Sub-keys scored a block at a time (blocks of 16 of 40, the last cut short; knn 4) give the
+    one-block answer and the reference's."""
+    query, keys = _search_problem(torch.float32, heads=1, n=16, n_keys=40)
+    ref_w, ref_slots = _reference_search(query, keys, 4)
+    for block in (16, None):
+        weights, slots, _ = pkm_search_triton._search(query, keys, 4, key_block=block)
+        assert torch.equal(slots.long(), ref_slots), block
+        torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_search_ties_go_to_the_lower_index():
+    """The documented tie rule on constructed scores (a one-hot query: a score is one key
+    coordinate, exactly): equal half scores -> the lower sub-key id; equal candidate sums -> the
+    lower slot; scores one ulp apart keep their order; -0 ties +0; negative scores rank by value."""
+    n_keys, knn, half = 16, 4, 8
+    query = torch.zeros(1, 16, 2 * half)
+    query[:, :, 0] = query[:, :, half] = 1
+    keys = torch.zeros(1, 2, n_keys, half)
+    one_up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+    # half 1: ids 9 and 3 score one_up and 1.0 (one ulp apart, the higher id ahead), ids 5 and 12
+    # tie at 1.0 with id 3 -> 9, 3, 5, 12; every other id scores below
+    keys[0, 0, :, 0] = torch.linspace(-3, -2, n_keys)
+    keys[0, 0, [9, 3, 5, 12], 0] = torch.tensor([one_up, 1.0, 1.0, 1.0])
+    # half 2: -0.0 (id 2) ties +0.0 (id 7); id 11 at -1e-30 is below both; the rest below -1
+    keys[0, 1, :, 0] = torch.linspace(-5, -1, n_keys)
+    keys[0, 1, [7, 2, 11], 0] = torch.tensor([0.0, -0.0, -1e-30])
+    weights, slots, sub = pkm_search_triton.search_op(query, keys, knn)
+    # sums: 9+{2,7} tie at one_up -> slots 9·16+2, 9·16+7; 9+11 = one_up - 1e-30 rounds to one_up:
+    # a tie made by rounding -> 9·16+11; then 1.0 + 0 for a in {3, 5, 12}: the lowest slot, 3·16+2
+    expected = [9 * n_keys + 2, 9 * n_keys + 7, 9 * n_keys + 11, 3 * n_keys + 2]
+    assert slots[:, 0].tolist() == [expected] * 16
+    assert sub[0, 0].tolist() == [[9, 9, 9, 3], [2, 7, 11, 2]]
+    torch.testing.assert_close(weights[0, 0, :3], torch.full((3,), weights[0, 0, 0].item()))
+    # the half lists alone: a query that reads half 1 only, with all of half 2 tied at 0
+    keys[0, 1] = 0
+    _, slots, _ = pkm_search_triton.search_op(query, keys, knn)
+    assert slots[0, 0].tolist() == [9 * n_keys, 9 * n_keys + 1, 9 * n_keys + 2, 9 * n_keys + 3]
+    query[:, :, 0] = -1  # now the lowest half-1 scores win: linspace(-3, -2) negated, id 0 first
+    _, slots, _ = pkm_search_triton.search_op(query, keys, knn)
+    assert slots[0, 0].tolist() == [0, 1, 2, 3]
+
+
+def _reference_grads(query, keys, knn, up):
+    """torch.autograd through the reference search's scores: the dense half scores gathered at
+    the chosen sub-keys, summed, softmaxed."""
+    q = query.detach().float().requires_grad_(True)
+    k = keys.detach().float().requires_grad_(True)
+    _, slots = _ProductTopk.apply(q.detach(), k.detach(), knn)
+    half = k.size(-1)
+    n_keys = k.size(2)
+    s1 = torch.einsum("hnd,hkd->nhk", q[..., :half], k[:, 0]).gather(-1, slots // n_keys)
+    s2 = torch.einsum("hnd,hkd->nhk", q[..., half:], k[:, 1]).gather(-1, slots % n_keys)
+    (torch.softmax(s1 + s2, -1) * up).sum().backward()
+    return q.grad, k.grad
+
+
+@pytest.mark.parametrize("method", pkm_search_triton.KEY_BACKWARDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_search_backward_equals_autograd(dtype, method):
+    """The lean backward (query gradient gathered over the chosen sub-keys; sub-key gradient by
+    a sorted segment sum or float32 atomics into [H, 2, n_keys, k_dim/2]) equals autograd through
+    the reference search, in the inputs' dtypes; the segment sum repeats bit for bit."""
+    query, keys = _search_problem(dtype, n=17, n_keys=12)
+    up = torch.randn(17, 2, 3, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    weights, slots = _reference_search(query, keys, 3)  # (the search's answer, without running it)
+    sub = torch.stack([slots // 12, slots % 12], 2).int()
+    grads = [pkm_search_triton.search_backward_op(up, weights, sub, query, keys, method)
+             for _ in range(2 if method == "segment" else 1)]
+    grad_q, grad_k = grads[0]
+    ref_q, ref_k = _reference_grads(query, keys, 3, up)
+    assert grad_q.dtype == grad_k.dtype == dtype and grad_q.shape == query.shape
+    torch.testing.assert_close(grad_q.float(), ref_q, **_tol(dtype))
+    torch.testing.assert_close(grad_k.float(), ref_k, **_tol(dtype))
+    if method == "segment":
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+
+
+def test_search_autograd_through_the_custom_op():
+    """``search`` is differentiable through the registered op: torch.autograd's gradients of a
+    loss on its weights equal the reference's (the default key backward)."""
+    query, keys = _search_problem(torch.float32, n=16, n_keys=12)
+    q, k = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
+    up = torch.randn(16, 2, 3, generator=torch.Generator().manual_seed(2))
+    weights, slots = pkm_search_triton.search(q, k, 3)
+    (weights * up).sum().backward()
+    ref_q, ref_k = _reference_grads(query, keys, 3, up)
+    torch.testing.assert_close(q.grad, ref_q, **_tol(torch.float32))
+    torch.testing.assert_close(k.grad, ref_k, **_tol(torch.float32))
+    assert not slots.requires_grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_search_ops_fake_shapes_on_meta(dtype):
+    """The custom ops' fake implementations (what torch.compile traces with) give the kernels'
+    shapes, dtypes and strides on the meta device, and check the keys' shape there too."""
+    query = torch.empty(7, 3, 16, device="meta", dtype=dtype).transpose(0, 1)  # [H 3, N 7, 16]
+    keys = torch.empty(3, 2, 10, 8, device="meta", dtype=dtype)
+    weights, slots, sub = pkm_search_triton.search_op(query, keys, 4)
+    assert (weights.shape, weights.dtype) == ((7, 3, 4), torch.float32)
+    assert (slots.shape, slots.dtype) == ((7, 3, 4), torch.int32)
+    assert (sub.shape, sub.dtype) == ((7, 3, 2, 4), torch.int32)
+    grad_q, grad_k = pkm_search_triton.search_backward_op(weights, weights, sub, query, keys,
+                                                          "segment")
+    assert grad_q.shape == query.shape and grad_q.stride() == query.stride()
+    assert grad_q.dtype == grad_k.dtype == dtype and grad_k.shape == keys.shape
+    with pytest.raises(ValueError, match=r"keys must be \[H, 2, n_keys, k_dim/2\]"):
+        pkm_search_triton.search_op(query, keys[:, :, :, :4], 4)
+    with pytest.raises(ValueError, match=r"knn must be in 1..n_keys \(10\), got 11"):
+        pkm_search_triton.search_op(query, keys, 11)
+
+
+def test_search_compiles_whole_with_its_backward():
+    """``torch.compile(fullgraph=True)`` takes a function calling the search (forward and
+    backward through the custom ops' autograd rule: no graph break) and gives eager's result."""
+    query, keys = _search_problem(torch.float32, heads=1, n=16, n_keys=12)
+    up = torch.randn(16, 1, 3, generator=torch.Generator().manual_seed(2))
+
+    def loss(q, k):
+        return (pkm_search_triton.search(q, k, 3)[0] * up).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        q, k = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
+        value = fn(q, k)
+        value.backward()
+        results.append((value, q.grad, k.grad))
+    for got, ref in zip(*results):
+        torch.testing.assert_close(got, ref)
+
+
+def test_search_kernel_choice(monkeypatch):
+    """auto: the search kernel on CUDA only; triton where it cannot run: one line with the fix."""
+    query, keys = _search_problem(torch.float32)
+    assert pkm_search_triton.use_kernel("triton", query, keys, 3)
+    assert not pkm_search_triton.use_kernel("auto", query, keys, 3)
+    assert not pkm_search_triton.use_kernel("torch", query, keys, 3)
+    with pytest.raises(ValueError, match=r"search_kernel='triton' cannot run: .*knn <= 128.*"
+                                         r"pass search_kernel='torch'") as e:
+        pkm_search_triton.use_kernel("triton", query, keys, 129)
+    assert "\n" not in str(e.value) and "--" not in str(e.value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"cannot run: the queries are on cpu"):
+        pkm_search_triton.use_kernel("triton", query, keys, 3)
+    from fairseq_attnzoo.models.pkm import FairseqProductKeyMemory
+
+    hosted = FairseqProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8,
+                                     search_kernel="triton")
+    with pytest.raises(ValueError, match=r"^--pkm-search-kernel triton cannot run: the queries "
+                                         r"are on cpu.*--pkm-search-kernel torch") as e:
+        hosted(torch.randn(4, 2, 16))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="PKM kernel must be one of auto, triton, torch"):
+        ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, search_kernel="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_memory_with_search_kernel_equals_memory_without(dtype):
+    """A whole layer (batch norm, padding, search, value read) gives the same output and the
+    same gradient on every parameter with ``search_kernel="triton"`` and ``"torch"``."""
+    results = []
+    for kernel in ("triton", "torch"):
+        torch.manual_seed(0)
+        m = ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="torch",
+                             search_kernel=kernel).to(DEVICE, dtype)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(6, 3, 16, generator=g).to(DEVICE, dtype).requires_grad_(True)
+        pad = torch.zeros(3, 6, dtype=torch.bool, device=DEVICE)
+        pad[1, 3:] = True
+        out = m(x, pad)
+        out.backward(torch.randn(out.shape, generator=g).to(DEVICE, dtype))
+        results.append((out, x.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (out, gx, grads), (ref, ref_gx, ref_grads) = results
+    assert "search_kernel=triton" in repr(m) or kernel == "torch"
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    torch.testing.assert_close(gx, ref_gx, **_tol(dtype))
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **_tol(dtype), msg=name)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the kernels run compiled on this device")
+def test_search_kernels_compile_for_an_h100():
+    """The search (float32 and bfloat16 inputs) and both backward kernels compile for sm_90 at the
+    paper's shape (k_dim 256, knn 32; n_keys is not compiled in) -- no GPU needed: a codegen error
+    that the interpreter cannot see (tl.dot, tl.topk of int64, atomics) fails here -- and none
+    spills registers to local memory."""
+    _compile_without_spills("compile_search_for_sm90", 5, timeout=600)
+
+
+def compile_search_for_sm90():
+    from triton import compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert not pkm_triton.interpreted()
+    search, query_backward, key_backward = pkm_search_triton._kernels()
+    S = pkm_search_triton
+
+    def build(kernel, sig, **constexprs):
+        compiled = compile(ASTSource(kernel, sig, constexprs=constexprs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        return _local_bytes(compiled)
+
+    half, knn = 128, 32
+    block_d, key_block, knn_p = S.search_launch(half, knn, 512)
+    for dt in ("fp32", "bf16"):
+        sig = dict(q=f"*{dt}", keys=f"*{dt}", w_out="*fp32", slot_out="*i32", sub_out="*i32",
+                   n="i32", heads="i32", n_keys="i32", knn="i32", stride_qh="i32",
+                   stride_qn="i32", HALF="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr",
+                   KEY_BLOCK="constexpr", KNN="constexpr", ROWS="constexpr",
+                   PRECISION="constexpr", UPCAST="constexpr")
+        local = build(search, sig, HALF=half, BLOCK_N=S.BLOCK_N, BLOCK_D=block_d,
+                      KEY_BLOCK=key_block, KNN=knn_p, ROWS=S.CANDIDATES // knn_p,
+                      PRECISION=S._precision({"fp32": torch.float32}.get(dt, torch.bfloat16)),
+                      UPCAST=False)
+        print(f"search {dt} local {local}")
+    dt = "bf16"
+    for atomic in (False, True):
+        sig = dict(grad_w="*fp32", w="*fp32", sub="*i32", q=f"*{dt}", keys=f"*{dt}",
+                   grad_q=f"*{dt}", grad_s="*fp32", grad_keys="*fp32", n="i32", heads="i32",
+                   n_keys="i32", knn="i32", stride_qh="i32", stride_qn="i32",
+                   HALF="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr",
+                   KNN="constexpr", ATOMIC="constexpr")
+        local = build(query_backward, sig, HALF=half, BLOCK_N=S.BLOCK_N, BLOCK_D=block_d,
+                      KNN=knn_p, ATOMIC=atomic)
+        print(f"query backward {dt} atomic {atomic} local {local}")
+    sig = dict(grad_s="*fp32", order="*i64", starts="*i64", counts="*i64", q=f"*{dt}",
+               grad_keys="*fp32", heads="i32", knn="i32", n_keys="i32", stride_qh="i32",
+               stride_qn="i32", HALF="constexpr", BLOCK_R="constexpr", BLOCK_D="constexpr")
+    local = build(key_backward, sig, HALF=half, BLOCK_R=S.KEY_ROWS // block_d, BLOCK_D=block_d)
+    print(f"key backward {dt} local {local}")
+
+
+def test_search_kernel_flag_reaches_the_memory(lm_data):
+    """``--pkm-search-kernel`` (default torch: the fused kernel has not run on a GPU yet) reaches
+    every memory of a fairseq model."""
+    from zoo_testlib import build
+
+    for flags, expected in (([], "torch"), (["--pkm-search-kernel", "auto"], "auto")):
+        model = build("transformer_lm_pkm", lm_data, flags)[2]
+        kernels = {m.search_kernel for m in model.modules() if isinstance(m, ProductKeyMemory)}
+        assert kernels == {expected}

@@ -42,6 +42,7 @@ from fairseq.logging.meters import Meter
 
 from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
+from ..modules.pkm_search_triton import SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
 from .registry import Derived
 from .sublayers import FlagErrors, register_sublayer, require, to_bool
@@ -119,6 +120,13 @@ class PKMConfig(FairseqDataclass):
         metadata={"help": "PKM value read and its gradients: auto = fused Triton kernels on CUDA "
                   "when Triton is importable, the PyTorch reference otherwise; triton / torch "
                   "force one (same function; the kernels accumulate in float32); default auto"})
+    pkm_search_kernel: ChoiceEnum(list(KERNELS)) = field(  # type: ignore
+        default="torch",
+        metadata={"help": "PKM product-key search (top-k of both halves, the candidate pairs, "
+                  "the softmax) and its backward: auto = one fused Triton kernel on CUDA when "
+                  "Triton is importable, the PyTorch reference otherwise; triton / torch force "
+                  "one (same slots; ties go to the lower index); default torch until the "
+                  "fused kernel has been measured on a GPU (stage memory)"})
     pkm_encoder_layers: Optional[str] = field(
         default=None,
         metadata={"help": "transformer_pkm: encoder layers (0-based, comma-separated) whose FFN "
@@ -322,7 +330,10 @@ class FairseqProductKeyMemory(FlagErrors, ProductKeyMemory):
 
     flag_errors = {KernelUnavailable: lambda e: (
         f"--pkm-kernel triton cannot run: {e.why}; use --pkm-kernel auto (a checkpoint: "
-        "--model-overrides \"{'pkm_kernel': 'auto'}\")")}
+        "--model-overrides \"{'pkm_kernel': 'auto'}\")"),
+        SearchUnavailable: lambda e: (
+        f"--pkm-search-kernel triton cannot run: {e.why}; use --pkm-search-kernel torch (a "
+        "checkpoint: --model-overrides \"{'pkm_search_kernel': 'torch'}\")")}
 
 
 @register_sublayer("pkm", slots=("ffn",), options=PKMConfig,
@@ -348,7 +359,8 @@ def build_pkm(spec):
         input_dropout=o.pkm_input_dropout, query_dropout=o.pkm_query_dropout,
         value_dropout=o.pkm_value_dropout, sparse=sparse_values(spec.args, o.pkm_sparse),
         values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm,
-        kernel=str(o.pkm_kernel), residual_dropout=o.pkm_residual_dropout)
+        kernel=str(o.pkm_kernel), residual_dropout=o.pkm_residual_dropout,
+        search_kernel=str(o.pkm_search_kernel))
     if o.pkm_shared_values and pool is None:
         spec.shared[POOL] = memory.values
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,

@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import pkm_triton
+from . import pkm_search_triton, pkm_triton
 from .constants import cached_constant
 from .feedforward import ZooFeedForward
 from .precision import Float32Module, compute_dtype, float32_region
@@ -332,7 +332,8 @@ class ProductKeyMemory(ZooFeedForward):
                  query_dropout: float = 0.0, value_dropout: float = 0.0, sparse: bool = False,
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
                  qk_norm: bool = False, swilu: str = "off", init: str = "xlm",
-                 kernel: str = "auto", residual_dropout: bool = False):
+                 kernel: str = "auto", residual_dropout: bool = False,
+                 search_kernel: str = "torch"):
         super().__init__()
         #: whether a host layer applies its residual dropout to this layer's output (read by
         #: the fairseq layers); off, as in both references: XLM adds the memory's output to the
@@ -342,6 +343,10 @@ class ProductKeyMemory(ZooFeedForward):
         #: value read and its gradients: "auto" = the Triton kernels (pkm_triton) on CUDA when
         #: Triton is importable, else the PyTorch reference; "triton" / "torch" force one
         self.kernel = pkm_triton.check_kernel(kernel)
+        #: the product-key search and its backward: "auto" = the fused Triton kernel
+        #: (pkm_search_triton) on CUDA when it can run, else :class:`_ProductTopk`; "triton" /
+        #: "torch" force one
+        self.search_kernel = pkm_triton.check_kernel(search_kernel)
         if gated:  # the pre-issue-23 name of the legacy gated output
             swilu = "legacy" if swilu == "off" else swilu
         if swilu not in SWILU_FORMS:
@@ -466,11 +471,14 @@ class ProductKeyMemory(ZooFeedForward):
 
     def lookup(self, query: Tensor) -> Tuple[Tensor, Tensor]:
         """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn]."""
+        n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
         # scores and the top-k in float32: in fp16/bf16 near-equal scores tie or swap ranks
+        if pkm_search_triton.use_kernel(self.search_kernel, query, self.keys, self.knn):
+            weights, indices = pkm_search_triton.search(query.float(), self.sub_keys(), self.knn)
+            return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
         with float32_region(query.device):
             scores, indices = _ProductTopk.apply(query.float(), self.sub_keys(), self.knn)
             weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
-        n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
         return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
 
     def values_read(self, x: Tensor, dropped: bool = False) -> Tensor:
@@ -529,4 +537,5 @@ class ProductKeyMemory(ZooFeedForward):
                 + (f", init={self.init}" if self.init != "xlm" else "")
                 + (", qk_norm" if self.qk_norm else "")
                 + (f", kernel={self.kernel}" if self.kernel != "auto" else "")
+                + (f", search_kernel={self.search_kernel}" if self.search_kernel != "torch" else "")
                 + (", residual_dropout" if self.residual_dropout else ""))

@@ -220,7 +220,8 @@ def _pkm_layer(p, device, dtype):
     if kernel not in _kernels(device):
         raise RuntimeError(f"{kernel} kernel not available on {device}")
     m = ProductKeyMemory(p["d"], p["d"], n_keys=p["n_keys"], heads=p["heads"], knn=p["knn"],
-                         k_dim=p["k_dim"], sparse=sparse == "sparse", kernel=kernel)
+                         k_dim=p["k_dim"], sparse=sparse == "sparse", kernel=kernel,
+                         search_kernel=kernel)
     return fwd_bwd(on(m, device, dtype), tokens(p, device, dtype))
 
 
@@ -233,6 +234,61 @@ add(Kernel("pkm", "layer-vs-ffn", {
     note="a whole memory layer (query net, batch norm, product-key search, read), ours and "
          "lucidrains' product-key-memory 0.3.0 (peer, when installed), vs the FFN (d_ff 4d) it "
          "replaces"))
+
+
+def _sort_search(q, k, knn):
+    """Today's search with full sorts for its top-ks: weights, slots."""
+    half, n_keys = k.size(-1), k.size(2)
+    (s1, i1), (s2, i2) = (torch.bmm(q[..., h * half:(h + 1) * half], k[:, h].transpose(1, 2))
+                          .sort(-1, descending=True) for h in range(2))
+    s, best = (s1[..., :knn, None] + s2[..., None, :knn]).flatten(-2).sort(-1, descending=True)
+    a, b = best[..., :knn].div(knn, rounding_mode="floor"), best[..., :knn] % knn
+    return torch.softmax(s[..., :knn], -1), i1.gather(-1, a) * n_keys + i2.gather(-1, b)
+
+
+def _search(p, device, dtype):
+    """The search alone, or its backward: today's (torch.topk), sorts, the fused kernel (which
+    first checks that it finds the reference's slots on this device); queries [H, N, k_dim] as a
+    view of [N, H·k_dim], as the layer hands them over."""
+    from fairseq_attnzoo.modules import pkm_search_triton as fused
+    from fairseq_attnzoo.modules.pkm import _ProductTopk
+
+    dt, grad = (dtype if p["inputs"] == "dtype" else torch.float32), p["impl"] == "topk"
+    q = randn(p["tokens"], p["heads"], p["k_dim"], device=device, dtype=dt).transpose(0, 1)
+    q = q.detach().requires_grad_(grad)
+    k = randn(p["heads"], 2, p["n_keys"], p["k_dim"] // 2, device=device, dtype=dt, grad=grad)
+    ref = _ProductTopk.apply(q.float(), k.float(), p["knn"])
+    if p["impl"] != "fused" and p["pass"] == "forward" or p["impl"] == "sort":
+        return lambda: (_sort_search if p["impl"] == "sort" else _ProductTopk.apply)(q, k, p["knn"])
+    if p["impl"] == "topk":
+        return lambda: torch.autograd.grad(ref[0].softmax(-1), (q, k), ref[0], retain_graph=True)
+    if "triton" not in _kernels(device):
+        raise RuntimeError("no Triton on this device")
+    w, slots, sub = fused.search_op(q, k, p["knn"])
+    if not torch.equal(slots.long(), ref[1]):
+        raise RuntimeError("the fused search's slots differ from the reference's here")
+    if p["pass"] == "forward":
+        return lambda: fused.search_op(q, k, p["knn"])
+    return lambda: fused.search_backward_op(w, w, sub, q, k, p["impl"])
+
+
+def _search_work(p, dtype):  # forward: the score GEMMs; backward: the rows gathered, q, ∂q
+    n, e = p["tokens"] * p["heads"], 4 if p["inputs"] == "float32" else dtype.itemsize
+    if p["pass"] == "forward":
+        return "flops", 2 * n * p["n_keys"] * p["k_dim"]
+    return "bytes", (2 * n * p["knn"] * p["k_dim"] + 2 * n * p["k_dim"]) * e
+
+
+for _pass, _impls in (("forward", [("sort", "float32"), ("fused", "float32"), ("fused", "dtype")]),
+                      ("backward", [(m, i) for m in ("segment", "atomic")
+                                    for i in ("float32", "dtype")])):
+    add(Kernel("pkm", f"search-{_pass}", {s: [
+        dict(base, n_keys=n, impl=m, inputs=i, **{"pass": _pass}) for n in keys for m, i in _impls]
+        for s, base, keys in (("paper", PKM_PAPER, (512, 1024)), ("tiny", PKM_TINY, (8,)))},
+        _search, lambda p, dev, dt: _search(dict(p, impl="topk", inputs="float32"), dev, dt),
+        work=_search_work, note=f"the product-key search's {_pass} vs today's (torch.topk, "
+        "float32): sorts; the fused Triton kernel (key gradient by segment sum or atomics) on "
+        "float32 or --dtype inputs"))
 
 
 # ---- Synthesizer ----------------------------------------------------------------------------

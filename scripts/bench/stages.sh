@@ -27,9 +27,11 @@ if [ "${1:-}" = plan ] || [ "${1:-}" = run ]; then  # one line, not a traceback 
         "and fairseq from $FROM: install there first (docs/performance.md, \"Offline clusters\")" >&2
         exit 2; }
 fi
-# a stage: harness calls separated by ";" (the GPU issue's stages 1-5 first, then the rest); on an
-# H100 a transformer-base run of this corpus takes 60-90 s (its first epoch builds cuDNN plans)
-ORDER=(baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest lm span kernels
+# a stage: harness calls separated by ";" (the memory layer's kernels first: issue 54; then the
+# GPU issue's stages 1-5, then the rest); on an H100 a transformer-base run of this corpus takes
+# 60-90 s (its first epoch builds cuDNN plans). memory: kernel rows only (about 50 rows at
+# 10-40 ms a sample plus the Triton compiles: minutes, not a visit's 8)
+ORDER=(memory baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest lm span kernels
        decode attention sweep memory-lm precision)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
 # calls of it skip that extra run. mt-bf16-rest profiles 10 warm updates of every run (AOP's
@@ -37,6 +39,7 @@ ORDER=(baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest
 # at 4x the tokens per update, against the baseline at 8,192 (a host-bound step runs faster per
 # token with a larger batch)
 declare -A STAGES=(
+    [memory]="device pkm/search-forward pkm/search-backward pkm/value-read pkm/layer-vs-ffn aop/sublayer-vs-ffn"
     [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; --arch transformer --precision bf16 --repeats 1"
     [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0"
     [mt-bf16-rest]="translation/train --only aop collab pkm --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0 --profile 10"
