@@ -552,3 +552,20 @@ def test_interactive_on_sentencepiece_data_without_bpe(sentencepiece_run):
                     "no --bpe is given", "--bpe sentencepiece --sentencepiece-model")
     code, lines = cli(*run, str(root / "pieces.txt"), stdout_too=True)  # written in pieces
     assert code == 0 and any(x.startswith("H-0") for x in lines), lines[-5:]
+
+
+def test_sacrebleu_scorer_does_not_call_fairseq_s_own_tokenization_a_mistake(caplog):
+    """fairseq's --scoring sacrebleu tokenizes (13a) and hands sacrebleu tokenize='none': sacrebleu
+    warned 'It looks like you forgot to detokenize your test data' on every run of 100+ sentences
+    ending in '.'. The score is the same."""
+    import logging
+
+    from fairseq.scoring import build_scorer
+
+    scorer = build_scorer("sacrebleu", None)
+    for i in range(120):
+        scorer.add_string(f"The cat number {i} sat.", f"The cat number {i} sat.")
+    with caplog.at_level(logging.WARNING, logger="sacrebleu"):
+        assert scorer.score() == pytest.approx(100.0)
+        assert "BLEU = 100.00" in scorer.result_string()
+    assert not [r for r in caplog.records if "detokenize" in r.getMessage()], caplog.text

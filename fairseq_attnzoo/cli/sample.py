@@ -84,9 +84,6 @@ def main(argv: List[str] = None) -> int:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     from fairseq_attnzoo.compat import bpe_name, sentencepiece_without_bpe
-    from fairseq_attnzoo.messages.cli_hints import root_log_level
-
-    root_log_level(anywhere=True)  # fairseq's imports left it at DEBUG: hydra's DEBUG lines
 
     args = options.parse_args_and_arch(build_parser(), argv)
     if args.path is None:

@@ -170,7 +170,7 @@ register(Patch(
     "that its job's errors reach the hook", always, cli_hints.install))
 
 register(Patch(
-    "fairseq_root_log_level", "the root logger's level (fairseq-* console scripts only)",
+    "fairseq_root_log_level", "the root logger's level (fairseq-* and attnzoo-* console scripts)",
     "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
     "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "

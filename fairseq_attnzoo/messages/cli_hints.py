@@ -700,10 +700,11 @@ def debug_root_logger() -> Optional[str]:
     return "fairseq.models.wav2vec.wav2vec2_classification no longer sets the root logger to DEBUG"
 
 
-def root_log_level(anywhere: bool = False):
-    """In a console script (``anywhere``: in any program, e.g. ``attnzoo-sample``), a root logger
-    left at DEBUG goes back to ``$LOGLEVEL`` (INFO) (compat entry ``fairseq_root_log_level``)."""
+def root_log_level():
+    """In a console script, ours (``attnzoo-sample``) too, a root logger left at DEBUG goes back to
+    ``$LOGLEVEL`` (INFO) (compat entry ``fairseq_root_log_level``)."""
     root = logging.getLogger()
     wanted = os.environ.get("LOGLEVEL", "INFO").upper()
-    if (anywhere or in_console_script()) and root.level == logging.DEBUG and wanted != "DEBUG":
+    ours = in_console_script() or program().startswith("attnzoo-")
+    if ours and root.level == logging.DEBUG and wanted != "DEBUG":
         root.setLevel(wanted)
