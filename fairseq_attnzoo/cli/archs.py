@@ -195,7 +195,7 @@ def _help(action: argparse.Action, width: int = 100) -> str:
 
 
 def detail(arch: str) -> str:
-    from fairseq_attnzoo.models.sublayers import SLOT_FLAGS, SUBLAYER_REGISTRY
+    from fairseq_attnzoo.models.sublayers import SLOT_FLAGS
 
     model = model_name(arch)
     args = vars(arch_config(arch))

@@ -604,7 +604,7 @@ fix("fairseq_interactive_bpe_check", "fairseq_cli.interactive:make_batches",
     checking_bpe, "53e9b96853c3f008")
 
 
-# ---- fairseq-train: resuming with other host options ----------------------------------------------
+# ---- fairseq-train: resuming with other host options ---------------------------------------------
 
 def resume_mismatch(path: str, current) -> Optional[str]:
     """The one line refusing to resume the checkpoint ``path`` with host options (--norm, --rope,
@@ -734,7 +734,7 @@ register(Patch(
     _no_save_no_folder))
 
 
-# ---- sacrebleu: fairseq's own tokenization is not a forgotten detokenization ----------------------
+# ---- sacrebleu: fairseq's own tokenization is not a forgotten detokenization ---------------------
 
 def forcing_tokenized(score):
     """``SacrebleuScorer._score`` whose ``corpus_bleu`` gets ``force=True``: fairseq tokenizes

@@ -157,11 +157,15 @@ def model_flag_differences(stored, current):
         model_cls.add_args(parser)
     except Exception:  # an unusual model: nothing to compare
         return []
+    from ..models.transformer import HOST_FLAGS  # (a checkpoint from before them: the default)
+
     out = []
     for action in parser._actions:
         if not action.option_strings:
             continue
         before, now = _cfg_get(stored, action.dest), _cfg_get(current, action.dest)
+        if before is None and action.dest in HOST_FLAGS:
+            before = HOST_FLAGS[action.dest][0]
         if before != now:
             out.append(f"{action.option_strings[0]} {before} (checkpoint) vs {now} (this run)")
     return out
@@ -290,7 +294,7 @@ def _hint_not_a_language_model(exc, text, data):
     arch = stored_arch(path) if path != "the checkpoint" else None
     what = f"a translation model (--arch {arch})" if arch else "a translation model"
     return (f"{path} is {what}: fairseq-eval-lm scores language models; score a translation "
-            f"model with fairseq-generate {data or 'DATA'} --path {path} (BLEU) or "
+            f"model on its translation data with fairseq-generate DATA --path {path} (BLEU) or "
             "fairseq-validate (loss)")
 
 
@@ -328,8 +332,8 @@ def _hint_checkpoint_of_another_task(exc, text, data):
     if trained in LM_TASKS:
         return (f"{path} is a language model (trained with --task {trained}) and this run's task "
                 f"is {now}: {program()} translates with a translation checkpoint; score a "
-                f"language model with fairseq-eval-lm {data or 'DATA'} --path {path}, or continue "
-                "text with attnzoo-sample")
+                f"language model on its own data with fairseq-eval-lm DATA --path {path}, or "
+                "continue text with attnzoo-sample")
     return (f"{path} is a translation model (trained with --task {trained}) and this run's task "
             f"is {now}: translate with fairseq-generate / fairseq-interactive (--task "
             f"{trained}), or pass a language model's checkpoint")
@@ -576,7 +580,8 @@ def interrupted_line(exc: BaseException) -> Optional[str]:
     restore = _cfg_get(cfg, "restore_file") or _argv_value("--restore-file") or "checkpoint_last.pt"
     no_save = _cfg_get(cfg, "no_save") if cfg is not None else "--no-save" in sys.argv
     if no_save:
-        return "interrupted: nothing was saved (--no-save); the same command starts again at update 0"
+        return ("interrupted: nothing was saved (--no-save); the same command starts again at "
+                "update 0")
     last = os.path.join(save_dir, "checkpoint_last.pt")
     state = load_stored(last) if os.path.exists(last) else None
     if state is None and os.path.exists(last):  # the interrupt cut its copy short
