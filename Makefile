@@ -2,7 +2,8 @@
 #   make test   install (.venv) + the full test suite (CI; prints the 15 slowest tests)
 #               (make test-fast: the edit loop, without the end-to-end runs marked slow)
 #   make demo   install + prepare the offline German-English corpus + train/generate/score a table
-#               + a picture report (docs/demo/README.md)
+#               + a picture report, under work/demo/ (DEMO_ARGS=--publish: the tracked
+#               docs/demo_results.md and docs/demo/README.md)
 # Also: make install, make data, make bench, make clean-venv
 
 PY      ?= python3

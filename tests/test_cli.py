@@ -94,6 +94,73 @@ def test_sample_from_the_data_dir_of_another_dictionary(tmp_path, lm_data):
     assert "\n" not in message
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_lm(tmp_path_factory):
+    """A tiny LM on SentencePiece-like text (every word a '▁' piece): (data, checkpoint)."""
+    root = tmp_path_factory.mktemp("spm_lm")
+    make_mono_text(str(root))
+    for split in ("train", "valid", "test"):
+        path = root / f"{split}.txt"
+        path.write_text("\n".join(" ".join("▁" + w for w in line.split())
+                                  for line in path.read_text().splitlines()) + "\n")
+    preprocess(["--only-source", "--trainpref", f"{root}/train.txt", "--validpref",
+                f"{root}/valid.txt", "--destdir", f"{root}/bin", "--workers", "1"])
+    run_cli("train", [f"{root}/bin", "--save-dir", f"{root}/ck", *TINY_LM])
+    return f"{root}/bin", f"{root}/ck/checkpoint_last.pt"
+
+
+def test_sample_on_sentencepiece_data_without_bpe_is_refused(sentencepiece_lm, capsys):
+    """Every word of the prompt used to become <unk> but one, silently."""
+    data, ckpt = sentencepiece_lm
+    common = [data, "--path", ckpt, "--cpu", "--len", "3"]
+    with pytest.raises(SystemExit) as e:
+        sample_cli.main(common + ["--prompt", "w1 w3 w5"])
+    message = str(e.value)
+    assert "the dictionary holds SentencePiece pieces" in message and "no --bpe" in message
+    assert "--bpe sentencepiece --sentencepiece-model" in message and "\n" not in message
+    assert sample_cli.main(common + ["--prompt", "▁w1 ▁w3"]) == 0  # written in pieces
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("▁w1 ▁w3")
+
+
+def test_sample_console_script_prints_no_debug_lines(sentencepiece_lm):
+    """attnzoo-sample printed hydra's DEBUG:hydra.core.utils lines (fairseq's imports leave the
+    root logger at DEBUG)."""
+    data, ckpt = sentencepiece_lm
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "attnzoo-sample"), data,
+                          "--path", ckpt, "--cpu", "--len", "2", "--prompt", "▁w1"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not [x for x in out.stderr.splitlines() if "DEBUG" in x], out.stderr[-2000:]
+
+
+def test_archs_shows_on_off_flags_by_name_and_the_attention_the_host_builds(capsys):
+    """attnzoo_lm_llama_small showed '--no-rope True' / '--no-proj-bias False' (read as the
+    opposite of what the arch does) and 'mha ... (stock)' for the ZooMultiheadAttention it
+    builds."""
+    assert archs_cli.main(["attnzoo_lm_llama_small"]) == 0
+    text = capsys.readouterr().out
+    lines = [x.strip() for x in text.splitlines()]
+    assert "--rope" in lines and "--no-proj-bias" in lines
+    assert not any(x.startswith(("--no-rope", "--proj-bias")) for x in lines), text
+    mha = next(x for x in lines if x.startswith("mha: "))
+    assert "ZooMultiheadAttention" in mha and "(stock)" not in mha
+    assert archs_cli.main([]) == 0
+    llama = capsys.readouterr().out.split("attnzoo_lm_llama_small  [")[1].split("\n\n")[0]
+    assert "--rope --no-proj-bias" in llama and "True" not in llama.split("preset:")[1].split(
+        "--no-token")[0], llama
+
+
+def test_plot_help_is_plain_text(capsys):
+    """attnzoo-plot --help printed the docstring's reStructuredText (``KIND``, ====)."""
+    from fairseq_attnzoo.cli import plot
+
+    assert plot.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "====" not in text
+    assert all(kind in text for kind in plot.KINDS) and "usage: attnzoo-plot KIND" in text
+
+
 @pytest.mark.slow
 def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp_path):
     """``pip install .`` (not editable) of a copy of the package: every console command runs from

@@ -108,6 +108,48 @@ def test_row_key_changes_with_commands_and_parent(tmp_path):
     assert child.cached() is None  # nothing on disk
 
 
+def _fake_run(monkeypatch, tmp_path, *args):
+    """``demo.main`` with the rows' training replaced by a finished result and the report by a
+    recorder: {"stdout", "report": the folder the report was written to}, files under tmp_path."""
+    (tmp_path / "data").mkdir(parents=True)
+    (tmp_path / "data" / "dict.de.txt").write_text("")
+    result = {"arch": "transformer", "params": 10, "memory_params": 0, "wps": 1.0, "train_s": 2,
+              "bleu": 3.0, "chrf": 4.0}
+    monkeypatch.setattr(demo, "run_rows", lambda rows, jobs, threads, rerun: (
+        {"transformer": result}, []))
+    from scripts.demo import report
+
+    written = {}
+
+    def write_report(rows, docs, data, command):
+        written["report"] = docs
+        return os.path.join(docs, "README.md")
+
+    monkeypatch.setattr(report, "write_report", write_report)
+    out = tmp_path / "work"
+    demo.main(["--archs", "transformer", "--lm-archs", "none", "--data", str(tmp_path / "data"),
+               "--out", str(out), *args])
+    return written
+
+
+def test_a_run_writes_its_results_under_out_and_publishes_only_when_asked(monkeypatch, tmp_path,
+                                                                          capsys):
+    """``make demo`` rewrote the tracked docs/demo_results.md (and docs/demo/) with this machine's
+    speeds: a run writes under --out; --publish writes the tracked pages."""
+    published = (tmp_path / "docs" / "demo_results.md", tmp_path / "docs" / "demo")
+    monkeypatch.setattr(demo, "PUBLISHED", tuple(str(p) for p in published))
+    assert demo.PUBLISHED != (os.path.join(ROOT, "docs/demo_results.md"),
+                              os.path.join(ROOT, "docs/demo"))
+    written = _fake_run(monkeypatch, tmp_path)
+    out = tmp_path / "work"
+    assert "| transformer |" in (out / "demo_results.md").read_text()
+    assert written["report"] == str(out / "report") and not published[0].exists()
+    written = _fake_run(monkeypatch, tmp_path / "again", "--publish")
+    assert "| transformer |" in published[0].read_text()
+    assert written["report"] == str(published[1])
+    assert not (tmp_path / "again" / "work" / "demo_results.md").exists()
+
+
 # ---- the picture report, from a tiny fake demo run (the sweep's tiny checkpoints) --------------
 
 def _row(out, name, run):

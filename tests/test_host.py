@@ -374,3 +374,32 @@ def test_attention_sublayer_heads_must_divide_the_width(mt_data):
                                               "--encoder-attention-heads", "5"])
     assert str(err.value) == ("--encoder-embed-dim 12 is not divisible by "
                               "--encoder-attention-heads 5: choose heads that divide it")
+
+
+@pytest.mark.parametrize("arch", ["attnzoo_transformer", "attnzoo_lm"])
+def test_decoder_hands_fairseq_attention_masks_of_one_type(arch, mt_data, lm_data):
+    """The decoder's self-attention got fairseq's float future mask beside its boolean padding
+    mask: torch's "Support for mismatched key_padding_mask and attn_mask is deprecated" on every
+    training run. The boolean future mask gives the same output as the float one."""
+    import warnings
+
+    from zoo_testlib import is_lm
+
+    args, task, model, _ = build(arch, lm_data if is_lm(arch) else mt_data, lm_extra(arch))
+    sample = sweep_batch(task, args)
+    tokens, enc = decoder_inputs(model, arch, sample["net_input"])
+    assert tokens.eq(task.target_dictionary.pad()).any()  # a padded batch
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.decoder(tokens, encoder_out=enc)[0]
+    assert not [w for w in caught if "mismatched" in str(w.message)], [str(w.message)
+                                                                       for w in caught]
+    # (the float mask, as fairseq's own decoder layer passes it: the same output)
+    from fairseq_attnzoo.models import transformer as host
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "_future_mask_like", lambda attn_mask, *rest: attn_mask)
+        ref = model.decoder(tokens, encoder_out=enc)[0]
+    keep = tokens.ne(task.target_dictionary.pad()).unsqueeze(-1)
+    assert torch.equal(out * keep, ref * keep)

@@ -369,3 +369,211 @@ def test_examples_skipped_for_max_tokens_name_it_and_nothing_left_is_one_line(tm
     said = [x for x in lines if "'train' examples" in x]
     assert len(said) == 1 and "2 of 3 'train' examples" in said[0] and \
         "longer than --max-tokens 500" in said[0], said
+
+
+# ---- issue 56: the newcomer's path, fourth round -------------------------------------------------
+
+def _eval(program, data, ckpt, *flags):
+    return cli(program, data, "--user-dir", USER_DIR, "--cpu", "--path", ckpt, *flags)
+
+
+def test_eval_lm_of_a_translation_checkpoint(trained, lm_data):
+    """Used to end in AttributeError: 'TransformerModel' object has no attribute
+    'supported_targets'."""
+    run = trained("attnzoo_transformer")
+    code, lines = _eval("fairseq-eval-lm", lm_data, run.ckpt)
+    assert_one_line(code, lines, f"{run.ckpt} is a translation model (--arch "
+                    "attnzoo_transformer)", "fairseq-eval-lm scores language models",
+                    "fairseq-generate")
+
+
+def test_misspelled_remove_bpe_value(trained):
+    """Used to end in a 32-line traceback and 'Unknown post_process option'."""
+    run = trained("attnzoo_transformer")
+    code, lines = _eval("fairseq-generate", run.data, run.ckpt, "--gen-subset", "test", "--beam",
+                        "1", "--remove-bpe", "sentencepeice")
+    assert_one_line(code, lines, "--remove-bpe sentencepeice is not a value fairseq knows",
+                    "did you mean --remove-bpe sentencepiece?")
+
+
+def test_generate_with_a_language_model_checkpoint(trained, mt_data):
+    """Used to blame the dictionary sizes (the LM's data has other symbols)."""
+    run = trained("attnzoo_lm")
+    code, lines = _eval("fairseq-generate", mt_data, run.ckpt, "--gen-subset", "test", "--beam",
+                        "1")
+    last = assert_one_line(code, lines, f"{run.ckpt} is a language model (trained with --task "
+                           "language_modeling)", "this run's task is translation",
+                           "fairseq-eval-lm")
+    assert "dictionary of" not in last
+
+
+def _cut_in_half(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("program", ["fairseq-generate", "fairseq-train"])
+def test_truncated_checkpoint_names_the_file_and_those_that_load(trained, tmp_path, program):
+    """A save cut short (a crash, a full disk): 'PytorchStreamReader failed reading zip archive'
+    after a traceback, in generate and in a resume."""
+    from zoo_testlib import sweep_train_flags
+
+    run = trained("attnzoo_transformer")
+    folder = run.copy_to(tmp_path / "ckpt")
+    last = os.path.join(folder, "checkpoint_last.pt")
+    _cut_in_half(last)
+    if program == "fairseq-generate":
+        code, lines = _eval(program, run.data, last, "--gen-subset", "test", "--beam", "1")
+        fix = f"pass --path {folder}/checkpoint_best.pt"
+    else:
+        code, lines = cli(program, *sweep_train_flags("attnzoo_transformer", run.data, folder, 4))
+        fix = f"resume with --restore-file {folder}/checkpoint_best.pt"
+    assert_one_line(code, lines, f"{last} is not a whole checkpoint", "cut short",
+                    f"these in {folder} load: checkpoint_best.pt (update 3)", fix)
+
+
+def test_no_save_creates_no_checkpoint_folder(mt_data, tmp_path):
+    code, lines = train(mt_data, "--arch", "transformer", cwd=tmp_path)
+    assert code == 0, lines[-5:]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_absent_biases_are_not_logged_as_shared_parameters(mt_data, tmp_path):
+    """--no-proj-bias logged a 'detected shared parameter' line per absent bias; the tied
+    embedding is still found."""
+    code, lines = train(mt_data, "--arch", "attnzoo_transformer", "--no-proj-bias",
+                        "--share-decoder-input-output-embed", stdout_too=True, cwd=tmp_path)
+    assert code == 0, lines[-5:]
+    shared = [x for x in lines if "detected shared parameter" in x]
+    assert len(shared) == 1 and "decoder.embed_tokens.weight <- " \
+        "decoder.output_projection.weight" in shared[0], shared
+
+
+LLAMA = "attnzoo_lm_llama_small"
+
+
+@pytest.mark.parametrize("flags,words", [
+    # same parameter shapes: fairseq loaded it without a word
+    (["--no-rope"], ["--rope True (checkpoint) vs False (this run)",
+                     "--rope-theta 500000.0 (checkpoint) vs 10000.0 (this run)"]),
+    (["--rope-theta", "20000"], ["--rope-theta 500000.0 (checkpoint) vs 20000.0 (this run)"]),
+    # other shapes: refused before fairseq's "please ensure that the architectures match"
+    (["--norm", "layernorm"], ["--norm rmsnorm (checkpoint) vs layernorm (this run)"]),
+    (["--proj-bias"], ["--proj-bias False (checkpoint) vs True (this run)"]),
+    (["--decoder-ffn", "ffn"], ["--decoder-ffn swiglu (checkpoint) vs ffn (this run)"]),
+])
+def test_resume_with_other_host_options_names_them(trained, tmp_path, flags, words):
+    from zoo_testlib import sweep_train_flags
+
+    run = trained(LLAMA)
+    folder = run.copy_to(tmp_path / "ckpt")
+    code, lines = cli("fairseq-train", *sweep_train_flags(LLAMA, run.data, folder, 4), *flags)
+    assert_one_line(code, lines, *words, "resume with the checkpoint's values")
+
+
+def test_resume_with_the_same_host_options_resumes(trained, tmp_path):
+    from zoo_testlib import sweep_train_flags
+
+    run = trained(LLAMA)
+    folder = run.copy_to(tmp_path / "ckpt")
+    code, lines = cli("fairseq-train", *sweep_train_flags(LLAMA, run.data, folder, 4),
+                      stdout_too=True)
+    assert code == 0, lines[-5:]
+    assert any("num_updates" in x and '"4"' in x for x in lines), lines[-5:]
+
+
+def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
+    """SIGINT to a real fairseq-train after it saved a checkpoint: one line naming the checkpoint
+    and its update, not a KeyboardInterrupt traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from zoo_testlib import sweep_train_flags
+
+    save = str(tmp_path / "ckpt")
+    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
+        "--save-interval-updates", "40", "--save-interval", "1000", "--log-format", "simple",
+        "--disable-validation"]  # (one save every 40 updates, none at an epoch's end)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("ATTNZOO_TRACEBACK", None)
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=str(tmp_path))
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "Saved checkpoint" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines += [x for x in rest.splitlines() if x.strip()]
+    import torch
+
+    state = torch.load(f"{save}/checkpoint_last.pt", map_location="cpu", weights_only=False)
+    update = state["optimizer_history"][-1]["num_updates"]
+    assert update and update % 40 == 0
+    assert_one_line(proc.returncode or 1, lines, f"interrupted: {save}/checkpoint_last.pt holds "
+                    f"update {update}", "the same command resumes from it")
+    assert not any("KeyboardInterrupt" in x for x in lines), lines[-10:]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_run(tmp_path_factory):
+    """SentencePiece-like translation data (every word a '▁' piece) and a transformer trained one
+    update on it: (data, checkpoint, folder)."""
+    from zoo_testlib import make_parallel_text, preprocess
+
+    root = tmp_path_factory.mktemp("spm_data")
+    make_parallel_text(str(root), n_train=40, n_valid=8, n_test=8)
+    for name in os.listdir(root):
+        path = root / name
+        path.write_text("\n".join(" ".join("▁" + w for w in line.split())
+                                  for line in path.read_text().splitlines()) + "\n")
+    preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{root}/train",
+                "--validpref", f"{root}/valid", "--testpref", f"{root}/test", "--destdir",
+                f"{root}/bin", "--joined-dictionary", "--workers", "1"])
+    data = f"{root}/bin"
+    code, lines = cli("fairseq-train", data, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--max-update", "1", "--optimizer", "adam", "--lr", "1e-3",
+                      *TINY_MT, "--arch", "transformer", "--save-dir", str(root / "ckpt"),
+                      "--disable-validation", "--no-epoch-checkpoints")
+    assert code == 0, lines[-5:]
+    return data, str(root / "ckpt" / "checkpoint_last.pt"), root
+
+
+def test_interactive_on_sentencepiece_data_without_bpe(sentencepiece_run):
+    """Used to translate '<unk> <unk> ...' with exit 0."""
+    data, ckpt, root = sentencepiece_run
+    (root / "words.txt").write_text("s1 s2 s3\n")
+    (root / "pieces.txt").write_text("▁s1 ▁s2 ▁s3\n")
+    run = ("fairseq-interactive", data, "--user-dir", USER_DIR, "--cpu", "--path", ckpt,
+           "--beam", "1", "--source-lang", "src", "--target-lang", "tgt", "--input")
+    code, lines = cli(*run, str(root / "words.txt"))
+    assert_one_line(code, lines, "the dictionary holds SentencePiece pieces",
+                    "no --bpe is given", "--bpe sentencepiece --sentencepiece-model")
+    code, lines = cli(*run, str(root / "pieces.txt"), stdout_too=True)  # written in pieces
+    assert code == 0 and any(x.startswith("H-0") for x in lines), lines[-5:]
+
+
+def test_sacrebleu_scorer_does_not_call_fairseq_s_own_tokenization_a_mistake(caplog):
+    """fairseq's --scoring sacrebleu tokenizes (13a) and hands sacrebleu tokenize='none': sacrebleu
+    warned 'It looks like you forgot to detokenize your test data' on every run of 100+ sentences
+    ending in '.'. The score is the same."""
+    import logging
+
+    from fairseq.scoring import build_scorer
+
+    scorer = build_scorer("sacrebleu", None)
+    for i in range(120):
+        scorer.add_string(f"The cat number {i} sat.", f"The cat number {i} sat.")
+    with caplog.at_level(logging.WARNING, logger="sacrebleu"):
+        assert scorer.score() == pytest.approx(100.0)
+        assert "BLEU = 100.00" in scorer.result_string()
+    assert not [r for r in caplog.records if "detokenize" in r.getMessage()], caplog.text

@@ -37,6 +37,7 @@ def test_parallel_text_to_data_bin_and_the_remove_bpe_to_score_it(tmp_path, caps
     for name in ("dict.es.txt", "dict.en.txt", "train.es-en.es.bin", "test.es-en.en.idx"):
         assert (out / "bin" / name).is_file(), name
     assert "--remove-bpe sentencepiece" in printed and f"{out}/bin" in printed
+    assert f"--bpe sentencepiece --sentencepiece-model {out}/spm.model" in printed  # interactive
     from fairseq.data import Dictionary
 
     from fairseq_attnzoo.compat import segmentation_counts
@@ -56,6 +57,12 @@ def test_text_to_language_model_data_bin(tmp_path, capsys):
     assert (tmp_path / "lm" / "bin" / "dict.txt").is_file()
     assert (tmp_path / "lm" / "bin" / "train.bin").is_file()
     assert "fairseq-eval-lm" in printed and "--task language_modeling" in printed
+    # the eval-lm command pasted as printed evaluates blocks of the length the model was trained
+    # on (eval-lm's default is 1024: a model trained on shorter blocks refuses it)
+    train, eval_lm = (next(x for x in printed.splitlines() if c in x)
+                      for c in ("fairseq-train", "fairseq-eval-lm"))
+    assert "--tokens-per-sample 512" in train and "--tokens-per-sample 512" in eval_lm
+    assert f"--sentencepiece-model {tmp_path}/lm/spm.model" in printed  # attnzoo-sample's
 
 
 def test_mistakes_are_one_line(tmp_path, capsys):

@@ -126,6 +126,31 @@ def _value(v) -> str:
     return "(unset)" if v is None else str(v)
 
 
+def _setting(dest: str, value, action: Optional[argparse.Action] = None) -> str:
+    """How a user gives ``value`` to the flag of ``dest``: an on/off flag (``--rope`` /
+    ``--no-rope``) by its name alone, any other as ``--flag VALUE``."""
+    if isinstance(action, argparse.BooleanOptionalAction) and isinstance(value, bool):
+        return action.option_strings[0 if value else 1]
+    return f"{action.option_strings[-1] if action else _flag(dest)} {_value(value)}"
+
+
+def _description(name: str, args: argparse.Namespace) -> str:
+    """What sublayer ``name`` builds under the arch's settings ``args``: fairseq's stock attention
+    and FFN change under the host options (``models/transformer.py``)."""
+    from fairseq_attnzoo.models.sublayers import SUBLAYER_REGISTRY
+    from fairseq_attnzoo.models.transformer import _host, stock_host
+
+    if name == "mha" and not stock_host(args):
+        changed = " and ".join(what for what, on in (
+            ("rotary positions (--rope)", _host(args, "rope")),
+            ("no biases (--no-proj-bias)", not _host(args, "proj_bias"))) if on)
+        return (f"ZooMultiheadAttention (fairseq MultiheadAttention's parameters, with {changed}; "
+                "fairseq's own has no rotary hook)")
+    if name == "ffn" and not _host(args, "proj_bias"):
+        return "fairseq position-wise FFN fc1-act-fc2 without biases (--no-proj-bias)"
+    return SUBLAYER_REGISTRY[name].description
+
+
 def summary() -> str:
     from fairseq_attnzoo.models.sublayers import SLOT_FLAGS
 
@@ -139,7 +164,8 @@ def summary() -> str:
         else:
             slots = "its own layer stack (no slot flags)"
         pre = presets(arch)
-        pre_text = " ".join(f"{_flag(k)} {_value(v)}" for k, v in pre.items()
+        actions = {a.dest: a for a in model_flags(model_name(arch))}
+        pre_text = " ".join(_setting(k, v, actions.get(k)) for k, v in pre.items()
                             if k not in SLOT_FLAGS)
         lines.append(f"{arch}  [{task_of(arch)}, model {model_name(arch)}]\n"
                      f"    sublayers: {slots}" + (f"\n    preset: {pre_text}" if pre_text else ""))
@@ -169,7 +195,7 @@ def _help(action: argparse.Action, width: int = 100) -> str:
 
 
 def detail(arch: str) -> str:
-    from fairseq_attnzoo.models.sublayers import SLOT_FLAGS, SUBLAYER_REGISTRY
+    from fairseq_attnzoo.models.sublayers import SLOT_FLAGS
 
     model = model_name(arch)
     args = vars(arch_config(arch))
@@ -181,7 +207,8 @@ def detail(arch: str) -> str:
         lines.append("  the model's own layer stack (no slot flags)")
     for attr, names in plan.items():
         slot, side, _ = SLOT_FLAGS[attr]
-        descr = "; ".join(f"{n}: {SUBLAYER_REGISTRY[n].description}" for n in dict.fromkeys(names))
+        descr = "; ".join(f"{n}: {_description(n, arch_config(arch))}"
+                          for n in dict.fromkeys(names))
         lines.append(f"  {side} {slot} ({_flag(attr)}): {_runs(names)}")
         lines.append(f"      {descr}")
     actions = {a.dest: a for a in model_flags(model)}
@@ -198,7 +225,7 @@ def detail(arch: str) -> str:
         lines += ["", f"{title}:"]
         for d in dests:
             a = actions[d]
-            lines.append(f"  {a.option_strings[-1]} {_value(args.get(d, a.default))}")
+            lines.append(f"  {_setting(d, args.get(d, a.default), a)}")
             if a.help:
                 lines.append(_help(a))
     return "\n".join(lines)

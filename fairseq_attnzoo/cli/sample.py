@@ -83,6 +83,8 @@ def main(argv: List[str] = None) -> int:
     from fairseq.models import FairseqEncoderDecoderModel
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+    from fairseq_attnzoo.compat import bpe_name, sentencepiece_without_bpe
+
     args = options.parse_args_and_arch(build_parser(), argv)
     if args.path is None:
         _fail("--path CHECKPOINT is required")
@@ -120,6 +122,9 @@ def main(argv: List[str] = None) -> int:
     if byte_level:
         prefix = encode_bytes(args.prompt, d)
     else:
+        line = sentencepiece_without_bpe(d, bpe_name(cfg.bpe), [args.prompt])
+        if line:
+            _fail(line)
         text = args.prompt
         if tokenizer is not None:
             text = tokenizer.encode(text)

@@ -183,9 +183,12 @@ def apply_all() -> Dict[str, str]:
         p.apply()
         _STATUS[p.name] = APPLIED
         new.append(p.name)
-    if new:  # one line per process
-        logger.info(f"compat patches: {', '.join(new)} (fairseq_attnzoo/compat; opt out with "
-                    f"{ENV_DISABLE}=NAME,... or =all)")
+    if new:  # one short line per process; the names at DEBUG (attnzoo-archs --compat: the table)
+        off = [n for n in new if n.endswith(" (disabled)")]
+        logger.info(f"compat: {len(new) - len(off)} patches of fairseq/torch applied"
+                    + (f", disabled: {', '.join(n.split()[0] for n in off)}" if off else "")
+                    + f" (attnzoo-archs --compat lists them; {ENV_DISABLE}=NAME,... opts out)")
+        logger.debug(f"compat patches: {', '.join(new)}")
     return status()
 
 
@@ -223,5 +226,6 @@ def describe() -> str:
 
 
 # the table (registers its rows, in order), and what its rows compute, for scripts and tests
-from .fixes import (bf16_without_tpu, check_block_length, padding_batches_first,  # noqa: E402
-                    remove_bpe_mismatch, segmentation_counts, xla_available)
+from .fixes import (bf16_without_tpu, bpe_name, check_block_length,  # noqa: E402
+                    padding_batches_first, remove_bpe_mismatch, segmentation_counts,
+                    sentencepiece_without_bpe, xla_available)

@@ -7,6 +7,7 @@ The two hooks of our own features are registered by their owners (see the packag
 import argparse
 import inspect
 import logging
+import os
 import types
 from typing import Dict, Optional
 
@@ -169,7 +170,7 @@ register(Patch(
     "that its job's errors reach the hook", always, cli_hints.install))
 
 register(Patch(
-    "fairseq_root_log_level", "the root logger's level (fairseq-* console scripts only)",
+    "fairseq_root_log_level", "the root logger's level (fairseq-* and attnzoo-* console scripts)",
     "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
     "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
@@ -558,3 +559,202 @@ fix("fairseq_remove_bpe_check", "fairseq.utils:post_process_prediction",
     "silently and higher. Refuse, in one line naming the right value, when the target "
     "dictionary shows the other segmentation (checked once per dictionary and value)",
     checking_remove_bpe, "005b84430b598a22")
+
+
+# ---- fairseq-interactive: SentencePiece data without --bpe ---------------------------------------
+
+def sentencepiece_without_bpe(dictionary, bpe, lines) -> Optional[str]:
+    """The one line refusing to look typed text up in a dictionary of SentencePiece pieces (most
+    symbols start with ``▁``) when no ``--bpe`` encodes it first: every word would be one
+    ``<unk>`` (text already written in pieces, with ``▁``, passes). None otherwise."""
+    if bpe or any("▁" in line for line in lines):
+        return None
+    pieces = segmentation_counts(dictionary)["▁"]
+    symbols = len(dictionary) - getattr(dictionary, "nspecial", 0)
+    if not pieces or pieces * 4 < symbols:
+        return None
+    return (f"the dictionary holds SentencePiece pieces ({pieces:,} of {symbols:,} symbols start "
+            "with '▁') and no --bpe is given: every word of the text would be looked up whole "
+            "(mostly <unk>); pass --bpe sentencepiece --sentencepiece-model SPM.model (the "
+            "model the data was made with: OUT/spm.model of scripts.data.prepare_text)")
+
+
+def bpe_name(cfg_bpe) -> Optional[str]:
+    """The --bpe of a command's config (None, or a config whose ``_name`` is None: no bpe)."""
+    return getattr(cfg_bpe, "_name", None) if cfg_bpe is not None else None
+
+
+def checking_bpe(make_batches):
+    """``fairseq_cli.interactive.make_batches`` that refuses SentencePiece data without --bpe
+    (:func:`sentencepiece_without_bpe`)."""
+
+    def make_batches_checking_bpe(lines, cfg, task, max_positions, encode_fn):
+        line = sentencepiece_without_bpe(task.source_dictionary, bpe_name(cfg.bpe), lines)
+        if line:
+            raise ZooConfigError(line)
+        yield from make_batches(lines, cfg, task, max_positions, encode_fn)
+
+    return make_batches_checking_bpe
+
+
+fix("fairseq_interactive_bpe_check", "fairseq_cli.interactive:make_batches",
+    "fairseq-interactive without --bpe looks each typed word up whole: on SentencePiece data "
+    "almost every word became <unk>, silently (S-0 <unk> ... <unk>). Refuse in one line naming "
+    "--bpe sentencepiece --sentencepiece-model when the dictionary holds SentencePiece pieces",
+    checking_bpe, "53e9b96853c3f008")
+
+
+# ---- fairseq-train: resuming with other host options ---------------------------------------------
+
+def resume_mismatch(path: str, current) -> Optional[str]:
+    """The one line refusing to resume the checkpoint ``path`` with host options (--norm, --rope,
+    --rope-theta, --proj-bias: ``models/transformer.py``'s HOST_FLAGS) other than it was trained
+    with, naming every model flag that differs; None when they agree, or for another arch (its
+    own line) or a model without host options. --rope and --rope-theta change no parameter shape,
+    so fairseq loads such a checkpoint without a word."""
+    from ..messages.cli_hints import (_cfg_get, _stored_section, load_stored,
+                                      model_flag_differences)
+    from ..models.transformer import HOST_FLAGS
+
+    if _cfg_get(current, "rope") is None:  # a model without the host options
+        return None
+    stored = _stored_section(load_stored(path), "model")
+    if stored is None or _cfg_get(stored, "arch") != _cfg_get(current, "arch"):
+        return None
+
+    def host(cfg, attr):
+        value = _cfg_get(cfg, attr)
+        return HOST_FLAGS[attr][0] if value is None else value  # a checkpoint before the flag
+
+    if all(host(stored, attr) == host(current, attr) for attr in HOST_FLAGS):
+        return None
+    differ = model_flag_differences(stored, current)
+    return (f"{path} was trained with other model flags than this run's: {', '.join(differ)}: "
+            "resume with the checkpoint's values, or start a new run in another --save-dir "
+            "(--finetune-from-model starts one from its weights)")
+
+
+def checking_resume(load_checkpoint):
+    """``Trainer.load_checkpoint`` that refuses a checkpoint trained with other host options
+    (:func:`resume_mismatch`); a --finetune-from-model start is not a resume."""
+
+    def load_checkpoint_checking_flags(self, filename, *args, **kwargs):
+        finetune = getattr(self.cfg.checkpoint, "finetune_from_model", None)
+        if os.path.isfile(filename) and filename != finetune:
+            line = resume_mismatch(filename, self.cfg.model)
+            if line:
+                raise ZooConfigError(line)
+        return load_checkpoint(self, filename, *args, **kwargs)
+
+    return load_checkpoint_checking_flags
+
+
+fix("fairseq_resume_host_flags", "fairseq.trainer:Trainer.load_checkpoint",
+    "a --rope checkpoint resumed without --rope (or another --rope-theta) loads without a word: "
+    "the parameter shapes are the same, the model is not. Refuse, in one line naming every "
+    "model flag that differs, a resume whose host options differ from the checkpoint's",
+    checking_resume, "128800d64185aede")
+
+
+# ---- fairseq-train: absent parameters counted as shared ------------------------------------------
+
+def skipping_absent(catalog_shared_params):
+    """``fairseq.trainer._catalog_shared_params`` without the absent ones (a bias-free Linear holds
+    ``bias = None``): fairseq grouped every None as one parameter shared by all of them."""
+
+    def catalog_present_shared_params(module, memo=None, prefix=""):
+        groups = catalog_shared_params(module, memo, prefix)
+        if groups is None:  # a recursive call: fairseq's memo is filled in place
+            return None
+        return [paths for paths in groups if _get_by_path(module, paths[0]) is not None]
+
+    return catalog_present_shared_params
+
+
+def _get_by_path(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+fix("fairseq_shared_params_absent", "fairseq.trainer:_catalog_shared_params",
+    "fairseq-train logged 'detected shared parameter: ...q_proj.bias <- ...k_proj.bias' for "
+    "each bias that does not exist (--no-proj-bias: 14-36 lines): absent parameters (None) are "
+    "not shared ones", skipping_absent, "de2da18cb6df2c02")
+
+
+# ---- fairseq-train --no-save: no checkpoint folder -----------------------------------------------
+
+SAVE = "fairseq.checkpoint_utils:save_checkpoint"
+VERIFY_SAVE_DIR = "fairseq.checkpoint_utils:verify_checkpoint_directory"
+
+
+def _caller_cfg():
+    """The ``cfg`` of the function that called the caller of this function, or None."""
+    frame = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    return frame.f_locals.get("cfg") if frame is not None else None
+
+
+def _no_folder_made(fn, save_dir: str, no_save: bool, *args):
+    """``fn(*args)``, then the folder ``save_dir`` removed again when it made it empty for a run
+    that saves nothing."""
+    existed = os.path.exists(save_dir)
+    out = fn(*args)
+    if no_save and not existed and os.path.isdir(save_dir) and not os.listdir(save_dir):
+        os.rmdir(save_dir)
+    return out
+
+
+def _no_save_no_folder():
+    def verifying(verify):
+        def verify_checkpoint_directory(save_dir):  # called by fairseq_cli.train.main(cfg)
+            checkpoint = getattr(_caller_cfg(), "checkpoint", None)
+            return _no_folder_made(verify, save_dir, bool(getattr(checkpoint, "no_save", False)),
+                                   save_dir)
+        return verify_checkpoint_directory
+
+    def saving(save):
+        def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+            return _no_folder_made(save, cfg.save_dir, cfg.no_save, cfg, trainer, epoch_itr,
+                                   val_loss)
+        return save_checkpoint
+
+    replace(VERIFY_SAVE_DIR, verifying)
+    replace(SAVE, saving)
+
+
+register(Patch(
+    "fairseq_no_save_no_folder", f"{SAVE} and verify_checkpoint_directory",
+    "fairseq-train --no-save created an empty ./checkpoints/ (the default --save-dir): both "
+    "functions make the folder before they look at --no-save; a run that saves nothing leaves "
+    "no folder it made",
+    lambda: (known_source(lambda: lookup(SAVE), "61513534b9b33e6a")()
+             or known_source(lambda: lookup(VERIFY_SAVE_DIR), "413f93d9a158f8d4")()),
+    _no_save_no_folder))
+
+
+# ---- sacrebleu: fairseq's own tokenization is not a forgotten detokenization ---------------------
+
+def forcing_tokenized(score):
+    """``SacrebleuScorer._score`` whose ``corpus_bleu`` gets ``force=True``: fairseq tokenizes
+    both sides itself (``--sacrebleu-tokenizer``, 13a) and hands sacrebleu ``tokenize="none"``,
+    so sacrebleu's "forgot to detokenize" guess (100 lines ending in ' .') is always wrong."""
+
+    def _score(self, order=4):
+        real = self.sacrebleu
+        self.sacrebleu = types.SimpleNamespace(
+            corpus_bleu=lambda *a, **kw: real.corpus_bleu(*a, **dict(kw, force=True)))
+        try:
+            return score(self, order)
+        finally:
+            self.sacrebleu = real
+
+    return _score
+
+
+fix("sacrebleu_tokenized_by_fairseq", "fairseq.scoring.bleu:SacrebleuScorer._score",
+    "fairseq-generate --scoring sacrebleu tokenizes hypotheses and references itself (13a) "
+    "before sacrebleu scores them untokenized: sacrebleu warned 'It looks like you forgot to "
+    "detokenize your test data' on every run of 100+ sentences ending in '.'; the score is "
+    "unchanged, the false warning goes", forcing_tokenized, "d735bbceb5d66b44")

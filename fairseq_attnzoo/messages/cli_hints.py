@@ -157,11 +157,15 @@ def model_flag_differences(stored, current):
         model_cls.add_args(parser)
     except Exception:  # an unusual model: nothing to compare
         return []
+    from ..models.transformer import HOST_FLAGS  # (a checkpoint from before them: the default)
+
     out = []
     for action in parser._actions:
         if not action.option_strings:
             continue
         before, now = _cfg_get(stored, action.dest), _cfg_get(current, action.dest)
+        if before is None and action.dest in HOST_FLAGS:
+            before = HOST_FLAGS[action.dest][0]
         if before != now:
             out.append(f"{action.option_strings[0]} {before} (checkpoint) vs {now} (this run)")
     return out
@@ -174,24 +178,46 @@ def dictionary_mismatch_line(rows, data, checkpoint: str = "the checkpoint") -> 
             "dict*.txt)")
 
 
-def stored_arch(path: str):
-    """The ``--arch`` a fairseq checkpoint was trained with, or None."""
+def load_stored(path: str):
+    """The fairseq checkpoint at ``path`` (its tensors memory-mapped, not read), or None when it
+    does not load (missing, truncated, not a checkpoint)."""
     try:
         import torch
 
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError:  # not a zip file: no mmap
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as e:  # not a zip file: no mmap (a truncated zip file stays refused)
+            if "failed reading zip archive" in str(e):
+                return None
+            return torch.load(path, map_location="cpu", weights_only=False)
     except Exception:  # unreadable: say nothing about it
         return None
+
+
+def _stored_section(state, section: str):
+    """The ``model`` or ``task`` config of a loaded checkpoint (``cfg``, or the ``args`` of an
+    older one), or None."""
+    if not isinstance(state, dict):
+        return None
     cfg = state.get("cfg") or {}
-    model = cfg.get("model") if hasattr(cfg, "get") else None
-    model = model if model is not None else state.get("args")
+    part = cfg.get(section) if hasattr(cfg, "get") else None
+    return part if part is not None else state.get("args")
+
+
+def stored_arch(path: str):
+    """The ``--arch`` a fairseq checkpoint was trained with, or None."""
+    model = _stored_section(load_stored(path), "model")
     if model is None:
         return None
-    get = model.get if hasattr(model, "get") else lambda k, d=None: getattr(model, k, d)
-    return get("arch", None) or get("_name", None)
+    return _cfg_get(model, "arch") or _cfg_get(model, "_name")
+
+
+def stored_update(state) -> Optional[int]:
+    """The update a loaded checkpoint was saved after, or None."""
+    try:
+        return int(state["optimizer_history"][-1]["num_updates"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 def _ignore_half_built_mmap_dataset():
@@ -219,6 +245,100 @@ NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
            "No CUDA GPUs are available")
 
 
+#: the tasks whose checkpoints are language models
+LM_TASKS = ("language_modeling", "attnzoo_stream_lm")
+
+
+def _loading_checkpoints(folder: str, but: str) -> List[str]:
+    """``name (update N)`` of each checkpoint in ``folder`` other than ``but`` that loads, the
+    latest update first."""
+    found = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if not name.endswith(".pt") or os.path.abspath(path) == os.path.abspath(but):
+            continue
+        state = load_stored(path)
+        if state is not None:
+            found.append((stored_update(state) or 0, name))
+    found.sort(key=lambda x: -x[0])
+    return [f"{name} (update {update})" for update, name in found]
+
+
+def _hint_truncated_checkpoint(exc, text, data):
+    """A checkpoint cut short (a crash or a full disk during its save): torch's zip reader fails.
+    Names the file and the other checkpoints of its folder that load."""
+    if "PytorchStreamReader failed reading zip archive" not in text:
+        return None
+    path = (_frame_local(exc, "load_checkpoint_to_cpu", "path")
+            or _frame_local(exc, "load_checkpoint", "filename") or _argv_value("--path"))
+    if not path:
+        return None
+    folder = os.path.dirname(str(path)) or "."
+    good = _loading_checkpoints(folder, str(path))
+    head = (f"{path} is not a whole checkpoint (torch cannot read its zip archive: its save was "
+            "cut short, by a crash or a full disk)")
+    if not good:
+        return f"{head}, and no other checkpoint in {folder} loads: train it again"
+    first = os.path.join(folder, good[0].split()[0])
+    fix = (f"resume with --restore-file {first}" if program() == "fairseq-train"
+           else f"pass --path {first}")
+    return f"{head}; these in {folder} load: {', '.join(good[:4])}: {fix}"
+
+
+def _hint_not_a_language_model(exc, text, data):
+    """fairseq-eval-lm with a translation checkpoint: the LM task asks the model for
+    ``supported_targets``, which encoder-decoder models lack."""
+    if not (isinstance(exc, AttributeError) and "supported_targets" in text):
+        return None
+    path = _argv_value("--path") or "the checkpoint"
+    arch = stored_arch(path) if path != "the checkpoint" else None
+    what = f"a translation model (--arch {arch})" if arch else "a translation model"
+    return (f"{path} is {what}: fairseq-eval-lm scores language models; score a translation "
+            f"model on its translation data with fairseq-generate DATA --path {path} (BLEU) or "
+            "fairseq-validate (loss)")
+
+
+#: the values of --remove-bpe / --post-process that fairseq's post_process knows
+POST_PROCESS = ("sentencepiece", "wordpiece", "letter", "silence", "_EOW", "subword_nmt", "@@ ",
+                "@@", "none")
+
+
+def _hint_post_process(exc, text, data):
+    """A --remove-bpe (--post-process) value fairseq does not know: a NotImplementedError at the
+    first sentence decoded, after the model was loaded."""
+    m = re.fullmatch(r"Unknown post_process option: (.*)", text, flags=re.S)
+    if not (isinstance(exc, NotImplementedError) and m):
+        return None
+    value = m.group(1)
+    flag = "--post-process" if _argv_value("--post-process") == value else "--remove-bpe"
+    close = difflib.get_close_matches(value, POST_PROCESS, n=1, cutoff=0.6)
+    known = ", ".join(repr(v) if " " in v else v for v in POST_PROCESS)
+    fix = f"did you mean {flag} {close[0]}?" if close else f"pass one of {known}"
+    return f"{flag} {value} is not a value fairseq knows ({known}): {fix}"
+
+
+def _hint_checkpoint_of_another_task(exc, text, data):
+    """A language model's checkpoint given to fairseq-generate (the translation task), or a
+    translation checkpoint to a language-model task: fairseq builds it with this task's
+    dictionaries, and torch reports embedding tables of other sizes."""
+    if dictionary_mismatch(text) is None:
+        return None
+    path = _argv_value("--path")
+    stored = _stored_section(load_stored(path), "task") if path else None
+    trained = _cfg_get(stored, "_name") or _cfg_get(stored, "task") if stored is not None else None
+    now = _argv_value("--task") or "translation"
+    if not trained or (trained in LM_TASKS) == (now in LM_TASKS):
+        return None
+    if trained in LM_TASKS:
+        return (f"{path} is a language model (trained with --task {trained}) and this run's task "
+                f"is {now}: {program()} translates with a translation checkpoint; score a "
+                f"language model on its own data with fairseq-eval-lm DATA --path {path}, or "
+                "continue text with attnzoo-sample")
+    return (f"{path} is a translation model (trained with --task {trained}) and this run's task "
+            f"is {now}: translate with fairseq-generate / fairseq-interactive (--task "
+            f"{trained}), or pass a language model's checkpoint")
+
+
 def hint_for(exc: BaseException, cuda=None, data=None):
     """One line naming the problem and the fix for a fairseq/torch error a user causes with flags or
     data, or None. ``cuda``: whether a GPU is usable (default: ask torch); ``data``: the data
@@ -227,6 +347,10 @@ def hint_for(exc: BaseException, cuda=None, data=None):
     if data is None:
         data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
     text = str(exc)
+    for rule in (_hint_truncated_checkpoint, _hint_not_a_language_model, _hint_post_process):
+        line = rule(exc, text, data)
+        if line:
+            return line
     if "Could not infer language pair" in text or (
             isinstance(exc, FileNotFoundError) and re.fullmatch(
                 r"dict\.[^.]+\.txt", os.path.basename(str(exc.filename or "")))):
@@ -336,6 +460,9 @@ def hint_for(exc: BaseException, cuda=None, data=None):
         if hydra:
             return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"
         return "no batch size: pass --max-tokens N (tokens per batch) or --batch-size N (sentences)"
+    line = _hint_checkpoint_of_another_task(exc, text, data)
+    if line:
+        return line
     rows = dictionary_mismatch(text)
     if rows:
         return dictionary_mismatch_line(rows, data, _argv_value("--path") or "the checkpoint")
@@ -443,8 +570,43 @@ def one_line_parser_errors(parser: argparse.ArgumentParser):
 
 # ---- the hook ------------------------------------------------------------------------------------
 
+def interrupted_line(exc: BaseException) -> Optional[str]:
+    """For Ctrl-C (``KeyboardInterrupt``) in fairseq-train: where the same command resumes (the
+    last checkpoint in the save dir and its update), or that nothing was saved; None elsewhere."""
+    if program() not in ("fairseq-train", "fairseq-hydra-train"):
+        return None
+    cfg = _cfg_get(_frame_local(exc, "main", "cfg"), "checkpoint")
+    save_dir = _cfg_get(cfg, "save_dir") or _argv_value("--save-dir") or "checkpoints"
+    restore = _cfg_get(cfg, "restore_file") or _argv_value("--restore-file") or "checkpoint_last.pt"
+    no_save = _cfg_get(cfg, "no_save") if cfg is not None else "--no-save" in sys.argv
+    if no_save:
+        return ("interrupted: nothing was saved (--no-save); the same command starts again at "
+                "update 0")
+    last = os.path.join(save_dir, "checkpoint_last.pt")
+    state = load_stored(last) if os.path.exists(last) else None
+    if state is None and os.path.exists(last):  # the interrupt cut its copy short
+        good = _loading_checkpoints(save_dir, last)
+        fix = (f"resume with --restore-file {os.path.join(save_dir, good[0].split()[0])} "
+               f"({', '.join(good[:3])} load)" if good else "no checkpoint there loads")
+        return f"interrupted while {last} was written, which does not load: {fix}"
+    if state is None:
+        start = (f"from --restore-file {restore}" if restore != "checkpoint_last.pt"
+                 else "at update 0")
+        return (f"interrupted before a checkpoint was saved in {save_dir}: the same command "
+                f"starts again {start} (--save-interval-updates N saves every N updates)")
+    held = f"{last} holds update {stored_update(state)}"
+    if restore != "checkpoint_last.pt":  # fairseq loads --restore-file whenever it is given
+        return (f"interrupted: {held}; the same command starts again from --restore-file "
+                f"{restore}: drop --restore-file to resume from {last}")
+    return f"interrupted: {held}; the same command resumes from it"
+
+
 def one_line(exc: BaseException):
     """The line this hook prints for ``exc`` (without the prefix), or None."""
+    if isinstance(exc, KeyboardInterrupt):
+        return interrupted_line(exc)
+    if not isinstance(exc, Exception):
+        return None
     if is_user_error(exc):
         return " ".join(str(exc).split("\n")).strip() or type(exc).__name__
     return hint_for(exc)
@@ -461,7 +623,7 @@ def install():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
     def hook(exc_type, exc, tb):
-        line = one_line(exc) if isinstance(exc, Exception) else None
+        line = one_line(exc)
         if line is None or traceback_wanted():
             previous(exc_type, exc, tb)
         if line is not None:
@@ -544,9 +706,10 @@ def debug_root_logger() -> Optional[str]:
 
 
 def root_log_level():
-    """In a console script, a root logger left at DEBUG goes back to ``$LOGLEVEL`` (INFO) (compat
-    entry ``fairseq_root_log_level``)."""
+    """In a console script, ours (``attnzoo-sample``) too, a root logger left at DEBUG goes back to
+    ``$LOGLEVEL`` (INFO) (compat entry ``fairseq_root_log_level``)."""
     root = logging.getLogger()
     wanted = os.environ.get("LOGLEVEL", "INFO").upper()
-    if in_console_script() and root.level == logging.DEBUG and wanted != "DEBUG":
+    ours = in_console_script() or program().startswith("attnzoo-")
+    if ours and root.level == logging.DEBUG and wanted != "DEBUG":
         root.setLevel(wanted)

@@ -35,6 +35,7 @@ from fairseq.models.transformer_lm import (
     base_lm_architecture,
 )
 from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.modules import MultiheadAttention
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import (
     TransformerDecoderLayerBase,
@@ -323,6 +324,21 @@ class ZooEncoderLayer(_ZooLayerMixin, TransformerEncoderLayerBase):
         return x
 
 
+def _future_mask_like(attn_mask: Optional[Tensor], padding_mask: Optional[Tensor], attention,
+                      query: Tensor, incremental_state) -> Optional[Tensor]:
+    """fairseq's future mask (0 / -inf) as a boolean mask (True = blocked) where fairseq's own
+    MultiheadAttention hands it to torch's ``F.multi_head_attention_forward`` beside its boolean
+    padding mask: masks of two types are deprecated there (a warning in every training run).
+    torch makes the same -inf entries from either; on fairseq's other path (incremental
+    decoding, ONNX, TPU, pruned heads), which adds the mask to the scores, it stays as it is."""
+    if (attn_mask is None or padding_mask is None or not attn_mask.is_floating_point()
+            or not isinstance(attention, MultiheadAttention) or incremental_state is not None
+            or attention.onnx_trace or attention.skip_embed_dim_check
+            or query.device.type == "xla" or torch.jit.is_scripting()):
+        return attn_mask
+    return torch.isneginf(attn_mask)
+
+
 class ZooDecoderLayer(_ZooLayerMixin, TransformerDecoderLayerBase):
     zoo_side = "decoder"
 
@@ -367,7 +383,8 @@ class ZooDecoderLayer(_ZooLayerMixin, TransformerDecoderLayerBase):
             x = self.self_attn_layer_norm(x)
         x, _ = self.self_attn(query=x, key=x, value=x, key_padding_mask=self_attn_padding_mask,
                               incremental_state=incremental_state, need_weights=False,
-                              attn_mask=self_attn_mask)
+                              attn_mask=_future_mask_like(self_attn_mask, self_attn_padding_mask,
+                                                          self.self_attn, x, incremental_state))
         x = residual + self.dropout_module(x)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)

@@ -118,21 +118,30 @@ def prepare(args) -> dict:
     return stats
 
 
+#: the --tokens-per-sample of the printed language-model commands (training and eval-lm alike)
+LM_TOKENS = 512
+
+
 def summary(args, stats: dict) -> str:
     """What was made, and the commands that use it (with this data's --remove-bpe)."""
     out, bin_dir = Path(args.out), Path(args.out) / "bin"
     lines = ", ".join(f"{k} {v:,}" for k, v in stats["lines"].items())
     head = (f"{bin_dir}: lines {lines}; SentencePiece {stats['spm_vocab_size']:,} pieces "
             f"({out / 'spm.model'})")
+    spm = f"--bpe sentencepiece --sentencepiece-model {out / 'spm.model'}"
     if args.src:
         return (f"{head}\nnext: fairseq-train {bin_dir} --user-dir fairseq_attnzoo --arch ARCH "
                 f"... (README, Translation)\n      fairseq-generate {bin_dir} --user-dir "
                 "fairseq_attnzoo --path CHECKPOINT --gen-subset test --remove-bpe sentencepiece "
-                "--scoring sacrebleu")
+                f"--scoring sacrebleu\n      fairseq-interactive {bin_dir} --user-dir "
+                f"fairseq_attnzoo --path CHECKPOINT {spm} (translate typed text)")
+    # eval-lm's --tokens-per-sample defaults to 1024, not to the model's: both commands name it
     return (f"{head}\nnext: fairseq-train {bin_dir} --user-dir fairseq_attnzoo --task "
-            "language_modeling --arch ARCH ... (README, Word language model)\n      "
-            f"fairseq-eval-lm {bin_dir} --user-dir fairseq_attnzoo --path CHECKPOINT "
-            "--gen-subset test")
+            f"language_modeling --tokens-per-sample {LM_TOKENS} --arch ARCH ... (README, Word "
+            f"language model)\n      fairseq-eval-lm {bin_dir} --user-dir fairseq_attnzoo --path "
+            f"CHECKPOINT --tokens-per-sample {LM_TOKENS} --gen-subset test (the "
+            "--tokens-per-sample it was trained with)\n      attnzoo-sample "
+            f"{bin_dir} --path CHECKPOINT {spm} --prompt TEXT --sampling")
 
 
 def main(argv=None) -> int:

@@ -290,6 +290,22 @@ def split_names(text):
     return [x for x in re.split(r"[,\s]+", text or "") if x and x != "none"]
 
 
+#: the tracked pages ``--publish`` writes: the results table, the picture report's folder
+PUBLISHED = (os.path.join(REPO, "docs/demo_results.md"), os.path.join(REPO, "docs/demo"))
+
+
+def output_paths(a):
+    """(results table, report folder) of a run: those given, else under ``--out`` (a run leaves
+    the checkout as it was), or with ``--publish`` the tracked pages (:data:`PUBLISHED`). The
+    report links ``../demo_results.md``: either way the table sits there."""
+    if a.publish:
+        mine = PUBLISHED
+    else:
+        mine = (os.path.join(a.out, "demo_results.md"), os.path.join(a.out, "report"))
+    return (mine[0] if a.results is None else a.results,
+            mine[1] if a.report is None else a.report)
+
+
 def main(argv=None):
     DEMO, LM_DEMO = mt_rows(), lm_rows()
     p = argparse.ArgumentParser(description=__doc__,
@@ -312,12 +328,19 @@ def main(argv=None):
                         "do ~1.55x the work of one 2-thread job")
     p.add_argument("--rerun", action="store_true",
                    help="retrain every row even if an identical earlier run is in --out")
-    p.add_argument("--results", default=os.path.join(REPO, "docs/demo_results.md"),
-                   help="markdown table written here ('' = none; default %(default)s)")
-    p.add_argument("--report", default=os.path.join(REPO, "docs/demo"),
+    p.add_argument("--results", default=None,
+                   help="markdown table written here ('' = none; default OUT/demo_results.md, "
+                        "with --publish the tracked docs/demo_results.md)")
+    p.add_argument("--report", default=None,
                    help="picture report of the trained rows written here as README.md + PNGs "
-                        "(scripts/demo/report.py; '' = none; default %(default)s)")
+                        "(scripts/demo/report.py; '' = none; default OUT/report, with --publish "
+                        "the tracked docs/demo)")
+    p.add_argument("--publish", action="store_true",
+                   help="write the table and the report into the checkout's tracked pages "
+                        f"({', '.join(os.path.relpath(x, REPO) for x in PUBLISHED)}) instead "
+                        "of under OUT")
     a = p.parse_args(argv)
+    a.results, a.report = output_paths(a)
     archs, lm_archs = split_names(a.archs), split_names(a.lm_archs)
     unknown = [x for x in archs if x not in DEMO] + [x for x in lm_archs if x not in LM_DEMO]
     if unknown:
@@ -359,6 +382,7 @@ def main(argv=None):
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump([done[x] for x in archs + lm_archs], f, indent=1)
     if a.results:
+        os.makedirs(os.path.dirname(os.path.abspath(a.results)), exist_ok=True)
         with open(a.results, "w") as f:
             f.write("# Offline demo results (LibreOffice help de->en, test split)\n\n")
             f.write(f"Command: `{make_command(archs, lm_archs)}`.\n\n")

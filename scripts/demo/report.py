@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The demo's picture report: ``docs/demo/README.md`` with one PNG per trained row, drawn by the
-plotters of ``attnzoo-plot`` (fairseq_attnzoo/cli/) from the demo's own checkpoints (``make demo``
-writes it after its table).
+"""The demo's picture report: ``README.md`` with one PNG per trained row (in the run's
+``work/demo/report``; ``make demo DEMO_ARGS=--publish`` writes the tracked ``docs/demo``), drawn
+by the plotters of ``attnzoo-plot`` (fairseq_attnzoo/cli/) from the demo's own checkpoints
+(``make demo`` writes it after its table).
 
 =======================================  =======================================================
 row                                      picture (plotter)
@@ -222,9 +223,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(REPO, "work/demo"),
                    help="the demo's working directory (results.json, one folder per row)")
-    p.add_argument("--docs", default=os.path.join(REPO, "docs/demo"), help="report folder")
+    p.add_argument("--docs", default=None, help="report folder (default OUT/report; "
+                   "docs/demo is the tracked one `make demo DEMO_ARGS=--publish` writes)")
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
     a = p.parse_args(argv)
+    a.docs = os.path.join(a.out, "report") if a.docs is None else a.docs
     import fairseq_attnzoo
 
     fairseq_attnzoo.enable()  # this script loads our checkpoints through fairseq (compat table)
