@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 UPDATES = 3
 ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus", "transformer_pkm"]
 SPARSE = "--optimizer pkm_adam --pkm-sparse true --pkm-values-lr 0.01"
-#: a resumed run: the one-process "dense" run's checkpoint (3 updates), 3 more updates
+#: a resumed run: the one-process "dense" run's checkpoint (3 updates), 3 more updates. Every rank
+#: reads the file (fairseq's broadcast of rank 0's copy unpickles it weights-only on the others,
+#: which refuses the omegaconf config inside: a resume on several processes needs this flag)
 RESUME = ("--clip-norm 0.05 --restore-file {root}/single2-dense-{arch}/checkpoint_last.pt "
-          f"--reset-dataloader --max-update {2 * UPDATES}")
+          f"--reset-dataloader --max-update {2 * UPDATES} --load-checkpoint-on-all-dp-ranks")
 #: (setup, --ddp-backend, flags of both modes, flags of the multi-process run only, processes).
 #: Every setup: Adam's eps at 1e-4, because a parameter whose gradient is zero but for rounding
 #: (the key biases of attention, a bias in front of a batch norm) moves by ±lr under Adam's
@@ -138,7 +140,9 @@ def test_shard_values_one_process_runs_unsharded(lm_data, caplog):
 
 def test_shard_values_checkpoint_of_4_processes_in_one(shard_runs, lm_data, mt_data):
     """A 4-process split run's checkpoint with one-process fairseq-eval-lm and fairseq-generate:
-    the same perplexity as the one-process run's checkpoint; translations come out."""
+    translations come out; the perplexity of the one-process run's checkpoint where the model has
+    no batch norm (Memory+; the query batch norm's running statistics are per process, rank 0's
+    from a quarter of the batches)."""
     for arch in ARCHS:
         paths = [os.path.join(os.path.dirname(shard_runs[(mode, "dense-4")][arch]["params"]),
                               "checkpoint_last.pt") for mode in ("single", "ddp")]
@@ -156,7 +160,8 @@ def test_shard_values_checkpoint_of_4_processes_in_one(shard_runs, lm_data, mt_d
             said = [line for line in lines if "Loss (base 2)" in line]
             assert said, lines[-5:]
             losses.append(float(said[-1].split("Loss (base 2): ")[1].split(",")[0]))
-        assert abs(losses[0] - losses[1]) <= 1e-3, losses
+        assert abs(losses[0] - losses[1]) <= (1e-3 if arch == "transformer_lm_memplus" else
+                                              0.1), losses
 
 
 def test_shard_values_memory_and_bytes_per_rank(tmp_path):

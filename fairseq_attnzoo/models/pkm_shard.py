@@ -83,17 +83,19 @@ def shard_values(spec, options, memory):
 
 def refuse_unsupported(args):
     """One line for a setup whose gradient path would bypass the split tables' hooks."""
-    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        if not getattr(args, "fp16_no_flatten_grads", False) and not getattr(
-                args, "memory_efficient_fp16", False) and not getattr(
-                args, "memory_efficient_bf16", False):
-            raise ValueError("--pkm-shard-values with --fp16/--bf16 needs the value tables as "
-                             "separate fp32 masters: add --fp16-no-flatten-grads")
+    half = [f"--{f.replace('_', '-')}" for f in ("fp16", "bf16", "memory_efficient_fp16",
+                                                  "memory_efficient_bf16")
+            if getattr(args, f, False)]
+    if half:
+        raise ValueError(f"--pkm-shard-values does not work with {' '.join(half)} (fairseq's "
+                         "fp32 master copies do not carry the split tables' layout): train in "
+                         "fp32 or with --amp")
     backend = str(getattr(args, "ddp_backend", ""))
-    if backend == "fully_sharded" or getattr(args, "use_bmuf", False):
-        raise ValueError(f"--pkm-shard-values does not work with "
-                         f"{'--use-bmuf' if getattr(args, 'use_bmuf', False) else backend}: "
-                         "use --ddp-backend legacy_ddp, no_c10d, pytorch_ddp or c10d")
+    bmuf = getattr(args, "use_bmuf", False)
+    if backend in ("fully_sharded", "slowmo") or bmuf:
+        what = "--use-bmuf" if bmuf else f"--ddp-backend {backend}"
+        raise ValueError(f"--pkm-shard-values does not work with {what}: use --ddp-backend "
+                         "legacy_ddp, no_c10d, pytorch_ddp or c10d")
 
 
 # ---- the compat entries ---------------------------------------------------------------------
