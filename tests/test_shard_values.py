@@ -138,6 +138,15 @@ def test_shard_values_one_process_runs_unsharded(lm_data, caplog):
     assert len(tables) == 1  # the shared pool, whole
 
 
+@pytest.mark.parametrize("flags,named", [("--bf16", "--bf16"),
+                                         ("--ddp-backend fully_sharded", "fully_sharded")])
+def test_shard_values_refuses_what_bypasses_its_hooks(flags, named, lm_data):
+    with pytest.raises(ValueError) as e:
+        build("transformer_lm_pkm", lm_data, ["--pkm-shard-values"] + flags.split())
+    assert "--pkm-shard-values does not work with" in str(e.value) and named in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_shard_values_checkpoint_of_4_processes_in_one(shard_runs, lm_data, mt_data):
     """A 4-process split run's checkpoint with one-process fairseq-eval-lm and fairseq-generate:
     translations come out; the perplexity of the one-process run's checkpoint where the model has
