@@ -161,6 +161,9 @@ def test_shard_values_checkpoint_of_4_processes_in_one(shard_runs, lm_data, mt_d
                                          "--gen-subset", "valid", "--max-tokens", "4096"])
             assert any(line.startswith("H-") for line in lines), lines[-5:]
             continue
+        # a checkpoint of 4 processes in groups of 2 (its stored config names the group size)
+        paths.append(os.path.join(os.path.dirname(
+            shard_runs[("ddp", "sparse-4-group2")][arch]["params"]), "checkpoint_last.pt"))
         losses = []
         for path in paths:
             lines = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path", path, "--cpu",
@@ -171,6 +174,7 @@ def test_shard_values_checkpoint_of_4_processes_in_one(shard_runs, lm_data, mt_d
             losses.append(float(said[-1].split("Loss (base 2): ")[1].split(",")[0]))
         assert abs(losses[0] - losses[1]) <= (1e-3 if arch == "transformer_lm_memplus" else
                                               0.1), losses
+        assert 0 < losses[2] < 10, losses
 
 
 def test_shard_values_memory_and_bytes_per_rank(tmp_path):

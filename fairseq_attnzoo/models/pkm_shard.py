@@ -42,12 +42,12 @@ def shard_layout(group_size: int) -> Optional[ShardLayout]:
                          f"{group_size}")
     world = (distributed_utils.get_data_parallel_world_size()
              if dist.is_available() and dist.is_initialized() else 1)
+    if world == 1:  # (also a split run's checkpoint evaluated by one process)
+        return None
     size = group_size or world
     if world % size:
         raise ValueError(f"--pkm-shard-group-size {size} does not divide the number of "
                          f"processes ({world}): use a divisor of {world} (or 0 = all)")
-    if world == 1:
-        return None
     rank = distributed_utils.get_data_parallel_rank()
     key = (world, size)
     if key not in _LAYOUTS:
