@@ -33,10 +33,12 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--updates", type=int, default=1)
     p.add_argument("--sparse-values", action="store_true")
+    p.add_argument("--world", type=int, default=2,
+                   help="processes of the ddp mode that a single-process run stands for")
     p.add_argument("--setups", default='[["run", "legacy_ddp", "", 1]]',
                    help="JSON list of [name, --ddp-backend, more fairseq-train flags "
-                        "(space-separated), --update-freq of each of the 2 processes]: each "
-                        "trains every arch, in this one process")
+                        "(space-separated; {arch} = the arch's name), --update-freq of each of "
+                        "the --world processes]: each trains every arch, in this one process")
     a = p.parse_args()
     setups = json.loads(a.setups)
     if any(backend in ("pytorch_ddp", "c10d") for _, backend, _, _ in setups):
@@ -57,9 +59,9 @@ def main():
                 "--dropout", "0", "--save-dir", save, "--no-epoch-checkpoints", "--log-format",
                 "json", "--log-interval", "1", "--seed", "1", "--num-workers", "0",
                 "--disable-validation",
-            ] + train_flags(arch) + more.split()
+            ] + train_flags(arch) + more.replace("{arch}", arch).split()
             if a.mode == "single":  # the same batches per update as 2 processes
-                flags += ["--update-freq", str(2 * update_freq)]
+                flags += ["--update-freq", str(a.world * update_freq)]
             else:
                 flags += ["--update-freq", str(update_freq)] if update_freq > 1 else []
                 flags += ["--distributed-world-size", os.environ["WORLD_SIZE"],

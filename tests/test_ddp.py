@@ -24,12 +24,13 @@ SPARSE_ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus"]
 SPARSE_UPDATES = 3
 
 
-def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=()):
+def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=(), world=2):
     cmd = [sys.executable]
     if mode == "ddp":
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
     cmd += [os.path.join(HERE, "ddp_runner.py"), "--mode", mode, "--archs", ",".join(archs),
-            "--mt-data", mt_data, "--lm-data", lm_data, "--out", out] + list(extra)
+            "--mt-data", mt_data, "--lm-data", lm_data, "--out", out, "--world", str(world)
+            ] + list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]

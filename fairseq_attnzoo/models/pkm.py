@@ -44,6 +44,7 @@ from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_search_triton import SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
+from .pkm_shard import refuse_unsupported, shard_values
 from .registry import Derived
 from .sublayers import FlagErrors, register_sublayer, require, to_bool
 from .llama import LLAMA, llama_post
@@ -127,6 +128,18 @@ class PKMConfig(FairseqDataclass):
                   "Triton is importable, the PyTorch reference otherwise; triton / torch force "
                   "one (same slots; ties go to the lower index); default torch until the "
                   "fused kernel has been measured on a GPU (stage memory)"})
+    pkm_shard_values: bool = field(
+        default=False,
+        metadata={"help": "split every PKM value table (a shared pool included) by columns over "
+                  "the processes of distributed training (memory parallelism): each rank keeps "
+                  "d/G columns, their gradient and optimizer state; indices, weights and "
+                  "activations cross the network instead of the table's gradient; checkpoints "
+                  "hold whole tables. One process: the tables stay whole; default off"})
+    pkm_shard_group_size: int = field(
+        default=0,
+        metadata={"help": "--pkm-shard-values: ranks G that split one table (a divisor of the "
+                  "number of processes, dividing the value dim; groups of consecutive ranks, "
+                  "each holding a copy of the table); 0 = all processes (default 0)"})
     pkm_encoder_layers: Optional[str] = field(
         default=None,
         metadata={"help": "transformer_pkm: encoder layers (0-based, comma-separated) whose FFN "
@@ -353,6 +366,8 @@ def build_pkm(spec):
     if o.pkm_shared_values and str(getattr(spec.args, "ddp_backend", "")) == "fully_sharded":
         raise ValueError("--pkm-shared-values cannot be used with --ddp-backend fully_sharded "
                          "(FSDP wraps layers separately): use another --ddp-backend")
+    if o.pkm_shard_values:
+        refuse_unsupported(spec.args)
     memory = FairseqProductKeyMemory(
         spec.embed_dim, spec.embed_dim, n_keys=o.pkm_n_keys, heads=o.pkm_heads, knn=o.pkm_knn,
         k_dim=o.pkm_k_dim, v_dim=v_dim, query_batchnorm=o.pkm_query_batchnorm,
@@ -361,6 +376,7 @@ def build_pkm(spec):
         values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm,
         kernel=str(o.pkm_kernel), residual_dropout=o.pkm_residual_dropout,
         search_kernel=str(o.pkm_search_kernel))
+    shard_values(spec, o, memory)  # --pkm-shard-values (before a pool is shared)
     if o.pkm_shared_values and pool is None:
         spec.shared[POOL] = memory.values
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,

@@ -301,9 +301,20 @@ class Float32BatchNorm1d(Float32Module, nn.BatchNorm1d):
         return out if keep_float32 else out.to(x.dtype)
 
 
+class ValueTable(nn.EmbeddingBag):
+    """The value table V [|K|, v_dim] (an ``nn.EmbeddingBag``, same state-dict key ``weight``)
+    with the weighted read the memory calls: :meth:`read`. A table split over processes
+    (:class:`.pkm_shard.ShardedValueTable`) replaces it with the same ``read``."""
+
+    def read(self, indices: Tensor, weights: Tensor, fused: bool) -> Tensor:
+        """``out[n] = Σ_j weights[n, j] · V[indices[n, j]]`` -> [N, v_dim]."""
+        return _WeightedRowSum.apply(self.weight, indices, weights.to(self.weight.dtype),
+                                     self.sparse, fused)
+
+
 def value_table(size: int, v_dim: int, sparse: bool = False) -> nn.EmbeddingBag:
     """The value table V [|K|, v_dim] of one memory, or of a pool shared by several memories."""
-    table = nn.EmbeddingBag(size, v_dim, mode="sum")
+    table = ValueTable(size, v_dim, mode="sum")
     table.weight.param_group = VALUES_GROUP
     mark_sparse(table, sparse)
     return table
@@ -314,10 +325,11 @@ def mark_sparse(table: nn.EmbeddingBag, sparse: bool):
 
     Sparse tables are tagged ``pkm_sparse`` (``pkm_adam`` exchanges their rows across processes
     and updates them lazily) and ``expert``: fairseq's tag for parameters that its legacy DDP
-    wrapper must not all-reduce (the zoo models also hand these names to PyTorch DDP to ignore)."""
+    wrapper must not all-reduce (the zoo models also hand these names to PyTorch DDP to ignore),
+    as is a table split over processes (``split``, :mod:`.pkm_shard`) either way."""
     table.sparse = bool(sparse)
     table.weight.pkm_sparse = bool(sparse)
-    if sparse:
+    if sparse or getattr(table, "split", False):  # a table split over processes: always
         table.weight.expert = True
     elif hasattr(table.weight, "expert"):
         del table.weight.expert
@@ -379,9 +391,10 @@ class ProductKeyMemory(ZooFeedForward):
         if values is None:
             self.values = value_table(self.size, v_dim, sparse)
         else:
-            if tuple(values.weight.shape) != (self.size, v_dim):
+            shape = (values.num_embeddings, values.embedding_dim)  # of a split table too
+            if shape != (self.size, v_dim):
                 raise ValueError(f"a shared PKM value table must be [n_keys² = {self.size}, "
-                                 f"v_dim = {v_dim}], got {list(values.weight.shape)}")
+                                 f"v_dim = {v_dim}], got {list(shape)}")
             object.__setattr__(self, "values", values)  # a reference, not a submodule
         if swilu != "off":  # Memory+: out = W₂(m(x̃) ⊙ SiLU(W₁ x̃)); biases in the reference
             bias = swilu == "reference"
@@ -484,9 +497,8 @@ class ProductKeyMemory(ZooFeedForward):
     def values_read(self, x: Tensor, dropped: bool = False) -> Tensor:
         """Σ_i w_i v_i for unpadded tokens x [N, d] -> [N, v_dim] (no value dropout)."""
         weights, indices = self.lookup(self.query(x, dropped))
-        table = self.values.weight
-        out = _WeightedRowSum.apply(table, indices, weights.to(table.dtype), self.sparse,
-                                    pkm_triton.use_kernel(self.kernel, table))
+        out = self.values.read(indices, weights,
+                               pkm_triton.use_kernel(self.kernel, self.values.weight))
         if not self.training and self.usage_callback is not None:
             self.usage_callback(indices.detach(), weights.detach())
         # the dtype the layer computes in: autocast's for a float32 x inside autocast

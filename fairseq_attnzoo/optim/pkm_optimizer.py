@@ -71,6 +71,7 @@ from omegaconf import II, OmegaConf
 
 from .. import compat
 from ..modules.pkm import VALUES_GROUP
+from ..modules.pkm_shard import SHARD_TAG, squared_norm
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +368,8 @@ class PKMAdam(FairseqOptimizer):
             return
         received = 0
         for p in module.parameters():
-            if getattr(p, "pkm_sparse", False) and getattr(p, "param_group", None) == VALUES_GROUP:
+            if (getattr(p, "pkm_sparse", False) and getattr(p, "param_group", None) == VALUES_GROUP
+                    and not hasattr(p, SHARD_TAG)):  # a split table: finish_gradients did it
                 grad = p.grad if p.grad is not None else torch.sparse_coo_tensor(
                     torch.zeros(1, 0, dtype=torch.long, device=p.device),
                     p.new_zeros(0, p.size(1)), p.shape)
@@ -396,7 +398,7 @@ class PKMAdam(FairseqOptimizer):
         """L2 norms over dense and (coalesced) sparse gradients; clip in place: the value tables
         separately (to --pkm-values-clip-norm, -1 = max_norm), the rest to max_norm. Returns the
         norm over all gradients (fairseq's logged ``gnorm`` and inf/NaN check)."""
-        model, values = [], []
+        model, values, split = [], [], []
         for p in self.params:
             if p.grad is None:
                 continue
@@ -406,13 +408,20 @@ class PKMAdam(FairseqOptimizer):
             else:
                 g = p.grad
             (values if getattr(p, "param_group", None) == VALUES_GROUP else model).append(g)
+            if hasattr(p, SHARD_TAG):  # a column slice: its norm is summed over its group
+                split.append((g, getattr(p, SHARD_TAG)))
         if not model and not values:
             return torch.tensor(0.0)
         value_max = self.cfg.pkm_values_clip_norm
         value_max = max_norm if value_max == -1 else value_max
         norms = []
         for grads, limit in ((model, max_norm), (values, value_max)):
-            norm = _total_norm(grads, aggregate_norm_fn)
+            if grads is values and split:  # whole tables' norms: slices' squares over the group
+                ids = {id(g) for g, _ in split}
+                norm = (_total_norm([g for g in grads if id(g) not in ids], aggregate_norm_fn)
+                        ** 2 + squared_norm([g for g, _ in split], split[0][1])).sqrt()
+            else:
+                norm = _total_norm(grads, aggregate_norm_fn)
             norms.append(norm)
             if grads and limit > 0:
                 coef = (float(limit) / (norm + 1e-6)).clamp_(max=1)

@@ -1,0 +1,211 @@
+"""``--pkm-shard-values``: the memory value tables split by columns over fairseq's data-parallel
+ranks (:mod:`fairseq_attnzoo.modules.pkm_shard`), and the three places fairseq's training loop
+must know about them (compat entries, registered here by their owner):
+
+* ``fairseq_sharded_value_grads`` -- ``FairseqOptimizer.all_reduce_grads`` (called once an update,
+  after the last backward, by every optimizer): the split tables' gradients, which the DDP
+  wrappers skip (tagged ``expert``), become the mean over ranks (:func:`finish_gradients`).
+* ``fairseq_sharded_value_norm`` -- ``fairseq.utils.clip_grad_norm_``: fairseq leaves ``expert``
+  gradients out of the norm; a split table's norm is its slices' squares summed over the shard
+  group, so every rank gets the one-process norm (and fairseq's check that ranks agree passes).
+* ``fairseq_sharded_value_checkpoints`` -- ``Trainer.always_call_state_dict_during_save_checkpoint``
+  true when a model has split tables (every rank calls ``state_dict``: the columns are gathered to
+  rank 0), and ``FairseqOptimizer.state_dict`` / ``load_state_dict``: the optimizer state of a
+  split table is gathered (saved as the full table's) and split again on loading, so a checkpoint
+  resumes at any world size.
+"""
+
+import logging
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import compat
+from ..modules.pkm_shard import (SHARD_TAG, ShardedValueTable, ShardLayout, finish_gradients,
+                                 gather_columns, sharded_params, sharded_state, split_columns,
+                                 squared_norm)
+
+logger = logging.getLogger(__name__)
+
+_LAYOUTS: Dict[Tuple, ShardLayout] = {}
+
+
+def shard_layout(group_size: int) -> Optional[ShardLayout]:
+    """This rank's :class:`ShardLayout` for --pkm-shard-group-size ``group_size`` (0 = every
+    data-parallel rank); None with one process (the tables stay whole). Every rank must call it
+    (subgroups are created collectively, once per process)."""
+    from fairseq.distributed import utils as distributed_utils
+
+    if group_size < 0:
+        raise ValueError(f"--pkm-shard-group-size must be >= 0 (0 = all processes), got "
+                         f"{group_size}")
+    world = (distributed_utils.get_data_parallel_world_size()
+             if dist.is_available() and dist.is_initialized() else 1)
+    if world == 1:  # (also a split run's checkpoint evaluated by one process)
+        return None
+    size = group_size or world
+    if world % size:
+        raise ValueError(f"--pkm-shard-group-size {size} does not divide the number of "
+                         f"processes ({world}): use a divisor of {world} (or 0 = all)")
+    rank = distributed_utils.get_data_parallel_rank()
+    key = (world, size)
+    if key not in _LAYOUTS:
+        dp = distributed_utils.get_data_parallel_group()
+        if size == world:
+            _LAYOUTS[key] = ShardLayout(dp, size, rank, world)
+        else:
+            if dist.get_world_size() != world:
+                raise ValueError("--pkm-shard-group-size below the number of processes needs "
+                                 "data parallelism over every process (no model parallelism)")
+            groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+            replicas = [dist.new_group(list(range(c, world, size))) for c in range(size)]
+            _LAYOUTS[key] = ShardLayout(groups[rank // size], size, rank % size, world,
+                                        replicas[rank % size], saves=rank < size)
+    return _LAYOUTS[key]
+
+
+def shard_values(spec, options, memory):
+    """--pkm-shard-values: replace the table ``memory`` owns by its column slice (a shared pool
+    is split once, by its owner, before the other memories are built)."""
+    if not options.pkm_shard_values or not memory.owns_values:
+        return
+    layout = shard_layout(int(options.pkm_shard_group_size))
+    if layout is None:
+        if not spec.shared.get("pkm_shard_notice"):
+            spec.shared["pkm_shard_notice"] = True
+            logger.warning("--pkm-shard-values with one process: the PKM value tables are not "
+                           "split (they are whole on this process); it splits them over the "
+                           "ranks of distributed training")
+        return
+    memory.values = ShardedValueTable(memory.values, layout)
+
+
+def refuse_unsupported(args):
+    """One line for a setup whose gradient path would bypass the split tables' hooks."""
+    half = [f"--{f.replace('_', '-')}" for f in ("fp16", "bf16", "memory_efficient_fp16",
+                                                  "memory_efficient_bf16")
+            if getattr(args, f, False)]
+    if half:
+        raise ValueError(f"--pkm-shard-values does not work with {' '.join(half)} (fairseq's "
+                         "fp32 master copies do not carry the split tables' layout): train in "
+                         "fp32 or with --amp")
+    backend = str(getattr(args, "ddp_backend", ""))
+    bmuf = getattr(args, "use_bmuf", False)
+    if backend in ("fully_sharded", "slowmo") or bmuf:
+        what = "--use-bmuf" if bmuf else f"--ddp-backend {backend}"
+        raise ValueError(f"--pkm-shard-values does not work with {what}: use --ddp-backend "
+                         "legacy_ddp, no_c10d, pytorch_ddp or c10d")
+
+
+# ---- the compat entries ---------------------------------------------------------------------
+
+def _sparse_mean(grad, group, size):
+    from ..optim.pkm_optimizer import all_reduce_sparse_rows
+
+    return all_reduce_sparse_rows(grad, group, size, "gather")[0]
+
+
+def reducing(all_reduce_grads):
+    def all_reduce_grads_and_split_tables(self, module):
+        all_reduce_grads(self, module)
+        finish_gradients(module.parameters(), _sparse_mean)
+
+    return all_reduce_grads_and_split_tables
+
+
+def norm_with_split_tables(clip_grad_norm_):
+    def clip_grad_norm_with_split_tables(params, max_norm, aggregate_norm_fn=None):
+        params = [params] if torch.is_tensor(params) else list(params)
+        split = [p for p in sharded_params(params) if p.grad is not None]
+        if not split:
+            return clip_grad_norm_(params, max_norm, aggregate_norm_fn)
+        ids = {id(p) for p in split}
+        rest = [p for p in params if id(p) not in ids]
+        norm = clip_grad_norm_(rest, 0, aggregate_norm_fn)  # no clipping yet
+        total = (norm.float() ** 2 + squared_norm([p.grad for p in split],
+                                                  getattr(split[0], SHARD_TAG))).sqrt()
+        if max_norm > 0:
+            coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
+            for p in rest + split:
+                if p.grad is not None:
+                    g = p.grad._values() if p.grad.is_sparse else p.grad
+                    g.mul_(coef.to(g.dtype))
+        return total
+
+    return clip_grad_norm_with_split_tables
+
+
+def _optimizer_params(optimizer):
+    """Parameters of a torch optimizer in its state-dict numbering."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def gathering_state(state_dict):
+    def state_dict_with_full_tables(self):
+        out = state_dict(self)
+        params = _optimizer_params(self.optimizer)
+        for i, p in enumerate(params):
+            if not hasattr(p, SHARD_TAG) or i not in out.get("state", {}):
+                continue
+            layout = getattr(p, SHARD_TAG)
+            for name, value in list(out["state"][i].items()):
+                if torch.is_tensor(value) and value.shape == p.shape and layout.saves:
+                    full = gather_columns(value, layout)  # one tensor at a time
+                    out["state"][i][name] = full.cpu() if full is not None else value
+        return out
+
+    return state_dict_with_full_tables
+
+
+def splitting_state(load_state_dict):
+    def load_state_dict_of_full_tables(self, state_dict, optimizer_overrides=None):
+        load_state_dict(self, state_dict, optimizer_overrides)
+        for p in _optimizer_params(self.optimizer):
+            if hasattr(p, SHARD_TAG) and p in self.optimizer.state:
+                state = self.optimizer.state[p]
+                for name, value in list(state.items()):
+                    if sharded_state(value, p):
+                        state[name] = split_columns(value, getattr(p, SHARD_TAG))
+
+    return load_state_dict_of_full_tables
+
+
+def _always_call_state_dict(prop):
+    def fget(self):
+        return prop.fget(self) or any(hasattr(p, SHARD_TAG) for p in self.model.parameters())
+
+    return property(fget, doc=prop.__doc__)
+
+
+OPT = "fairseq.optim.fairseq_optimizer:FairseqOptimizer"
+STATE_CALL = "fairseq.trainer:Trainer.always_call_state_dict_during_save_checkpoint"
+
+compat.fix("fairseq_sharded_value_grads", f"{OPT}.all_reduce_grads",
+           "--pkm-shard-values: the DDP wrappers skip the split value tables; after the "
+           "all-reduce their gradients become the mean over ranks (sum over the column slice's "
+           "replicas / world size)", reducing, "00c45eb68f370fcb")
+compat.fix("fairseq_sharded_value_norm", "fairseq.utils:clip_grad_norm_",
+           "--pkm-shard-values: fairseq leaves expert-tagged gradients out of the norm; a split "
+           "table counts with its squares summed over the shard group (the one-process norm)",
+           norm_with_split_tables, "0e9a45d266e19456")
+
+
+def _checkpoint_hooks():
+    compat.replace(STATE_CALL, _always_call_state_dict)
+    compat.replace(f"{OPT}.state_dict", gathering_state)
+    compat.replace(f"{OPT}.load_state_dict", splitting_state)
+
+
+def _checkpoint_targets_known() -> Optional[str]:
+    return (compat.known_source(lambda: compat.lookup(STATE_CALL).fget, "3c7d32776378e123")()
+            or compat.known_source(lambda: compat.lookup(f"{OPT}.state_dict"), "fc8e18f8d0c260e7")()
+            or compat.known_source(lambda: compat.lookup(f"{OPT}.load_state_dict"), "c898c7b2f01de389")())
+
+
+compat.register(compat.Patch(
+    "fairseq_sharded_value_checkpoints",
+    f"{STATE_CALL}, {OPT}.state_dict and load_state_dict",
+    "--pkm-shard-values: checkpoints hold whole value tables and their optimizer state "
+    "(gathered to rank 0 while every rank calls state_dict; split again on loading), so they "
+    "load at any world size", _checkpoint_targets_known, _checkpoint_hooks))
