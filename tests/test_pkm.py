@@ -97,8 +97,8 @@ def test_product_topk_in_token_chunks_equals_one_block(monkeypatch):
 def test_the_search_answers_token_major_and_its_key_gradient_is_a_gemm_per_half(monkeypatch):
     """A GPU step at transformer-base size waits on the host's kernel launches. The search (one
     chunk, as on CUDA) hands the value read its weights and (int32) slot ids as views, with no
-    transposed copies, and the sub-key gradient is one scatter and one batched GEMM per half for all heads
-    (not one per head and half)."""
+    transposed copies, and the sub-key gradient is one scatter and one batched GEMM per half for
+    all heads (not one per head and half)."""
     import fairseq_attnzoo.modules.pkm as pkm
 
     monkeypatch.setattr(pkm, "_SCORE_CHUNK", 1 << 62)
