@@ -142,10 +142,13 @@ class _ProductTopk(torch.autograd.Function):
                                 [torch.cat(p) for p in zip(*parts)])
         ctx.save_for_backward(query, keys, sub)  # sub [N, H, 2, knn]: the chosen a, b
         ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(False)  # (no zero gradient of the indices is made)
         return scores, indices
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _):
+    def backward(ctx, grad: Optional[Tensor], _):
+        if grad is None:
+            return None, None, None
         query, keys, sub = ctx.saved_tensors
         n, h, _, k = sub.shape
         n_keys, half = keys.size(2), keys.size(3)

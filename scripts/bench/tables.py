@@ -19,7 +19,15 @@ import sys
 from scripts.bench.harness import RECORDS, REPO, kernel_env
 
 DOCS = [os.path.join(REPO, "docs", "performance.md")]
-BLOCK = re.compile(r"(<!-- bench: (\S+) -->\n)(.*?)(<!-- /bench -->)", re.S)
+
+
+def block(tag: str):
+    """The generated blocks ``<!-- TAG: ARG -->`` ... ``<!-- /TAG -->`` of a doc (groups: the
+    opening line, ARG, the text, the closing marker)."""
+    return re.compile(rf"(<!-- {tag}: (\S+) -->\n)(.*?)(<!-- /{tag} -->)", re.S)
+
+
+BLOCK = block("bench")
 COLUMNS = {  # the columns of each level, in order (those no row has are left out)
     "kernel": ["case", "shape", "ms", "baseline ms", "ratio", "cold ms", "baseline cold ms",
                "peak MiB", "baseline peak MiB", "GB/s", "GFLOP/s", "% roofline",
@@ -157,8 +165,35 @@ def render(pattern, records):
     return "\n".join(out)
 
 
+def fill(text, pattern, make) -> str:
+    """``text`` with every block of ``pattern`` (:func:`block`) regenerated as ``make(ARG)``."""
+    return pattern.sub(lambda m: m.group(1) + make(m.group(2)) + m.group(4), text)
+
+
 def update(text, records):
-    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), records) + m.group(4), text)
+    return fill(text, BLOCK, lambda pattern: render(pattern, records))
+
+
+def rewrite(paths, update_text, check: bool, source: str, command: str) -> int:
+    """Regenerate the blocks of each doc in ``paths`` (``update_text(text) -> text``), or with
+    ``check`` only report the docs whose blocks are not what ``source`` gives: 1 if any."""
+    stale = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        new = update_text(text)
+        if new != text:
+            if check:
+                stale.append(path)
+            else:
+                with open(path, "w") as f:
+                    f.write(new)
+                print(f"updated {path}")
+    if stale:
+        print(f"tables out of date with {source}: {', '.join(stale)}: run `{command}`",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv=None):
@@ -167,23 +202,9 @@ def main(argv=None):
     p.add_argument("--records", default=RECORDS)
     p.add_argument("docs", nargs="*", default=DOCS)
     a = p.parse_args(argv)
-    records, stale = load(a.records), []
-    for path in a.docs:
-        with open(path) as f:
-            text = f.read()
-        new = update(text, records)
-        if new != text:
-            if a.check:
-                stale.append(path)
-            else:
-                with open(path, "w") as f:
-                    f.write(new)
-                print(f"updated {path}")
-    if stale:
-        print(f"tables out of date with {a.records}: {', '.join(stale)}: run `python -m "
-              "scripts.bench.tables`", file=sys.stderr)
-        return 1
-    return 0
+    records = load(a.records)
+    return rewrite(a.docs, lambda text: update(text, records), a.check, a.records,
+                   "python -m scripts.bench.tables")
 
 
 if __name__ == "__main__":
