@@ -21,6 +21,7 @@ The tables sit in docs/pkm.md and docs/aop.md between ``<!-- costmodel: LAYER --
 import argparse
 import contextlib
 import json
+import linecache
 import os
 import sys
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from scripts.bench.harness import RECORDS, REPO
-from scripts.bench.tables import block, fill, fmt, format_table, load, rewrite
+from scripts.bench.tables import block, fill, format_table, load, rewrite
 
 DOCS = [os.path.join(REPO, "docs", "pkm.md"), os.path.join(REPO, "docs", "aop.md")]
 BLOCK = block("costmodel")
@@ -122,12 +123,16 @@ def op_cost(func, args, kwargs, out) -> Optional[Tuple[int, int, int]]:
 
 
 def _site(package: str) -> str:
-    """The innermost function of ``package`` on the stack (its qualified name), else the autograd
-    node running (a builtin derivative in the backward), else the caller."""
+    """The innermost function of ``package`` on the stack (its qualified name) and the code of
+    the line it is at, else the autograd node running (a builtin derivative in the backward),
+    else the caller."""
     frame = sys._getframe(2)
     while frame is not None:
-        if package in frame.f_code.co_filename:
-            return frame.f_code.co_qualname.split(".<locals>")[0]
+        code = frame.f_code
+        if package in code.co_filename:
+            line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            line = line if len(line) <= 48 else line[:45] + "..."
+            return f"{code.co_qualname.split('.<locals>')[0]}: `{line}`".replace("|", "\\|")
         frame = frame.f_back
     node = torch._C._current_autograd_node()
     return node.name() if node is not None else "(caller)"
@@ -268,8 +273,8 @@ def render(layer: Layer, records) -> str:
                 total[f"{g} ×2"] = f"×{sum(r['floor'] for r in other) / sum(r['floor'] for r in rs):.2f}"
         table.append(total)
         out.append(f"**{shape}**: `{json.dumps(layer.shapes[shape])}`\n\n")
-        out.append(format_table(table, cell=lambda c, v: fmt(c, round(v, 1) if isinstance(
-            v, float) else v)) + "\n")
+        out.append(format_table(table, cell=lambda c, v: f"{v:,.1f}" if isinstance(v, float)
+                                else f"{v:,}" if isinstance(v, int) else str(v)) + "\n")
     lines = measured(layer, records)
     out.append(("Measured (docs/benchmarks.jsonl, the latest record of each row):\n"
                 + "".join(lines)) if lines else "No benchmark record of this shape yet.\n")
