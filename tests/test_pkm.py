@@ -285,7 +285,7 @@ def _layer_step_inputs(padded):
 
 @pytest.mark.parametrize("layer,expected", [("dense", []), ("padded", []), ("memory+", []),
                                             ("sparse", ["nonzero"])])
-def test_a_training_step_syncs_with_the_device_only_for_sparse_rows(layer, expected):
+def test_a_training_step_syncs_with_the_device_only_for_sparse_rows(layer, expected, monkeypatch):
     """On CUDA every op that reads a device value back (``bool(t)``, ``.item()``) or sizes its
     output by the data (``nonzero``, ``bincount``) drains the GPU's queue. A memory layer's
     forward and backward need none: pads are masked, not removed; the search's candidate pairs
@@ -297,6 +297,7 @@ def test_a_training_step_syncs_with_the_device_only_for_sparse_rows(layer, expec
     from syncs_testlib import syncs
 
     pkm._candidate_pairs.cache_clear()  # built again inside the count, as by a layer's first step
+    monkeypatch.setattr(pkm, "SKIP_PADS_ON", ())  # pads masked, as on CUDA
     kw, padded = LAYERS[layer]
     m = _memory(kernel="torch", **kw).train()
     x, pad = _layer_step_inputs(padded)
@@ -325,11 +326,16 @@ def test_the_layer_compiles_to_one_graph_forward_and_backward(layer):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("sparse", [True, False])
-def test_padding_masked_equals_padding_removed(sparse):
-    """Pads are masked, not removed; the result is that of the real tokens alone: the same
-    outputs, batch-norm statistics and gradients (a sparse value gradient holds exactly the rows
-    the real tokens read), and zeros at the pads."""
+def test_padding_masked_equals_padding_removed(sparse, skip, monkeypatch):
+    """Pads are masked (as on CUDA) or removed (the CPU: ``pkm.SKIP_PADS_ON``); either way the
+    result is that of the real tokens alone: the same outputs, batch-norm statistics and
+    gradients (a sparse value gradient holds exactly the rows the real tokens read), and zeros
+    at the pads."""
+    from fairseq_attnzoo.modules import pkm
+
+    monkeypatch.setattr(pkm, "SKIP_PADS_ON", ("cpu",) if skip else ())
     x, pad = _layer_step_inputs(True)
     real = ~pad.t()
     padded = _memory(kernel="torch", sparse=sparse).train()
