@@ -326,19 +326,21 @@ def test_the_layer_compiles_to_one_graph_forward_and_backward(layer):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip,kernel", [(False, "torch"), (True, "torch"), (False, "triton")])
 @pytest.mark.parametrize("sparse", [True, False])
-def test_padding_masked_equals_padding_removed(sparse, skip, monkeypatch):
+def test_padding_masked_equals_padding_removed(sparse, skip, kernel, monkeypatch):
     """Pads are masked (as on CUDA) or removed (the CPU: ``pkm.SKIP_PADS_ON``); either way the
     result is that of the real tokens alone: the same outputs, batch-norm statistics and
-    gradients (a sparse value gradient holds exactly the rows the real tokens read), and zeros
-    at the pads."""
-    from fairseq_attnzoo.modules import pkm
+    gradients (a sparse value gradient holds exactly the rows the real tokens read, on the
+    Triton path too, in its interpreter), and zeros at the pads."""
+    from fairseq_attnzoo.modules import pkm, pkm_triton
 
+    if kernel == "triton" and not pkm_triton.HAS_TRITON:
+        pytest.skip("Triton is not installed (make install adds it)")
     monkeypatch.setattr(pkm, "SKIP_PADS_ON", ("cpu",) if skip else ())
     x, pad = _layer_step_inputs(True)
     real = ~pad.t()
-    padded = _memory(kernel="torch", sparse=sparse).train()
+    padded = _memory(kernel=kernel, sparse=sparse).train()
     out = padded(x, pad)
     (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
     grads = [x.grad[real]] + [p.grad for p in padded.parameters()]
