@@ -1161,4 +1161,5 @@ def test_host_syncs_are_counted_as_they_would_be_on_cuda():
         int(shape[0]) + int(torch.tensor(3)) + int(torch.tensor(3) * 2)
         x.view(int(shape[0]), -1).argmax().item()
 
-    assert syncs(run) == ["_local_scalar_dense", "index", "nonzero", "bincount", "_local_scalar_dense"]
+    assert syncs(run) == ["_local_scalar_dense", "index", "nonzero", "bincount",
+                          "_local_scalar_dense"]

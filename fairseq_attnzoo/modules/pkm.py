@@ -23,7 +23,8 @@ Choices (XLM's ``pq_fast`` memory is the reference; this is an independent imple
 * padding: padded positions are masked (no op sized by the data: no host sync on CUDA, one graph
   under ``torch.compile``), or on the CPU removed (:data:`SKIP_PADS_ON`): either way they do not
   enter the batch-norm statistics, add nothing to any gradient (no row of a sparse value
-  gradient), and output zeros. (XLM's batch norm counts pads, which is why it only supports unpadded stream batches.)
+  gradient), and output zeros. (XLM's batch norm counts pads, which is why it only supports
+  unpadded stream batches.)
 * position-wise: in eval mode (running batch-norm statistics) a token's output depends on that
   token only, so incremental decoding needs no cache.
 

@@ -18,7 +18,6 @@ The tables sit in docs/pkm.md and docs/aop.md between ``<!-- costmodel: LAYER --
     python -m scripts.bench.costmodel --check    # (a test runs this)
 """
 
-import argparse
 import contextlib
 import json
 import linecache
@@ -34,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from scripts.bench.harness import RECORDS, REPO
-from scripts.bench.tables import block, fill, format_table, load, rewrite
+from scripts.bench.harness import REPO
+from scripts.bench.tables import block, fill, format_table, generator_main
 
 DOCS = [os.path.join(REPO, "docs", "pkm.md"), os.path.join(REPO, "docs", "aop.md")]
 BLOCK = block("costmodel")
@@ -229,7 +228,7 @@ def _growth(base: dict, other: Optional[dict]) -> str:
 
 
 def measured(layer: Layer, records) -> List[str]:
-    """One line per benchmark record of the layer's paper shape (the latest of each row)."""
+    """One line per benchmark record of the layer's first shape (the latest of each row)."""
     latest = {}
     for r in records:
         for case, parts in layer.records:
@@ -241,15 +240,14 @@ def measured(layer: Layer, records) -> List[str]:
         row = r["row"]
         base = (f"; the FFN it replaces {row['baseline ms']:.2f} ms (ratio {row['ratio']:.2f})"
                 if row.get("baseline ms") else "")
-        out.append(f"- {device}, `{r['case']}` {shape}: {row['ms']:.2f} ms forward and "
-                   f"backward{base} (commit {r['commit']}, {r['run']})\n")
+        out.append(f"- {device}, `{r['case']}` {shape}: {row['ms']:.2f} ms{base} "
+                   f"(commit {r['commit']}, {r['run']})\n")
     return out
 
 
 def render(layer: Layer, records) -> str:
     models = model(layer)
     names = list(layer.shapes)
-    first = models[names[0]]
     out = [f"{layer.title}. {H100_SOURCE}; floor = max(bytes / bandwidth, FLOPs / peak at the op's "
            "dtype), summed over the ops (no overlap). Growth: the floor with that parameter "
            "doubled, over the floor here (– : the op is not there).\n\n"]
@@ -270,7 +268,8 @@ def render(layer: Layer, records) -> str:
         if i == 0:
             for g in layer.growth:
                 other = models[f"{g} x2"].values()
-                total[f"{g} ×2"] = f"×{sum(r['floor'] for r in other) / sum(r['floor'] for r in rs):.2f}"
+                grown = sum(r["floor"] for r in other) / sum(r["floor"] for r in rs)
+                total[f"{g} ×2"] = f"×{grown:.2f}"
         table.append(total)
         out.append(f"**{shape}**: `{json.dumps(layer.shapes[shape])}`\n\n")
         out.append(format_table(table, cell=lambda c, v: f"{v:,.1f}" if isinstance(v, float)
@@ -341,7 +340,9 @@ LAYERS = {l.name: l for l in [
                                                                    d=1024)},
           growth=("n_keys", "knn", "d"), setup=_pkm_setup,
           records=[("pkm/layer-vs-ffn", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
-                                         "impl dense"))],
+                                         "impl dense")),
+                   ("pkm/value-read", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
+                                       "sparse False"))],
           # the trace of 2026-11-28 (14.18 GB; 14.31 GB with the int64 indices before) and less
           # than half an [H, N, n_keys] float32 block written and read (0.27 GB): a change that
           # materialises one more such tensor, or goes back to int64 ids, fails it
@@ -358,14 +359,8 @@ def update(text: str, records) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail if a table differs from the trace")
-    p.add_argument("--records", default=RECORDS)
-    p.add_argument("docs", nargs="*", default=DOCS)
-    a = p.parse_args(argv)
-    records = load(a.records)
-    return rewrite(a.docs, lambda text: update(text, records), a.check, "the traced cost model",
-                   "python -m scripts.bench.costmodel")
+    return generator_main(argv, __doc__, DOCS, update, "scripts.bench.costmodel",
+                          "the traced cost model")
 
 
 if __name__ == "__main__":

@@ -196,15 +196,21 @@ def rewrite(paths, update_text, check: bool, source: str, command: str) -> int:
     return 0
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail if a table differs from the records")
+def generator_main(argv, doc: str, docs, update_text, module: str, source=None) -> int:
+    """The command line of a generator of doc blocks (this module, :mod:`scripts.bench.costmodel`):
+    ``[--check] [--records PATH] [DOCS...]``; ``update_text(text, records) -> text``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="fail if a table is not what it gives")
     p.add_argument("--records", default=RECORDS)
-    p.add_argument("docs", nargs="*", default=DOCS)
+    p.add_argument("docs", nargs="*", default=docs)
     a = p.parse_args(argv)
     records = load(a.records)
-    return rewrite(a.docs, lambda text: update(text, records), a.check, a.records,
-                   "python -m scripts.bench.tables")
+    return rewrite(a.docs, lambda text: update_text(text, records), a.check,
+                   source or a.records, f"python -m {module}")
+
+
+def main(argv=None):
+    return generator_main(argv, __doc__, DOCS, update, "scripts.bench.tables")
 
 
 if __name__ == "__main__":
