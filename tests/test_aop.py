@@ -12,6 +12,7 @@ from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from fairseq_attnzoo.models.sublayers import SublayerSpec, build_sublayer
+from fairseq_attnzoo.modules import aop_triton
 from fairseq_attnzoo.modules.aop import AttentionOverParameters, aop_num_params
 
 
@@ -181,6 +182,15 @@ def test_bad_flags_fail_at_build_with_one_line(flag, value, match):
     _one_line_error(_args("transformer_aop", [flag, value]), match)
 
 
+def _explicit(m, x):
+    """The "use" form written out: softmax(q (√h_p K)ᵀ) (√d V) W_o, no 1/√d_pk."""
+    t, b, d = x.shape
+    q = m.q_proj(x).view(t, b, m.heads, m.key_dim)
+    w = F.softmax(torch.einsum("tbhk,hnk->tbhn", q, m.keys * math.sqrt(m.heads)), -1)
+    v = m.values * math.sqrt(d)
+    return m.out_proj(torch.einsum("tbhn,hnv->tbhv", w, v).reshape(t, b, -1))
+
+
 def test_sdpa_path_matches_explicit_math_in_training_mode_backward():
     """Gradients through the fused kernel equal the explicit softmax formulation."""
     torch.manual_seed(0)
@@ -190,10 +200,7 @@ def test_sdpa_path_matches_explicit_math_in_training_mode_backward():
     g_fused = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
     m.zero_grad()
     x.grad = None
-    q = m.q_proj(x).view(4, 3, 2, 4)
-    w = F.softmax(torch.einsum("tbhk,hnk->tbhn", q, m.keys * math.sqrt(2)), -1)
-    y = m.out_proj(torch.einsum("tbhn,hnv->tbhv", w, m.values * 4.0).reshape(4, 3, 8))
-    y.square().sum().backward()
+    _explicit(m, x).square().sum().backward()
     g_ref = [p.grad for p in m.parameters()] + [x.grad]
     for a, b in zip(g_fused, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -318,3 +325,235 @@ def test_token_bucket_pads_the_attention_and_keeps_the_function_and_gradients(bu
     for a, b in zip(results[1], results[0]):
         assert a.dtype == dtype
         torch.testing.assert_close(a, b, **tol)
+
+
+def _mul_shapes(ops):
+    return [tuple(args[0].shape) for name, _, args in ops.calls if name in ("mul", "mul_")]
+
+
+@pytest.mark.parametrize("slots,scaled", [(40, "W_o"), (9, "V")])
+def test_unpadded_path_scales_the_smaller_of_v_and_w_o_and_slices_nothing(slots, scaled):
+    """Without padding the output is not sliced (a slice's backward zero-fills and copies the
+    whole [N, h·d_pv] gradient) and the value constant c multiplies the smaller of V [h, n_p,
+    d_pv] and W_o [d, h·d_pv] ((c·AV) W_o = AV (c·W_o)), once each way; the function and every
+    gradient are the explicit formula's within fp32 rounding."""
+    m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=slots)
+    x = torch.randn(6, 2, 16, requires_grad=True)
+    with DispatchedOps() as ops:
+        y = m(x)
+    up = torch.randn(6, 2, 16)
+    with DispatchedOps() as back:
+        y.backward(up)
+    small = tuple((m.out_proj.weight if scaled == "W_o" else m.values).shape)
+    assert _mul_shapes(ops) == [small] and _mul_shapes(back) == [small], (ops.names, back.names)
+    assert "slice_backward" not in back.names and "constant_pad_nd" not in ops.names
+    grads = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+    m.zero_grad()
+    x.grad = None
+    ref = _explicit(m, x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    ref.backward(up)
+    for a, b in zip(grads, [p.grad for p in m.parameters()] + [x.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert list(m.state_dict()) == ["keys", "values", "q_proj.weight", "out_proj.weight"]
+
+
+# ---- the Triton kernel (modules/aop_triton.py) against the SDPA reference, in the interpreter ----
+
+triton_only = pytest.mark.skipif(not aop_triton.HAS_TRITON,
+                                 reason="Triton is not installed (make install adds it)")
+
+
+def _close(a, b, dtype):
+    """fp32: rounding only; 16-bit: the kernel and the reference round the probabilities and
+    the output differently (each within a few ulps of the dtype), against the tensor's scale."""
+    scale = b.float().abs().max().clamp_min(1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = ((a.float() - b.float()).abs().max() / scale).item()
+    assert err < tol, (err, tol)
+
+
+def _memory_problem(dtype, n=40, h=2, dk=6, dv=5, slots=37):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(n, h * dk, generator=g).view(n, h, dk)  # (a view: q_proj's [N, h·d_pk])
+    k = torch.randn(h, slots, dk, generator=g) * dk ** -0.5
+    v = torch.randn(h, slots, dv, generator=g)
+    up = torch.randn(n, h, dv, generator=g)
+    return [t.to(dtype) for t in (q, k, v, up)]
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("chunks", [1, 3])  # 40 tokens in blocks of 16: 3 chunks of one block
+def test_triton_kernel_matches_sdpa_forward_and_every_gradient(dtype, chunks):
+    """c · softmax(s · q Kᵀ) V over a shared memory: output and dQ, dK, dV equal the SDPA
+    reference's (the module's path) on the same inputs, with the keys' and values' gradient
+    summed over token chunks in fp32 partial sums or written by one chunk."""
+    q, k, v, up = _memory_problem(dtype)
+    results = []
+    for fused in (True, False):
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        if fused:
+            y = aop_triton.attention(qq, kk, vv, 1.7, 2.5, chunks=chunks)
+        else:  # the module's SDPA call: tokens as one sequence of one batch entry
+            y = F.scaled_dot_product_attention(qq.transpose(0, 1)[None], kk[None], vv[None],
+                                               scale=1.7)[0].transpose(0, 1) * 2.5
+        y.backward(up)
+        results.append([y, qq.grad, kk.grad, vv.grad])
+    for a, b in zip(*results):
+        assert a.dtype == dtype and a.shape == b.shape
+        _close(a, b, dtype)
+
+
+@triton_only
+def test_triton_chunked_backward_is_deterministic_and_equals_one_chunk():
+    """The partial sums are reduced in a fixed order (no atomics): two runs are bitwise equal, and
+    any chunking gives the one-chunk gradient within fp32 rounding."""
+    q, k, v, up = _memory_problem(torch.float32, n=40)  # 3 blocks of 16 tokens
+    grads = {}
+    for chunks in (1, 2, 3, 3):
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        aop_triton.attention(qq, kk, vv, 1.0, 1.0, chunks=chunks).backward(up)
+        grads.setdefault(chunks, []).append((kk.grad, vv.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads[3]))
+    for chunks in (2, 3):
+        for a, b in zip(grads[chunks][0], grads[1][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale_at,dropout", [("use", 0.0), ("init", 0.0), ("use", 0.3)])
+def test_module_triton_kernel_matches_the_sdpa_path(dtype, scale_at, dropout):
+    """``kernel="triton"`` computes the module's function and every gradient (the value constant
+    inside the kernel; with dropout the same rows dropped), from the same state dict."""
+    results = []
+    state = None
+    for kernel in ("sdpa", "triton"):
+        torch.manual_seed(0)
+        m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=20,
+                                    dropout=dropout, scale_at=scale_at, kernel=kernel)
+        if state is None:
+            state = m.state_dict()
+        m.load_state_dict(state)
+        m = m.to(dtype).train()
+        x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        x.requires_grad_(True)
+        torch.manual_seed(2)  # (the dropout mask)
+        y = m(x)
+        y.square().sum().backward()
+        results.append([y.detach()] + [p.grad for p in m.parameters()] + [x.grad])
+    for a, b in zip(results[1], results[0]):
+        assert a.dtype == dtype
+        _close(a, b, dtype)
+
+
+@triton_only
+def test_kernel_flag_reaches_the_module_and_an_unavailable_kernel_is_one_line(monkeypatch):
+    args = _args("transformer_aop", ["--aop-kernel", "triton"])
+    m = build_sublayer("aop", _spec(args, d=32, ffn=64, heads=4))
+    assert m.kernel == "triton" and "kernel=triton" in repr(m)
+    assert build_sublayer("aop", _spec(_args("transformer_aop"), d=32, ffn=64, heads=4)
+                          ).kernel == "sdpa"
+    monkeypatch.setattr(aop_triton, "interpreted", lambda: False)  # a CPU without the interpreter
+    with pytest.raises(ValueError, match="needs a CUDA device.*--aop-kernel sdpa") as e:
+        m(torch.randn(3, 2, 32))
+    assert "\n" not in str(e.value)
+
+
+def test_one_sdpa_backend_alone_gives_the_same_function_or_one_line_naming_it():
+    """``sdpa_backend`` restricts SDPA to one backend (the benchmark's sweep): a backend that runs
+    here gives torch's pick's output and gradients; one that cannot (on a CPU: cuDNN's and the
+    memory-efficient kernel) is one line naming it, not torch's warnings and its generic error."""
+    import warnings
+
+    from fairseq_attnzoo.modules.aop import SDPA_BACKENDS
+
+    results = {}
+    for backend in (None, *SDPA_BACKENDS):
+        torch.manual_seed(0)
+        m = AttentionOverParameters(16, heads=2, key_dim=4, value_dim=4, slots=9)
+        m.sdpa_backend, m.token_groups = backend, 2
+        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (none escapes)
+            try:
+                y = m(x)
+            except RuntimeError as e:
+                results[backend] = str(e)
+                continue
+        y.square().sum().backward()
+        results[backend] = [y.detach()] + [p.grad for p in m.parameters()] + [x.grad]
+    for backend in ("flash", "math"):
+        for a, b in zip(results[backend], results[None]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for backend in ("cuDNN", "efficient"):
+        assert results[backend].startswith(f"AOP's SDPA backend {backend} cannot run float32 "
+                                           "on cpu: ") and "\n" not in results[backend]
+
+
+@triton_only
+def test_triton_kernels_compile_for_an_h100():
+    """The three kernels compile for sm_90 in fp32 and bf16 (fp16 takes bf16's code path) at the
+    paper's head dims and the CUDA tiles (in a process where Triton is not in interpreter mode;
+    no GPU needed): a codegen error that the interpreter cannot see fails here, not on a lent
+    machine. None spills registers to local memory (read from the cubin where Triton ships
+    cuobjdump)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", "import test_aop as t; t.compile_for_sm90()"],
+                         env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.stdout.splitlines()) == 6, run.stdout
+    for line in run.stdout.splitlines():
+        name, _, local = line.rpartition(" local ")
+        assert local in ("0", "unknown"), f"{name} spills {local} bytes a thread"
+
+
+def compile_for_sm90():
+    from triton import compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from test_pkm_triton import _local_bytes
+
+    assert not aop_triton.interpreted()
+    scalars = dict(n="i32", slots="i32", dk="i32", dv="i32", stride_qn="i32", stride_qh="i32")
+    meta = dict(PRECISION=None, BLOCK_N=aop_triton.BLOCK_TOKENS, BLOCK_P=aop_triton.BLOCK_SLOTS,
+                BLOCK_DK=64, BLOCK_DV=64)
+    for dt, precision in (("fp32", "ieee"), ("bf16", "tf32")):
+        t = f"*{dt}"
+        sigs = [dict(q=t, k=t, v=t, o=t, lse="*fp32", **scalars, qk_scale="fp32", v_scale="fp32"),
+                dict(q=t, k=t, v=t, o=t, do=t, lse="*fp32", delta="*fp32", dq=t, **scalars,
+                     qk_scale="fp32", k_scale="fp32", v_scale="fp32"),
+                dict(q=t, k=t, v=t, do=t, lse="*fp32", delta="*fp32", dk_out="*fp32",
+                     dv_out="*fp32", **scalars, chunk="i32", qk_scale="fp32", k_scale="fp32",
+                     v_scale="fp32")]
+        for kernel, sig in zip(aop_triton._kernels(), sigs):
+            sig.update({k: "constexpr" for k in meta})
+            compiled = compile(ASTSource(kernel, sig, constexprs=dict(
+                meta, PRECISION=precision)), target=GPUTarget("cuda", 90, 32))
+            print(f"{kernel.fn.__name__} {dt} local {_local_bytes(compiled)}")
+
+
+@triton_only
+def test_fairseq_train_with_the_triton_kernel_logs_the_same_losses(lm_data, tmp_path):
+    """``fairseq-train --aop-kernel triton`` (interpreted here) and ``--aop-kernel sdpa`` log the
+    same losses update after update, and the flag reaches every memory."""
+    from zoo_testlib import json_logs, run_cli, tiny_flags
+
+    logs = {}
+    for kernel in ("triton", "sdpa"):
+        lines = run_cli("train", tiny_flags("transformer_lm_aop", lm_data) + [
+            "--aop-kernel", kernel, "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "200",
+            "--max-update", "3", "--no-save", "--disable-validation", "--log-interval", "1",
+            "--log-format", "json", "--num-workers", "0", "--seed", "1",
+            "--save-dir", str(tmp_path / kernel)])
+        assert any("kernel=triton" in line for line in lines) == (kernel == "triton")
+        logs[kernel] = [float(r["loss"]) for r in json_logs(lines, "train_inner")]
+    assert len(logs["triton"]) == 3
+    assert logs["triton"] == pytest.approx(logs["sdpa"], abs=1e-3)

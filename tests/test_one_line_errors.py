@@ -54,6 +54,13 @@ def test_our_flag_error_is_one_line(mt_data):
     assert_one_line(code, lines, "--pkm-knn", "--pkm-n-keys")
 
 
+def test_a_kernel_that_cannot_run_here_is_one_line(mt_data):
+    """--aop-kernel triton on a CPU outside Triton's interpreter: refused at the first forward."""
+    code, lines = train(mt_data, "--arch", "transformer_aop", "--aop-kernel", "triton",
+                        env={"TRITON_INTERPRET": "0"})
+    assert_one_line(code, lines, "--aop-kernel triton cannot run", "--aop-kernel sdpa")
+
+
 def test_flag_of_a_sublayer_the_model_does_not_build(mt_data):
     """Used to train without a memory, exit 0 (tests/test_flag_owners.py: the rules)."""
     code, lines = train(mt_data, "--arch", "transformer_synth_random", "--pkm-knn", "8")

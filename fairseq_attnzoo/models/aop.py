@@ -15,7 +15,8 @@ from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..modules.aop import SCALE_AT, AttentionOverParameters, aop_num_params, ffn_matching_slots
+from ..modules.aop import (KERNELS, SCALE_AT, AttentionOverParameters, aop_num_params,
+                           ffn_matching_slots)
 from .sublayers import register_sublayer, require
 from .transformer import register_arch
 
@@ -56,6 +57,12 @@ class AOPConfig(FairseqDataclass):
                 "(on CUDA cuDNN's builds an execution graph for each new shape, and a translation "
                 "batch's token count changes nearly every update; docs/aop.md, 'On the GPU'); "
                 "costs up to N-1 extra rows (default 0: no padding)"})
+    aop_kernel: ChoiceEnum(list(KERNELS)) = field(default="sdpa", metadata={
+        "help": "how the attention over the memory runs: 'sdpa' = torch's "
+                "scaled_dot_product_attention (the reference), 'triton' = the Triton kernel of "
+                "modules/aop_triton.py (CUDA only; its backward sums the shared keys' and values' "
+                "gradients over token chunks in fp32, no atomics); not yet timed on a GPU "
+                "(benchmark case aop/sublayer-vs-ffn), so the default stays sdpa (default sdpa)"})
 
     def validate(self):
         for name in ("aop_heads", "aop_key_dim", "aop_value_dim", "aop_slots"):
@@ -116,7 +123,8 @@ def build_aop(spec):
     heads, key_dim, value_dim, slots = sizes
     return AttentionOverParameters(spec.embed_dim, heads=heads, key_dim=key_dim,
                                    value_dim=value_dim, slots=slots, dropout=p,
-                                   scale_at=o.aop_scale_at, token_bucket=o.aop_token_bucket)
+                                   scale_at=o.aop_scale_at, token_bucket=o.aop_token_bucket,
+                                   kernel=o.aop_kernel)
 
 
 # AOP₁ = the AOPConfig defaults; AOP₂ (tensor2tensor transformer_parameter_attention_b) sets

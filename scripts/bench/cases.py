@@ -86,21 +86,32 @@ add(Kernel("device", "matmul", {"paper": [dict(n=8192)], "tiny": [dict(n=64)]}, 
 
 def _aop(p, device, dtype):
     from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_slots
+    from fairseq_attnzoo.modules.aop_triton import why_unavailable
 
     dk = p["width"] * p["d"] // p["heads"]  # h·d_pk = width·d: transformer_aop(_h16)
-    slots = ffn_matching_slots(p["d"], p["ffn"], p["heads"], dk, dk)
-    m = on(AttentionOverParameters(p["d"], p["heads"], dk, dk, slots), device, dtype)
-    m.token_groups = p["groups"]
-    return fwd_bwd(m, tokens(p, device, dtype))
+    att, x = p.get("attention"), tokens(p, device, dtype)  # (None: torch picks SDPA's backend)
+    if att == "triton" and why_unavailable(x, dk, dk):
+        raise RuntimeError(f"the Triton kernel cannot run: {why_unavailable(x, dk, dk)}")
+    m = on(AttentionOverParameters(p["d"], p["heads"], dk, dk, ffn_matching_slots(
+        p["d"], p["ffn"], p["heads"], dk, dk), kernel="sdpa" if att != "triton" else att),
+        device, dtype)
+    m.token_groups, m.sdpa_backend = p["groups"], None if att == "triton" else att
+    return fwd_bwd(m, x)
 
 
-add(Kernel("aop", "sublayer-vs-ffn", {
-    "paper": [dict(heads=h, width=w, groups=g, tokens=16384, d=512, ffn=2048)
-              for h, w in ((8, 1), (16, 2)) for g in (1, 4, 16)],
-    "tiny": [dict(heads=4, width=1, groups=g, tokens=64, d=32, ffn=128) for g in (1, 2)]},
+#: size: (dims, (h_p, width) of AOP1 / AOP2, groups under torch's pick of SDPA backend, groups
+#: under each backend alone); the Triton kernel takes the tokens as one group
+_AOP = {"paper": (dict(tokens=16384, d=512, ffn=2048), ((8, 1), (16, 2)), (1, 4, 16),
+                  (1, 2, 4, 8, 16, 32)),
+        "tiny": (dict(tokens=64, d=32, ffn=128), ((4, 1),), (1, 2), (1, 2))}
+add(Kernel("aop", "sublayer-vs-ffn", {size: [
+    dict(heads=h, width=w, **a, groups=g, **dims) for h, w in hw for a, g in [({}, g) for g in pick]
+    + [({"attention": a}, g) for a in ("flash", "cuDNN", "efficient", "math") for g in sweep]
+    + [({"attention": "triton"}, 1)]] for size, (dims, hw, pick, sweep) in _AOP.items()},
     _aop, lambda p, dev, dt: ffn(p, dev, dt, bias=False),
-    note="AOP1 (h 8) and AOP2 (h 16) with the FFN's weight count vs that FFN; tokens as 1, 4, 16 "
-         "SDPA batch entries"))
+    note="AOP1 (h 8) and AOP2 (h 16) with the FFN's weight count vs that FFN; tokens as 1-32 "
+         "SDPA batch entries under torch's pick of backend or one backend alone (a row says why "
+         "one cannot run), and the Triton kernel (--aop-kernel triton)"))
 
 
 # ---- PKM -------------------------------------------------------------------------------------
