@@ -332,7 +332,7 @@ def test_padding_masked_equals_padding_removed(sparse, skip, kernel, monkeypatch
     """Pads are masked (as on CUDA) or removed (the CPU: ``pkm.SKIP_PADS_ON``); either way the
     result is that of the real tokens alone: the same outputs, batch-norm statistics and
     gradients (a sparse value gradient holds exactly the rows the real tokens read, on the
-    Triton path too, in its interpreter), and zeros at the pads."""
+    Triton path too, in its interpreter), and zeros at the pads, even where they hold inf."""
     from fairseq_attnzoo.modules import pkm, pkm_triton
 
     if kernel == "triton" and not pkm_triton.HAS_TRITON:
@@ -340,6 +340,8 @@ def test_padding_masked_equals_padding_removed(sparse, skip, kernel, monkeypatch
     monkeypatch.setattr(pkm, "SKIP_PADS_ON", ("cpu",) if skip else ())
     x, pad = _layer_step_inputs(True)
     real = ~pad.t()
+    with torch.no_grad():
+        x[~real] = float("inf")  # whatever a pad holds changes nothing (0 · inf is nan)
     padded = _memory(kernel=kernel, sparse=sparse).train()
     out = padded(x, pad)
     (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()

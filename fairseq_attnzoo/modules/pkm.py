@@ -77,9 +77,8 @@ def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
 
     q1, q2 ``[H, N, k_dim/2]``; keys1, keys2 ``[H, n_keys, k_dim/2]`` -> scores, indices
     ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b, int32). Scores are
-    differentiable with
-    respect to queries and keys (:class:`_ProductTopk`, which takes both halves joined and
-    answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
+    differentiable with respect to queries and keys (:class:`_ProductTopk`, which takes both
+    halves joined and answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
     scores, indices = _ProductTopk.apply(torch.cat([q1, q2], -1), torch.stack([keys1, keys2], 1),
                                          knn)
     return scores.transpose(0, 1), indices.transpose(0, 1)
@@ -512,13 +511,11 @@ class ProductKeyMemory(ZooFeedForward):
         """[N, d] -> per-head queries [H, N, k_dim] in float32, the search's precision: the batch
         norm's float32 output goes on as it is, not rounded through the model's dtype and cast
         back (two copies each way in half precision). ``dropped``: input dropout already done.
-        ``keep`` [N] (bool): the real tokens; the others (pads) query from 0 and stay out of the
-        batch statistics."""
+        ``keep`` [N] (bool): the real tokens; the others (pads) stay out of the batch
+        statistics."""
         if not dropped:
             x = F.dropout(x, self.input_dropout, self.training)
         q = self.query_proj(x)
-        if keep is not None:  # whatever a pad holds (even inf) is not searched with
-            q = torch.where(keep.unsqueeze(1), q, 0.0)
         if self.query_bn is not None:
             if keep is not None and self.training:
                 q = self.query_bn.masked(q, keep)
@@ -605,10 +602,13 @@ class ProductKeyMemory(ZooFeedForward):
             # them is a ``nonzero``, a host sync on CUDA and a graph break under torch.compile),
             # except on the CPU (SKIP_PADS_ON)
             keep = ~padding_mask.transpose(0, 1).reshape(-1).bool()
-            if x.device.type in SKIP_PADS_ON and not torch.compiler.is_compiling():
-                return self._without_pads(flat, keep).view(t, b, self.output_dim)
         if flat.size(0) == 0:
             return x.new_zeros(t, b, self.output_dim, dtype=compute_dtype(x))
+        if keep is not None:
+            if x.device.type in SKIP_PADS_ON and not torch.compiler.is_compiling():
+                return self._without_pads(flat, keep).view(t, b, self.output_dim)
+            # a pad's row computes from 0, whatever it holds (even inf: 0 · inf in a gradient)
+            flat = torch.where(keep.unsqueeze(1), flat, 0.0)
         out = self.transform(flat, keep)
         if keep is not None:  # pads output 0, so their gradients are 0 too
             out = torch.where(keep.unsqueeze(1), out, 0.0)
