@@ -1,11 +1,11 @@
-"""scripts/bench/costmodel.py: the op-by-op cost model traced on the meta device, the layers'
+"""scripts/costmodel.py: the op-by-op cost model traced on the meta device, the layers'
 byte budgets and the generated tables of docs/pkm.md and docs/aop.md."""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scripts.bench import costmodel
+from scripts import costmodel
 
 
 class _Bag(nn.Module):
@@ -48,7 +48,7 @@ def test_the_memory_layer_moves_at_most_its_budget():
 
 
 def test_the_generated_cost_tables_are_up_to_date():
-    """``python -m scripts.bench.costmodel --check`` passes on the docs as committed and fails
+    """``python -m scripts.costmodel --check`` passes on the docs as committed and fails
     on a stale table."""
     assert costmodel.main(["--check"]) == 0
     text = open(costmodel.DOCS[0]).read()

@@ -19,15 +19,6 @@ import sys
 from scripts.bench.harness import RECORDS, REPO, kernel_env
 
 DOCS = [os.path.join(REPO, "docs", "performance.md")]
-
-
-def block(tag: str):
-    """The generated blocks ``<!-- TAG: ARG -->`` ... ``<!-- /TAG -->`` of a doc (groups: the
-    opening line, ARG, the text, the closing marker)."""
-    return re.compile(rf"(<!-- {tag}: (\S+) -->\n)(.*?)(<!-- /{tag} -->)", re.S)
-
-
-BLOCK = block("bench")
 COLUMNS = {  # the columns of each level, in order (those no row has are left out)
     "kernel": ["case", "shape", "ms", "baseline ms", "ratio", "cold ms", "baseline cold ms",
                "peak MiB", "baseline peak MiB", "GB/s", "GFLOP/s", "% roofline",
@@ -165,52 +156,35 @@ def render(pattern, records):
     return "\n".join(out)
 
 
-def fill(text, pattern, make) -> str:
-    """``text`` with every block of ``pattern`` (:func:`block`) regenerated as ``make(ARG)``."""
-    return pattern.sub(lambda m: m.group(1) + make(m.group(2)) + m.group(4), text)
+def update(text, records, tag="bench", make=render):  # (scripts.costmodel: tag "costmodel")
+    block = rf"(<!-- {tag}: (\S+) -->\n)(.*?)(<!-- /{tag} -->)"
+    return re.sub(block, lambda m: m.group(1) + make(m.group(2), records) + m.group(4), text,
+                  flags=re.S)
 
 
-def update(text, records):
-    return fill(text, BLOCK, lambda pattern: render(pattern, records))
-
-
-def rewrite(paths, update_text, check: bool, source: str, command: str) -> int:
-    """Regenerate the blocks of each doc in ``paths`` (``update_text(text) -> text``), or with
-    ``check`` only report the docs whose blocks are not what ``source`` gives: 1 if any."""
-    stale = []
-    for path in paths:
+def main(argv=None, doc=__doc__, docs=DOCS, update=update, module="scripts.bench.tables"):
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="fail if a table differs from the records")
+    p.add_argument("--records", default=RECORDS)
+    p.add_argument("docs", nargs="*", default=docs)
+    a = p.parse_args(argv)
+    records, stale = load(a.records), []
+    for path in a.docs:
         with open(path) as f:
             text = f.read()
-        new = update_text(text)
+        new = update(text, records)
         if new != text:
-            if check:
+            if a.check:
                 stale.append(path)
             else:
                 with open(path, "w") as f:
                     f.write(new)
                 print(f"updated {path}")
     if stale:
-        print(f"tables out of date with {source}: {', '.join(stale)}: run `{command}`",
-              file=sys.stderr)
+        print(f"tables out of date with {a.records} or the code: {', '.join(stale)}: run "
+              f"`python -m {module}`", file=sys.stderr)
         return 1
     return 0
-
-
-def generator_main(argv, doc: str, docs, update_text, module: str, source=None) -> int:
-    """The command line of a generator of doc blocks (this module, :mod:`scripts.bench.costmodel`):
-    ``[--check] [--records PATH] [DOCS...]``; ``update_text(text, records) -> text``."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail if a table is not what it gives")
-    p.add_argument("--records", default=RECORDS)
-    p.add_argument("docs", nargs="*", default=docs)
-    a = p.parse_args(argv)
-    records = load(a.records)
-    return rewrite(a.docs, lambda text: update_text(text, records), a.check,
-                   source or a.records, f"python -m {module}")
-
-
-def main(argv=None):
-    return generator_main(argv, __doc__, DOCS, update, "scripts.bench.tables")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ H100 is ``max(bytes / bandwidth, FLOPs / peak)``, with the datasheet's peaks (:d
 The tables sit in docs/pkm.md and docs/aop.md between ``<!-- costmodel: LAYER -->`` and
 ``<!-- /costmodel -->`` (the block mechanism of :mod:`scripts.bench.tables`)::
 
-    python -m scripts.bench.costmodel            # rewrite the tables
-    python -m scripts.bench.costmodel --check    # (a test runs this)
+    python -m scripts.costmodel            # rewrite the tables
+    python -m scripts.costmodel --check    # (a test runs this)
 """
 
 import contextlib
@@ -34,10 +34,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from scripts.bench.harness import REPO
-from scripts.bench.tables import block, fill, format_table, generator_main
+from scripts.bench import tables
 
 DOCS = [os.path.join(REPO, "docs", "pkm.md"), os.path.join(REPO, "docs", "aop.md")]
-BLOCK = block("costmodel")
 
 #: NVIDIA H100 SXM5 (80 GB HBM3), from NVIDIA's "H100 Tensor Core GPU" datasheet: memory bandwidth
 #: 3.35 TB/s; dense (no structured sparsity) BF16/FP16 Tensor Core 989.4 TFLOP/s; FP32 (no TF32,
@@ -245,6 +244,10 @@ def measured(layer: Layer, records) -> List[str]:
     return out
 
 
+def _cell(column: str, v) -> str:
+    return f"{v:,.1f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
+
 def render(layer: Layer, records) -> str:
     models = model(layer)
     names = list(layer.shapes)
@@ -272,8 +275,7 @@ def render(layer: Layer, records) -> str:
                 total[f"{g} ×2"] = f"×{grown:.2f}"
         table.append(total)
         out.append(f"**{shape}**: `{json.dumps(layer.shapes[shape])}`\n\n")
-        out.append(format_table(table, cell=lambda c, v: f"{v:,.1f}" if isinstance(v, float)
-                                else f"{v:,}" if isinstance(v, int) else str(v)) + "\n")
+        out.append(tables.format_table(table, cell=_cell) + "\n")
     lines = measured(layer, records)
     out.append(("Measured (docs/benchmarks.jsonl, the latest record of each row):\n"
                 + "".join(lines)) if lines else "No benchmark record of this shape yet.\n")
@@ -355,12 +357,11 @@ LAYERS = {l.name: l for l in [
 
 
 def update(text: str, records) -> str:
-    return fill(text, BLOCK, lambda name: render(LAYERS[name], records))
+    return tables.update(text, records, "costmodel", lambda name, rs: render(LAYERS[name], rs))
 
 
 def main(argv=None):
-    return generator_main(argv, __doc__, DOCS, update, "scripts.bench.costmodel",
-                          "the traced cost model")
+    return tables.main(argv, __doc__, DOCS, update, "scripts.costmodel")
 
 
 if __name__ == "__main__":
