@@ -94,3 +94,17 @@ class HostTensors:
         stack.enter_context(Factories())
         stack.enter_context(Ops())
         return stack
+
+
+def syncs(run) -> list:
+    """The names of the ops of ``run()`` that would make the host wait for the device on CUDA,
+    in order (:meth:`HostTensors.counting`)."""
+    names = []
+
+    def count(func, sync):
+        if sync:
+            names.append(func.overloadpacket.__name__)
+
+    with HostTensors().counting(count):
+        run()
+    return names

@@ -20,9 +20,11 @@ Choices (XLM's ``pq_fast`` memory is the reference; this is an independent imple
 
 * keys: per head two learned sets [n_keys, k_dim/2], uniform(±1/√(k_dim/2)) like ``nn.Linear``;
   values: N(0, v_dim^-½); query network: ``Linear(d, heads·k_dim)`` (+ BatchNorm1d).
-* padding: padded positions are removed *before* the memory is read, so they do not enter the
-  batch-norm statistics, select no slots, get no value gradient and output zeros. (XLM's batch norm
-  counts pads, which is why it only supports unpadded stream batches.)
+* padding: padded positions are masked (no op sized by the data: no host sync on CUDA, one graph
+  under ``torch.compile``), or on the CPU removed (:data:`SKIP_PADS_ON`): either way they do not
+  enter the batch-norm statistics, add nothing to any gradient (no row of a sparse value
+  gradient), and output zeros. (XLM's batch norm counts pads, which is why it only supports
+  unpadded stream batches.)
 * position-wise: in eval mode (running batch-norm statistics) a token's output depends on that
   token only, so incremental decoding needs no cache.
 
@@ -74,9 +76,9 @@ def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
     """Exact top-k over the n_keys² product keys, per head.
 
     q1, q2 ``[H, N, k_dim/2]``; keys1, keys2 ``[H, n_keys, k_dim/2]`` -> scores, indices
-    ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b). Scores are differentiable with
-    respect to queries and keys (:class:`_ProductTopk`, which takes both halves joined and
-    answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
+    ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b, int32). Scores are
+    differentiable with respect to queries and keys (:class:`_ProductTopk`, which takes both
+    halves joined and answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
     scores, indices = _ProductTopk.apply(torch.cat([q1, q2], -1), torch.stack([keys1, keys2], 1),
                                          knn)
     return scores.transpose(0, 1), indices.transpose(0, 1)
@@ -85,7 +87,9 @@ def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
 class _ProductTopk(torch.autograd.Function):
     """``(query [H, N, k_dim], keys [H, 2, n_keys, k_dim/2], knn) -> scores, indices [N, H, knn]``:
     half-query i of ``query`` is scored against ``keys[:, i]``; the answer is token-major, the
-    layout of the value read (no transposed copies of either).
+    layout of the value read (no transposed copies of either). Indices are int32 from the
+    per-half top-k on (slot ids < 2³¹; half the bytes of every gather, stack and saved tensor
+    after it); only ``scatter_add_``, which takes int64 indices alone, gets an int64 copy.
 
     Forward: the search runs without autograd, in chunks of tokens whose [H, chunk, n_keys] scores
     stay cache-resident between their GEMM and their top-k (on CUDA one chunk, so no per-chunk
@@ -116,12 +120,12 @@ class _ProductTopk(torch.autograd.Function):
         parts = []
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            # per half: [H, c, n_keys] scores -> sorted top-knn values and sub-key ids, read
-            # token-major [c, H, knn] from here on
+            # per half: [H, c, n_keys] scores -> sorted top-knn values and (int32) sub-key ids,
+            # read token-major [c, H, knn] from here on
             (s1, i1), (s2, i2) = (
-                (t.transpose(0, 1) for t in
-                 torch.bmm(query[:, s:e, i * half:(i + 1) * half], keys_t[:, i]).topk(knn, dim=-1))
-                for i in range(2))
+                (top.values.transpose(0, 1), top.indices.transpose(0, 1).to(torch.int32))
+                for top in (torch.bmm(query[:, s:e, i * half:(i + 1) * half], keys_t[:, i])
+                            .topk(knn, dim=-1) for i in range(2)))
             # the overall top-k is among the pairs (a, b) of the two sorted lists; pair (a, b)
             # is beaten by every (a' <= a, b' <= b), so only pairs with (a+1)(b+1) <= knn can
             # make it (~k·ln k of the k² pairs: 119 of 1024 for k = 32)
@@ -138,10 +142,13 @@ class _ProductTopk(torch.autograd.Function):
                                 [torch.cat(p) for p in zip(*parts)])
         ctx.save_for_backward(query, keys, sub)  # sub [N, H, 2, knn]: the chosen a, b
         ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(False)  # (no zero gradient of the indices is made)
         return scores, indices
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _):
+    def backward(ctx, grad: Optional[Tensor], _):
+        if grad is None:
+            return None, None, None
         query, keys, sub = ctx.saved_tensors
         n, h, _, k = sub.shape
         n_keys, half = keys.size(2), keys.size(3)
@@ -156,31 +163,49 @@ class _ProductTopk(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # Gᵀ q per half, all heads at once (a sub-key chosen
             dense = g.new_empty(h, n, n_keys)  # twice gets both g)
             grad_keys = []
-            for i in range(2):
-                dense.zero_().scatter_add_(-1, sub[:, :, i].transpose(0, 1), g.transpose(0, 1))
+            for i in range(2):  # (scatter_add_ takes int64 indices only)
+                dense.zero_().scatter_add_(-1, sub[:, :, i].transpose(0, 1).long(),
+                                           g.transpose(0, 1))
                 grad_keys.append(torch.bmm(dense.transpose(1, 2),
                                            query[:, :, i * half:(i + 1) * half].to(keys.dtype)))
             grad_keys = torch.stack(grad_keys, 1)
         return grad_query, grad_keys, None
 
 
+#: devices where :meth:`ProductKeyMemory.forward` removes the pads (a ``nonzero``, no sync on
+#: the host's own device; the pads' query, search and read are skipped: measured faster on the
+#: CPU) instead of masking them (everywhere else, and under torch.compile)
+SKIP_PADS_ON = ("cpu",)
+
 #: elements of one CPU chunk of search scores [H, chunk, n_keys] (4 MB in float32; 512 tokens
 #: at H = 4, n_keys = 512: chunks of 128-1024 tokens time alike, ahead of one [H, N, n_keys] block)
 _SCORE_CHUNK = 1 << 20
 
 
+def candidate_pairs(knn: int) -> Tuple[list, list]:
+    """The pairs (a, b) of places in the two sorted per-half top-knn lists that can hold one of
+    the knn best product keys, (a+1)(b+1) <= knn, as two lists of ints (row-major: a, then b).
+    Their number is known from knn alone (Σ_a ⌊knn/(a+1)⌋), so no op sizes anything by data."""
+    pairs = [(a, b) for a in range(knn) for b in range(knn // (a + 1))]
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
 @cached_constant
 def _candidate_pairs(knn: int, device) -> Tuple[Tensor, Tensor]:
-    r = torch.arange(1, knn + 1)
-    a, b = ((r[:, None] * r[None, :]) <= knn).nonzero(as_tuple=True)
-    return a.to(device), b.to(device)
+    """:func:`candidate_pairs` as two int64 tensors on ``device`` (``gather`` takes int64
+    indices only), made once: a constant, no ``nonzero`` (a host sync on CUDA, a graph break
+    under ``torch.compile``)."""
+    a, b = candidate_pairs(knn)
+    return (torch.tensor(a, dtype=torch.int64, device=device),
+            torch.tensor(b, dtype=torch.int64, device=device))
 
 
 @cached_constant
 def _set_offsets(heads: int, n_keys: int, device) -> Tensor:
-    """[1, H, 2, 1]: the first row of sub-key set (head, half) in the flattened sub-keys (an
-    arange kernel per layer and backward otherwise)."""
-    return torch.arange(0, heads * 2 * n_keys, n_keys, device=device).view(1, heads, 2, 1)
+    """[1, H, 2, 1] int32: the first row of sub-key set (head, half) in the flattened sub-keys
+    (an arange kernel per layer and backward otherwise)."""
+    return torch.arange(0, heads * 2 * n_keys, n_keys, dtype=torch.int32,
+                        device=device).view(1, heads, 2, 1)
 
 
 class _WeightedRowSum(torch.autograd.Function):
@@ -197,12 +222,18 @@ class _WeightedRowSum(torch.autograd.Function):
     * the table gradient Σ_{idx[n,j] = r} w[n, j] · grad[n] is itself a bag over ``grad`` per
       row r: one bag per distinct row read (sparse: U × d, coalesced) or, for a dense gradient,
       one bag per table row, empty bags giving the zero rows -- the dense |K| × d gradient is
-      written once, with no zero-fill and no scatter of a compact copy."""
+      written once, with no zero-fill and no scatter of a compact copy.
+
+    ``keep`` [N] (bool, optional): the tokens whose reads count. With a sparse gradient the reads
+    of the other tokens (pads, whose output the caller masks to 0) are not among its rows; a dense
+    gradient needs nothing (their output gradient is 0). The sparse gradient holds the rows of the
+    reads kept, found by ONE op sized by the data (``nonzero``: a host sync on CUDA; no ``bool()``
+    of a loss that fairseq multiplied by 0: such a gradient drops every read the same way)."""
 
     @staticmethod
     def forward(ctx, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
-                fused: bool = False) -> Tensor:
-        ctx.save_for_backward(table, indices, weights)
+                fused: bool = False, keep: Optional[Tensor] = None) -> Tensor:
+        ctx.save_for_backward(table, indices, weights, keep)
         ctx.sparse, ctx.fused = sparse, fused
         if fused:  # the Triton kernels (pkm_triton); this class is their reference
             return pkm_triton.read(table, indices, weights)
@@ -210,25 +241,36 @@ class _WeightedRowSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        table, indices, weights = ctx.saved_tensors
+        table, indices, weights, keep = ctx.saved_tensors
         grad = grad.contiguous()
         n, m = indices.shape
-        if ctx.sparse and ctx.needs_input_grad[0] and not bool(grad.any()):
-            # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs when it
-            # has fewer batches than the others, an OOM skip) read no rows: the lazy optimizer
-            # must not decay their moments, as one process would not
-            empty = torch.sparse_coo_tensor(indices.new_zeros(1, 0),
-                                            grad.new_zeros(0, table.size(1)), table.shape,
-                                            is_coalesced=True, check_invariants=False)
-            grad_weights = torch.zeros_like(weights) if ctx.needs_input_grad[2] else None
-            return empty, None, grad_weights, None, None
-        if ctx.fused:
+        size = table.size(0)
+        # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs when it
+        # has fewer batches than the others, an OOM skip) reads no rows of a sparse gradient:
+        # the lazy optimizer must not decay their moments, as one process would not
+        sparse = ctx.sparse and ctx.needs_input_grad[0]
+        if ctx.fused:  # pkm_triton's sparse rows are all rows read: a pad reads one kept row
+            if sparse and not bool(grad.any()):
+                empty = torch.sparse_coo_tensor(indices.new_zeros(1, 0, dtype=torch.int64),
+                                                grad.new_zeros(0, table.size(1)), table.shape,
+                                                is_coalesced=True, check_invariants=False)
+                grad_weights = torch.zeros_like(weights) if ctx.needs_input_grad[2] else None
+                return empty, None, grad_weights, None, None, None
+            if sparse and keep is not None:  # (adds 0 to it: a pad's output gradient is 0)
+                indices = torch.where(keep.unsqueeze(1), indices,
+                                      indices[keep.to(torch.uint8).argmax(), 0])
             grad_table, grad_weights = pkm_triton.backward(
                 grad, table, indices, weights, ctx.sparse, ctx.needs_input_grad[0],
                 ctx.needs_input_grad[2])
-            return grad_table, None, grad_weights, None, None
+            return grad_table, None, grad_weights, None, None, None
         flat = indices.reshape(-1)
-        rows_read, order = torch.sort(flat)  # table row of each read, ascending
+        if sparse:  # reads that count nowhere sort after every row, keyed row + |K|
+            dead = ~grad.any().expand(n, 1)
+            if keep is not None:
+                dead = dead | ~keep.unsqueeze(1)
+            flat = flat + (dead.to(flat.dtype) * size).expand(n, m).reshape(-1)
+        keys, order = torch.sort(flat)  # table row of each read, ascending
+        rows_read = keys.remainder(size) if sparse else keys
         token = order // m  # the bag (token) of each sorted read
         grad_table = grad_weights = None
         if ctx.needs_input_grad[2]:  # ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩, in row order
@@ -237,17 +279,21 @@ class _WeightedRowSum(torch.autograd.Function):
             grad_weights = grad_weights.view(n, m)
         if ctx.needs_input_grad[0]:
             w = weights.reshape(-1).index_select(0, order)
-            if ctx.sparse:
-                rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
-                starts = counts.cumsum(0) - counts
-                rows_grad = F.embedding_bag(token, grad, starts, mode="sum", per_sample_weights=w)
-                grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), rows_grad, table.shape,
-                                                     is_coalesced=True, check_invariants=False)
+            if ctx.sparse:  # one bag per distinct row among the reads kept (keys < |K|)
+                live = keys < size
+                first = torch.cat([live[:1], keys[1:] != keys[:-1]]) & live
+                starts = first.nonzero().squeeze(1)  # the one op sized by the data
+                offsets = torch.cat([starts, live.sum().view(1)])
+                rows_grad = F.embedding_bag(token, grad, offsets, mode="sum",
+                                            per_sample_weights=w, include_last_offset=True)
+                grad_table = torch.sparse_coo_tensor(
+                    keys.index_select(0, starts).long().unsqueeze(0), rows_grad, table.shape,
+                    is_coalesced=True, check_invariants=False)
             else:  # bag r = the reads of row r (empty for unread rows -> zero row)
                 starts = pkm_triton.row_ranges(rows_read, table.size(0))[0]
                 grad_table = F.embedding_bag(token, grad, starts, mode="sum",
                                              per_sample_weights=w)
-        return grad_table, None, grad_weights, None, None
+        return grad_table, None, grad_weights, None, None, None
 
 
 def read_dots(grad: Tensor, table: Tensor, rows: Tensor, token: Tensor, n: int, m: int,
@@ -300,16 +346,50 @@ class Float32BatchNorm1d(Float32Module, nn.BatchNorm1d):
             out = super().forward(x.float())
         return out if keep_float32 else out.to(x.dtype)
 
+    def masked(self, x: Tensor, keep: Tensor) -> Tensor:
+        """Training-mode batch norm of x [N, C] over the rows that ``keep`` [N] (bool) marks, in
+        float32 (the output is float32): the statistics, their gradient and the running averages
+        are those of the kept rows alone, as if the others were not there, with no op sized by
+        the data. Fewer than two kept rows: the running statistics, which stay as they are (the
+        unpadded path does the same with a batch of one token)."""
+        with float32_region(x.device):
+            rows = keep.unsqueeze(1)
+            x = torch.where(rows, x.float(), 0.0)
+            count = keep.sum()
+            n = count.clamp(min=1).to(x.dtype)
+            mean = x.sum(0) / n
+            var = torch.where(rows, x - mean, 0.0).square().sum(0) / n
+            enough = count >= 2
+            if self.track_running_stats and self.running_mean is not None:
+                with torch.no_grad():
+                    self.num_batches_tracked.add_(enough.to(self.num_batches_tracked.dtype))
+                    factor = (self.momentum if self.momentum is not None
+                              else 1.0 / self.num_batches_tracked.clamp(min=1).to(x.dtype))
+                    factor = torch.where(enough, factor, 0.0)
+                    unbiased = var * n / (n - 1).clamp(min=1)
+                    self.running_mean.lerp_(mean.detach(), factor)
+                    self.running_var.lerp_(unbiased.detach(), factor)
+                    use_batch = enough
+            else:
+                use_batch = torch.ones_like(enough)
+            if self.running_mean is not None:
+                mean = torch.where(use_batch, mean, self.running_mean)
+                var = torch.where(use_batch, var, self.running_var)
+            out = (x - mean) * torch.rsqrt(var + self.eps)
+            return out * self.weight + self.bias if self.affine else out
+
 
 class ValueTable(nn.EmbeddingBag):
     """The value table V [|K|, v_dim] (an ``nn.EmbeddingBag``, same state-dict key ``weight``)
     with the weighted read the memory calls: :meth:`read`. A table split over processes
     (:class:`.pkm_shard.ShardedValueTable`) replaces it with the same ``read``."""
 
-    def read(self, indices: Tensor, weights: Tensor, fused: bool) -> Tensor:
-        """``out[n] = Σ_j weights[n, j] · V[indices[n, j]]`` -> [N, v_dim]."""
+    def read(self, indices: Tensor, weights: Tensor, fused: bool,
+             keep: Optional[Tensor] = None) -> Tensor:
+        """``out[n] = Σ_j weights[n, j] · V[indices[n, j]]`` -> [N, v_dim]; ``keep`` [N] (bool):
+        the real tokens, whose reads alone a sparse gradient holds."""
         return _WeightedRowSum.apply(self.weight, indices, weights.to(self.weight.dtype),
-                                     self.sparse, fused)
+                                     self.sparse, fused, keep)
 
 
 def value_table(size: int, v_dim: int, sparse: bool = False) -> nn.EmbeddingBag:
@@ -447,15 +527,19 @@ class ProductKeyMemory(ZooFeedForward):
                     nn.init.normal_(lin.weight, 0.0, self.output_dim ** -0.5)
 
     # ---- the memory read ---------------------------------------------------------------------
-    def query(self, x: Tensor, dropped: bool = False) -> Tensor:
+    def query(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None) -> Tensor:
         """[N, d] -> per-head queries [H, N, k_dim] in float32, the search's precision: the batch
         norm's float32 output goes on as it is, not rounded through the model's dtype and cast
-        back (two copies each way in half precision). ``dropped``: input dropout already done."""
+        back (two copies each way in half precision). ``dropped``: input dropout already done.
+        ``keep`` [N] (bool): the real tokens; the others (pads) stay out of the batch
+        statistics."""
         if not dropped:
             x = F.dropout(x, self.input_dropout, self.training)
         q = self.query_proj(x)
         if self.query_bn is not None:
-            if self.training and q.size(0) < 2:  # batch statistics need two tokens
+            if keep is not None and self.training:
+                q = self.query_bn.masked(q, keep)
+            elif self.training and q.size(0) < 2:  # batch statistics need two tokens
                 bn = self.query_bn
                 with float32_region(q.device):
                     q = F.batch_norm(q.float(), bn.running_mean, bn.running_var, bn.weight,
@@ -494,29 +578,35 @@ class ProductKeyMemory(ZooFeedForward):
             weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
         return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
 
-    def values_read(self, x: Tensor, dropped: bool = False) -> Tensor:
-        """Σ_i w_i v_i for unpadded tokens x [N, d] -> [N, v_dim] (no value dropout)."""
-        weights, indices = self.lookup(self.query(x, dropped))
+    def values_read(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None
+                    ) -> Tensor:
+        """Σ_i w_i v_i for tokens x [N, d] -> [N, v_dim] (no value dropout); ``keep`` [N]
+        (bool): the real tokens (the others' rows are garbage, which the caller masks)."""
+        weights, indices = self.lookup(self.query(x, dropped, keep))
         out = self.values.read(indices, weights,
-                               pkm_triton.use_kernel(self.kernel, self.values.weight))
+                               pkm_triton.use_kernel(self.kernel, self.values.weight), keep)
         if not self.training and self.usage_callback is not None:
+            weights = weights if keep is None else torch.where(keep.unsqueeze(1), weights, 0.0)
             self.usage_callback(indices.detach(), weights.detach())
         # the dtype the layer computes in: autocast's for a float32 x inside autocast
         return out.to(compute_dtype(x))
 
-    def read(self, x: Tensor) -> Tensor:
-        """m(x) for unpadded tokens x [N, d] -> [N, d_out] (plain output; with swilu the [N,
-        v_dim] read that the gate multiplies), value dropout on the read as in XLM."""
-        out = F.dropout(self.values_read(x), self.value_dropout, self.training)
+    def read(self, x: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+        """m(x) for tokens x [N, d] -> [N, d_out] (plain output; with swilu the [N, v_dim] read
+        that the gate multiplies), value dropout on the read as in XLM. ``keep``: as in
+        :meth:`values_read`."""
+        out = F.dropout(self.values_read(x, keep=keep), self.value_dropout, self.training)
         return out if self.out_proj is None else self.out_proj(out)
 
-    def transform(self, x: Tensor) -> Tensor:
-        """The layer's output for unpadded tokens x [N, d] -> [N, d_out]."""
+    def transform(self, x: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+        """The layer's output for tokens x [N, d] -> [N, d_out]; ``keep`` [N] (bool): the real
+        tokens (the rows of the others are garbage: :meth:`forward` masks them)."""
         if self.swilu == "reference":  # Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃))), x̃ = Drop_in(x)
             x = F.dropout(x, self.input_dropout, self.training)
-            out = self.gate_out(self.values_read(x, dropped=True) * F.silu(self.gate_proj(x)))
+            out = self.gate_out(self.values_read(x, dropped=True, keep=keep)
+                                * F.silu(self.gate_proj(x)))
             return F.dropout(out, self.value_dropout, self.training)
-        out = self.read(x)
+        out = self.read(x, keep)
         if self.swilu == "legacy":  # W₂(Drop_v(m(x)) ⊙ SiLU(W₁ x)), no biases
             out = self.gate_out(out * F.silu(self.gate_proj(x)))
         return out
@@ -527,19 +617,32 @@ class ProductKeyMemory(ZooFeedForward):
         keep = None
         padding_mask = self.padding(x, padding_mask)
         if padding_mask is not None:
-            pad = padding_mask.transpose(0, 1).reshape(-1)
-            # the tokens kept, time-major like ``flat``: on CUDA the one host sync of the layer
-            keep = (~pad).nonzero().squeeze(1)
-            if keep.numel() < t * b:
-                flat = flat.index_select(0, keep)
-            else:
-                keep = None
+            # the real tokens, time-major like ``flat``: pads are masked, not removed (removing
+            # them is a ``nonzero``, a host sync on CUDA and a graph break under torch.compile),
+            # except on the CPU (SKIP_PADS_ON)
+            keep = ~padding_mask.transpose(0, 1).reshape(-1).bool()
         if flat.size(0) == 0:
             return x.new_zeros(t, b, self.output_dim, dtype=compute_dtype(x))
-        out = self.transform(flat)
-        if keep is not None:  # pads read nothing and output 0
-            out = out.new_zeros(t * b, self.output_dim).index_copy(0, keep, out)
+        if keep is not None:
+            if x.device.type in SKIP_PADS_ON and not torch.compiler.is_compiling():
+                return self._without_pads(flat, keep).view(t, b, self.output_dim)
+            # a pad's row computes from 0, whatever it holds (even inf: 0 · inf in a gradient)
+            flat = torch.where(keep.unsqueeze(1), flat, 0.0)
+        out = self.transform(flat, keep)
+        if keep is not None:  # pads output 0, so their gradients are 0 too
+            out = torch.where(keep.unsqueeze(1), out, 0.0)
         return out.view(t, b, self.output_dim)
+
+    def _without_pads(self, flat: Tensor, keep: Tensor) -> Tensor:
+        """The layer on the real tokens alone, the pads' rows 0: what masking computes, without
+        the pads' work (:data:`SKIP_PADS_ON`)."""
+        kept = keep.nonzero().squeeze(1)
+        if kept.numel() == flat.size(0):
+            return self.transform(flat)
+        if kept.numel() == 0:
+            return flat.new_zeros(flat.size(0), self.output_dim, dtype=compute_dtype(flat))
+        out = self.transform(flat.index_select(0, kept))
+        return out.new_zeros(flat.size(0), self.output_dim).index_copy(0, kept, out)
 
     def extra_repr(self) -> str:
         return (f"|K|={self.size} (n_keys={self.n_keys}²), heads={self.heads}, knn={self.knn}, "

@@ -107,9 +107,11 @@ class ShardedValueTable(nn.Module):
         self.split = True
         mark_sparse(self, bool(getattr(table, "sparse", False)))
 
-    def read(self, indices: Tensor, weights: Tensor, fused: bool) -> Tensor:
+    def read(self, indices: Tensor, weights: Tensor, fused: bool,
+             keep: Optional[Tensor] = None) -> Tensor:
         """``out[n] = Σ_j weights[n, j] · V[indices[n, j]]`` for this rank's N tokens -> [N, d];
-        a collective: every rank of the group reads once per call."""
+        a collective: every rank of the group reads once per call. ``keep`` [N] (bool): the
+        real tokens (masked padding), whose reads alone a sparse gradient holds."""
         g, group = self.layout.size, self.layout.group
         n, m = indices.shape
         weights = weights.to(self.weight.dtype)
@@ -125,7 +127,10 @@ class ShardedValueTable(nn.Module):
         # gradient touch, row 0)
         all_idx = torch.cat([all_idx[r, :c] for r, c in enumerate(counts)])
         all_w = torch.cat([all_w[r, :c] for r, c in enumerate(counts)])
-        local = ValueTable.read(self, all_idx, all_w, fused)  # [Σ counts, d/G]
+        if keep is not None:  # (uint8 on the wire: gloo gathers no bool)
+            all_keep = _all_gather(_pad(keep.to(torch.uint8), longest), 0, group).view(g, longest)
+            keep = torch.cat([all_keep[r, :c] for r, c in enumerate(counts)]).bool()
+        local = ValueTable.read(self, all_idx, all_w, fused, keep)  # [Σ counts, d/G]
         # rank r's tokens go back to rank r; this rank receives its n tokens from every rank
         back = fc.all_to_all_single_autograd(local, [n] * g, counts, group)
         back = fc.wait_tensor(back) if isinstance(back, fc.AsyncCollectiveTensor) else back
@@ -154,7 +159,9 @@ class ShardedValueTable(nn.Module):
 
 
 def _pad(t: Tensor, rows: int) -> Tensor:
-    return t if t.size(0) == rows else torch.cat([t, t.new_zeros(rows - t.size(0), t.size(1))])
+    if t.size(0) == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.size(0),) + t.shape[1:])])
 
 
 def sharded_params(params: Iterable[Tensor]) -> List[Tensor]:

@@ -19,7 +19,6 @@ import sys
 from scripts.bench.harness import RECORDS, REPO, kernel_env
 
 DOCS = [os.path.join(REPO, "docs", "performance.md")]
-BLOCK = re.compile(r"(<!-- bench: (\S+) -->\n)(.*?)(<!-- /bench -->)", re.S)
 COLUMNS = {  # the columns of each level, in order (those no row has are left out)
     "kernel": ["case", "shape", "ms", "baseline ms", "ratio", "cold ms", "baseline cold ms",
                "peak MiB", "baseline peak MiB", "GB/s", "GFLOP/s", "% roofline",
@@ -157,15 +156,17 @@ def render(pattern, records):
     return "\n".join(out)
 
 
-def update(text, records):
-    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), records) + m.group(4), text)
+def update(text, records, tag="bench", make=render):  # (scripts.costmodel: tag "costmodel")
+    block = rf"(<!-- {tag}: (\S+) -->\n)(.*?)(<!-- /{tag} -->)"
+    return re.sub(block, lambda m: m.group(1) + make(m.group(2), records) + m.group(4), text,
+                  flags=re.S)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, doc=__doc__, docs=DOCS, update=update, module="scripts.bench.tables"):
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="fail if a table differs from the records")
     p.add_argument("--records", default=RECORDS)
-    p.add_argument("docs", nargs="*", default=DOCS)
+    p.add_argument("docs", nargs="*", default=docs)
     a = p.parse_args(argv)
     records, stale = load(a.records), []
     for path in a.docs:
@@ -180,8 +181,8 @@ def main(argv=None):
                     f.write(new)
                 print(f"updated {path}")
     if stale:
-        print(f"tables out of date with {a.records}: {', '.join(stale)}: run `python -m "
-              "scripts.bench.tables`", file=sys.stderr)
+        print(f"tables out of date with {a.records} or the code: {', '.join(stale)}: run "
+              f"`python -m {module}`", file=sys.stderr)
         return 1
     return 0
 

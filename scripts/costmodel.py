@@ -1,0 +1,368 @@
+"""The cost model of a layer, op by op, from a trace on the ``meta`` device (no compute: the paper
+shapes trace on any machine).
+
+A layer (a module and its inputs, built on ``meta``) runs forward and backward under a
+``TorchDispatchMode`` that records every ATen op: where it was called (the innermost function of
+``fairseq_attnzoo``, or in the backward the autograd node), the bytes it reads and writes, and
+its FLOPs by ``torch.utils.flop_counter``'s formulas (matmuls, attention; other ops count 0).
+Bytes are counted as an op needs them, not as a cache might save them: every input read once and
+every output written once, views and fresh allocations free, a gather (``index_select``,
+``gather``, embedding bags) reading one source element or row per index, a scatter touching one
+target element per source element, a fill writing without reading. The floor of an op on an
+H100 is ``max(bytes / bandwidth, FLOPs / peak)``, with the datasheet's peaks (:data:`H100`).
+
+The tables sit in docs/pkm.md and docs/aop.md between ``<!-- costmodel: LAYER -->`` and
+``<!-- /costmodel -->`` (the block mechanism of :mod:`scripts.bench.tables`)::
+
+    python -m scripts.costmodel            # rewrite the tables
+    python -m scripts.costmodel --check    # (a test runs this)
+"""
+
+import contextlib
+import json
+import linecache
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from scripts.bench.harness import REPO
+from scripts.bench import tables
+
+DOCS = [os.path.join(REPO, "docs", "pkm.md"), os.path.join(REPO, "docs", "aop.md")]
+
+#: NVIDIA H100 SXM5 (80 GB HBM3), from NVIDIA's "H100 Tensor Core GPU" datasheet: memory bandwidth
+#: 3.35 TB/s; dense (no structured sparsity) BF16/FP16 Tensor Core 989.4 TFLOP/s; FP32 (no TF32,
+#: torch's default for float32 matmuls) 66.9 TFLOP/s. The harness's own device rows
+#: (``device/copy``, ``device/matmul`` in docs/benchmarks.jsonl) measured 2.98 TB/s and 751 TFLOP/s.
+H100 = {"bandwidth": 3.35e12, "flops": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12,
+                                        torch.float32: 66.9e12}}
+H100_SOURCE = ("NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, 989.4 TFLOP/s dense BF16/FP16, "
+               "66.9 TFLOP/s FP32 (no TF32)")
+
+#: ops whose tensor inputs are not read (sizes, allocations, fills)
+NO_READ = {"empty_like", "new_empty", "new_empty_strided", "zeros_like", "ones_like", "full_like",
+           "new_zeros", "new_ones", "new_full", "zero_", "fill_"}
+#: ops that allocate without writing
+NO_WRITE = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
+#: gathers: argument positions of the sources and of the index; a source is read once per
+#: index -- an element (the output's bytes) or, for the embedding bags, a row -- not whole
+GATHERS = {"index_select": ((0,), 2), "gather": ((0,), 2), "embedding": ((0,), 1),
+           "_embedding_bag": ((0,), 1), "_embedding_bag_forward_only": ((0,), 1),
+           "_embedding_bag_per_sample_weights_backward": ((0, 1), 2)}
+#: scatters: argument position of the target, of the source; one target element per source
+#: element is read and written
+SCATTERS = {"scatter_add_": (0, 3), "scatter_add": (0, 3), "index_copy_": (0, 3),
+            "index_copy": (0, 3), "index_add_": (0, 3), "index_put_": (0, 2)}
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The bytes of a tensor as an op reads it: a broadcast (stride 0) dimension once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride else 1
+    return n * t.element_size()
+
+
+@dataclass
+class Op:
+    phase: str  # "forward" | "backward"
+    site: str  # the function (or autograd node) that called it
+    name: str  # the ATen op
+    read: int
+    written: int
+    flops: int
+    dtype: torch.dtype  # of its first floating input (the peak its FLOPs run at)
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+    def floor_s(self, device=H100) -> float:
+        peak = device["flops"].get(self.dtype, device["flops"][torch.float32])
+        return max(self.bytes / device["bandwidth"], self.flops / peak)
+
+
+def op_cost(func, args, kwargs, out) -> Optional[Tuple[int, int, int]]:
+    """(bytes read, bytes written, FLOPs) of one ATen call, None for a view (no data moves)."""
+    schema = func._schema
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return None
+    name = func.overloadpacket.__name__
+    if name == "_unsafe_view" or name == "detach":
+        return None
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    flops = (flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+             if func.overloadpacket in flop_registry else 0)
+    read = 0 if name in NO_READ else sum(_bytes(t) for t in ins)
+    written = 0 if name in NO_WRITE else sum(t.numel() * t.element_size() for t in outs)
+    if name in GATHERS:
+        sources, at = GATHERS[name]
+        index = args[at]
+        for src in (args[i] for i in sources):
+            gathered = (outs[0].numel() * outs[0].element_size() if name in ("index_select",
+                        "gather", "embedding") else index.numel() * src[0].numel()
+                        * src.element_size())
+            read += gathered - _bytes(src)
+    elif name in SCATTERS:
+        target, source = (args[i] for i in SCATTERS[name])
+        touched = source.numel() * target.element_size()
+        read += touched - _bytes(target)
+        written += touched - target.numel() * target.element_size()
+    return read, written, flops
+
+
+def _site(package: str) -> str:
+    """The innermost function of ``package`` on the stack (its qualified name) and the code of
+    the line it is at, else the autograd node running (a builtin derivative in the backward),
+    else the caller."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if package in code.co_filename:
+            line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            line = line if len(line) <= 48 else line[:45] + "..."
+            return f"{code.co_qualname.split('.<locals>')[0]}: `{line}`".replace("|", "\\|")
+        frame = frame.f_back
+    node = torch._C._current_autograd_node()
+    return node.name() if node is not None else "(caller)"
+
+
+class Trace(TorchDispatchMode):
+    """Records every ATen op with its costs (:class:`Op`) into ``ops``; ``phase`` labels them."""
+
+    def __init__(self, package: str = "fairseq_attnzoo"):
+        super().__init__()
+        self.ops: List[Op] = []
+        self.phase = "forward"
+        self.package = os.sep + package + os.sep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            floats = [t.dtype for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            self.ops.append(Op(self.phase, _site(self.package), func.overloadpacket.__name__,
+                               *cost, floats[0] if floats else torch.float32))
+        return out
+
+
+def trace(build: Callable, setup: Callable = contextlib.nullcontext) -> List[Op]:
+    """The ops of a warm forward and backward of ``build() -> (module, inputs)`` on ``meta``
+    (the output's gradient given, so no loss ops), under the context ``setup()``: the second
+    step, after one that made the layer's cached constants."""
+    with setup(), torch.device("meta"):
+        module, inputs = build()
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)  # (no accumulation into the first step's)
+            for t in inputs:
+                t.grad = None
+            rec = Trace()
+            with rec:
+                out = module(*inputs)
+                rec.phase = "backward"
+                torch.autograd.backward(out, torch.empty_like(out))
+    return rec.ops
+
+
+@dataclass
+class Layer:
+    """A layer to model: ``build(p) -> (module, inputs)`` on the current (meta) device at
+    parameters ``p``; ``shapes``: name -> parameters (the first is the table's); ``growth``: the
+    parameters doubled for the growth columns; ``records``: (case, shape substrings) of the
+    benchmark records that measured it."""
+    name: str
+    title: str
+    build: Callable
+    shapes: Dict[str, dict]
+    growth: Tuple[str, ...] = ()
+    setup: Callable = contextlib.nullcontext
+    records: List[Tuple[str, Tuple[str, ...]]] = field(default_factory=list)
+    budget: Optional[int] = None  # bytes the paper shape may move, forward and backward
+
+
+def rows(ops: List[Op]) -> Dict[tuple, dict]:
+    """The ops summed by (pass, where, op), in order of first call."""
+    out: Dict[tuple, dict] = {}
+    for op in ops:
+        if not op.bytes and not op.flops:  # an allocation
+            continue
+        r = out.setdefault((op.phase, op.site, op.name),
+                           {"calls": 0, "bytes": 0, "flops": 0, "floor": 0.0})
+        r["calls"] += 1
+        r["bytes"] += op.bytes
+        r["flops"] += op.flops
+        r["floor"] += op.floor_s()
+    return out
+
+
+def model(layer: Layer) -> Dict[str, Dict[tuple, dict]]:
+    """Rows of every shape, and of the first shape with each ``growth`` parameter doubled."""
+    first = next(iter(layer.shapes.values()))
+    shapes = dict(layer.shapes)
+    for g in layer.growth:
+        shapes[f"{g} x2"] = dict(first, **{g: 2 * first[g]})
+    return {k: rows(trace(lambda p=p: layer.build(p), layer.setup)) for k, p in shapes.items()}
+
+
+def total_bytes(layer: Layer, shape: Optional[str] = None) -> int:
+    p = layer.shapes[shape or next(iter(layer.shapes))]
+    return sum(op.bytes for op in trace(lambda: layer.build(p), layer.setup))
+
+
+def _growth(base: dict, other: Optional[dict]) -> str:
+    if other is None:
+        return "–"
+    return f"×{other['floor'] / base['floor']:.2f}" if base["floor"] else "–"
+
+
+def measured(layer: Layer, records) -> List[str]:
+    """One line per benchmark record of the layer's first shape (the latest of each row)."""
+    latest = {}
+    for r in records:
+        for case, parts in layer.records:
+            if r["case"] == case and all(s in r["row"].get("shape", "") for s in parts) \
+                    and r["row"].get("ms") is not None:
+                latest[(r["device"], r["row"]["shape"])] = r
+    out = []
+    for (device, shape), r in latest.items():
+        row = r["row"]
+        base = (f"; the FFN it replaces {row['baseline ms']:.2f} ms (ratio {row['ratio']:.2f})"
+                if row.get("baseline ms") else "")
+        out.append(f"- {device}, `{r['case']}` {shape}: {row['ms']:.2f} ms{base} "
+                   f"(commit {r['commit']}, {r['run']})\n")
+    return out
+
+
+def _cell(column: str, v) -> str:
+    return f"{v:,.1f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def render(layer: Layer, records) -> str:
+    models = model(layer)
+    names = list(layer.shapes)
+    out = [f"{layer.title}. {H100_SOURCE}; floor = max(bytes / bandwidth, FLOPs / peak at the op's "
+           "dtype), summed over the ops (no overlap). Growth: the floor with that parameter "
+           "doubled, over the floor here (– : the op is not there).\n\n"]
+    for i, shape in enumerate(names):
+        table = []
+        for key, r in models[shape].items():
+            row = {"pass": key[0], "where": key[1], "op": key[2], "calls": r["calls"],
+                   "MB": r["bytes"] / 1e6, "GFLOP": r["flops"] / 1e9, "floor µs": r["floor"] * 1e6}
+            if i == 0:
+                for g in layer.growth:
+                    row[f"{g} ×2"] = _growth(r, models[f"{g} x2"].get(key))
+            table.append(row)
+        rs = models[shape].values()
+        total = {"pass": "**total**", "calls": sum(r["calls"] for r in rs),
+                 "MB": sum(r["bytes"] for r in rs) / 1e6,
+                 "GFLOP": sum(r["flops"] for r in rs) / 1e9,
+                 "floor µs": sum(r["floor"] for r in rs) * 1e6}
+        if i == 0:
+            for g in layer.growth:
+                other = models[f"{g} x2"].values()
+                grown = sum(r["floor"] for r in other) / sum(r["floor"] for r in rs)
+                total[f"{g} ×2"] = f"×{grown:.2f}"
+        table.append(total)
+        out.append(f"**{shape}**: `{json.dumps(layer.shapes[shape])}`\n\n")
+        out.append(tables.format_table(table, cell=_cell) + "\n")
+    lines = measured(layer, records)
+    out.append(("Measured (docs/benchmarks.jsonl, the latest record of each row):\n"
+                + "".join(lines)) if lines else "No benchmark record of this shape yet.\n")
+    if layer.budget:
+        out.append(f"\nBudget (tests/test_costmodel.py): the first shape moves at most "
+                   f"{layer.budget / 1e9:.2f} GB forward and backward.\n")
+    return "".join(out)
+
+
+# ---- the layers ------------------------------------------------------------------------------
+
+def _pkm(p):
+    from fairseq_attnzoo.modules.pkm import ProductKeyMemory
+
+    m = ProductKeyMemory(p["d"], p["d"], n_keys=p["n_keys"], heads=p["heads"], knn=p["knn"],
+                         k_dim=p["k_dim"], kernel="torch").to(torch.bfloat16).train()
+    x = torch.empty(128, p["tokens"] // 128, p["d"], dtype=torch.bfloat16, requires_grad=True)
+    return m, (x,)
+
+
+@contextlib.contextmanager
+def _pkm_setup():
+    """The search as it runs on CUDA: one chunk of tokens (meta tensors are not CUDA ones)."""
+    from fairseq_attnzoo.modules import pkm
+
+    chunk, pkm._SCORE_CHUNK = pkm._SCORE_CHUNK, 1 << 62
+    try:
+        yield
+    finally:
+        pkm._SCORE_CHUNK = chunk
+
+
+def _aop(p):
+    from fairseq_attnzoo.modules.aop import AttentionOverParameters, ffn_matching_slots
+
+    dk = p["width"] * p["d"] // p["heads"]
+    slots = ffn_matching_slots(p["d"], p["ffn"], p["heads"], dk, dk)
+    m = AttentionOverParameters(p["d"], p["heads"], dk, dk, slots).to(torch.bfloat16).train()
+    m.token_groups = p["groups"]
+    x = torch.empty(128, p["tokens"] // 128, p["d"], dtype=torch.bfloat16, requires_grad=True)
+    return m, (x,)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` (no mask, no dropout) as the fused flash kernel, whose
+    meta kernels and FLOP formulas torch has: on ``meta`` SDPA would pick its math fallback,
+    which materialises the scores that a GPU's fused kernels never write."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None
+                and not kwargs.get("dropout_p") and not kwargs.get("is_causal") and len(args) == 3):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                *args, 0.0, False, False, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+PKM_SHAPE = dict(tokens=16384, n_keys=512, heads=4, knn=32, k_dim=256, d=512)
+LAYERS = {l.name: l for l in [
+    Layer("pkm", "ProductKeyMemory (dense values, PyTorch value path, search as on CUDA: one "
+          "chunk), bf16, forward and backward", _pkm,
+          {"paper shape": PKM_SHAPE,
+           "1M slots (the memory code's n_keys 1024, d 1024)": dict(PKM_SHAPE, n_keys=1024,
+                                                                   d=1024)},
+          growth=("n_keys", "knn", "d"), setup=_pkm_setup,
+          records=[("pkm/layer-vs-ffn", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
+                                         "impl dense")),
+                   ("pkm/value-read", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
+                                       "sparse False"))],
+          # the trace of 2026-11-28 (14.18 GB; 14.31 GB with the int64 indices before) and less
+          # than half an [H, N, n_keys] float32 block written and read (0.27 GB): a change that
+          # materialises one more such tensor, or goes back to int64 ids, fails it
+          budget=int(14.25e9)),
+    Layer("aop", "AttentionOverParameters (AOP₁: 8 heads, d_pk 64, the FFN's weight count, one "
+          "token group), bf16, forward and backward", _aop,
+          {"paper shape": dict(tokens=16384, d=512, ffn=2048, heads=8, width=1, groups=1)},
+          growth=("tokens", "d"), setup=_FusedAttention,
+          records=[("aop/sublayer-vs-ffn", ("heads 8, width 1, groups 1,",))])]}
+
+
+def update(text: str, records) -> str:
+    return tables.update(text, records, "costmodel", lambda name, rs: render(LAYERS[name], rs))
+
+
+def main(argv=None):
+    return tables.main(argv, __doc__, DOCS, update, "scripts.costmodel")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
