@@ -1,10 +1,11 @@
 """The table: the fixes of torch, NumPy and fairseq (defects, speed layouts) and the entries that
 change what fairseq prints (their code in :mod:`fairseq_attnzoo.messages`), in the order they are
-applied and listed. Each row names its target once; :func:`~fairseq_attnzoo.compat.fix` resolves
+applied and listed. Each row names its target once; :func:`~fairseq_attnzoo.compat.machinery.fix` resolves
 it, checks the source digest, keeps the original and installs the wrapper its factory returns.
 The two hooks of our own features are registered by their owners (see the package docstring)."""
 
 import argparse
+import contextvars
 import inspect
 import logging
 import types
@@ -14,7 +15,7 @@ from ..messages import cli_hints
 from ..messages.cli_hints import length_flags, position_numbers
 from ..messages.errors import ZooConfigError
 from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
-from . import Patch, always, fix, known_source, lookup, register, replace
+from .machinery import Patch, always, fix, known_source, lookup, register, replace
 from .mixed_precision import (amp_step, bf16_flat_build, flat_grads_sync, flat_params_sync,
                               projecting_sync)
 
@@ -398,8 +399,10 @@ register(Patch(
 
 # ---- fairseq: examples skipped for their length ----------------------------------------------------
 
-#: the last split fairseq filtered by size: {"split", "total", "skipped", "max_positions"}
-LAST_FILTER: Dict[str, object] = {}
+#: the last split fairseq filtered by size in this thread / task: {"split", "total", "skipped",
+#: "max_positions"}
+_LAST_FILTER: "contextvars.ContextVar[Dict[str, object]]" = contextvars.ContextVar(
+    "attnzoo_last_filter", default={})
 
 
 def _split_name(task, dataset) -> str:
@@ -439,7 +442,7 @@ def skipped_line(skipped: int, total: int, split: str, max_positions,
 def reporting_skipped(original):
     """``FairseqTask.filter_indices_by_size`` that says how many examples it skipped and which
     flag keeps them (:func:`skipped_line`), refuses when none is left, and notes the split for
-    the score line (:data:`LAST_FILTER`)."""
+    the score line (:data:`_LAST_FILTER`)."""
 
     def filter_indices_by_size(self, indices, dataset, max_positions=None,
                                ignore_invalid_inputs=False):
@@ -447,8 +450,8 @@ def reporting_skipped(original):
         kept = original(self, indices, dataset, max_positions, ignore_invalid_inputs)
         skipped = total - len(kept)
         split = _split_name(self, dataset)
-        LAST_FILTER.clear()
-        LAST_FILTER.update(split=split, total=total, skipped=skipped, max_positions=max_positions)
+        _LAST_FILTER.set(dict(split=split, total=total, skipped=skipped,
+                              max_positions=max_positions))
         if skipped:
             line = skipped_line(skipped, total, split, max_positions, caller_max_tokens())
             if not len(kept):  # nothing left: fairseq would fail later (an IndexError)
@@ -470,12 +473,13 @@ fix("fairseq_skipped_examples", "fairseq.tasks.fairseq_task:FairseqTask.filter_i
 def subset_note() -> str:
     """`` (scored N of M sentences: ...)`` when the split generated last lost examples to the size
     filter, else ""."""
-    if not LAST_FILTER.get("skipped"):
+    last = _LAST_FILTER.get()
+    if not last.get("skipped"):
         return ""
-    total, skipped = int(LAST_FILTER["total"]), int(LAST_FILTER["skipped"])
+    total, skipped = int(last["total"]), int(last["skipped"])
     return (f" [a subset: scored {total - skipped:,} of {total:,} sentences, {skipped:,} longer "
             f"than the model accepts were skipped; raise "
-            f"{length_flags(LAST_FILTER['max_positions'])}]")
+            f"{length_flags(last['max_positions'])}]")
 
 
 def noting_subset(build_scorer):
