@@ -20,6 +20,7 @@ errors (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``), the roo
 """
 
 import argparse
+import contextvars
 import difflib
 import inspect
 import linecache
@@ -473,15 +474,30 @@ def install():
 
 # ---- the flags that bound an example's length ----------------------------------------------------
 
-#: flags that bound the length the model built last accepts (flag -> value), noted by its
-#: sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's --synth-max-len): the
-#: flag to raise when fairseq skips longer examples
-LENGTH_LIMITS: Dict[str, int] = {}
+#: flags that bound the length the model built last in this thread / task accepts (flag ->
+#: value), noted by its sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's
+#: --synth-max-len): the flag to raise when fairseq skips longer examples
+_LENGTH_LIMITS: "contextvars.ContextVar[Optional[Dict[str, int]]]" = contextvars.ContextVar(
+    "attnzoo_length_limits", default=None)
+
+
+def forget_length_limits():
+    """A new model is being built: the limits noted so far were another model's."""
+    _LENGTH_LIMITS.set({})
 
 
 def note_length_limit(flag: str, value: int):
     """For a builder whose module accepts at most ``value`` positions because of ``flag``."""
-    LENGTH_LIMITS[flag] = int(value)
+    limits = _LENGTH_LIMITS.get()
+    if limits is None:
+        limits = {}
+        _LENGTH_LIMITS.set(limits)
+    limits[flag] = int(value)
+
+
+def length_limits() -> Dict[str, int]:
+    """The limits noted for the model built last in this thread / task."""
+    return dict(_LENGTH_LIMITS.get() or {})
 
 
 def position_numbers(x) -> List[float]:
@@ -497,7 +513,7 @@ def length_flags(max_positions) -> str:
     """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
     of them): one of ours when it is the bound, else fairseq's position flags."""
     bound = min(position_numbers(max_positions), default=None)
-    ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
+    ours = [f"{flag} (now {value})" for flag, value in length_limits().items() if value == bound]
     if ours:
         return " and ".join(ours)
     return ("--max-source-positions/--max-target-positions (--tokens-per-sample for a language "

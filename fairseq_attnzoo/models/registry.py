@@ -14,6 +14,7 @@ extra flags, fairseq-eval-lm flags, tolerances). The generic tests read them wit
 :func:`arch_tests`; sublayers add their own tiny sizes through ``register_sublayer(tiny=...)``.
 """
 
+import contextvars
 from argparse import Namespace
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -156,7 +157,9 @@ def _archs_with(sublayers, like: str):
 
 # ---- models built from a checkpoint (compat entry fairseq_model_from_checkpoint) ----------------
 
-_FROM_CHECKPOINT: List[bool] = []
+#: whether the model being built in this thread / task is a checkpoint's
+_CHECKPOINT_BUILD: "contextvars.ContextVar[bool]" = contextvars.ContextVar(
+    "attnzoo_from_checkpoint", default=False)
 
 
 def building_from_checkpoint() -> bool:
@@ -164,7 +167,7 @@ def building_from_checkpoint() -> bool:
     fairseq-generate, -eval-lm, our commands): its config is not the user's command line, so
     checks of the flags a user gave (:func:`check_flag_owners`) do not apply. False when the
     entry ``fairseq_model_from_checkpoint`` is not applied."""
-    return bool(_FROM_CHECKPOINT and _FROM_CHECKPOINT[-1])
+    return _CHECKPOINT_BUILD.get()
 
 
 def noting_origin(build_model):
@@ -172,11 +175,11 @@ def noting_origin(build_model):
     :func:`building_from_checkpoint` while it builds."""
 
     def build_model_noting_origin(cfg, task, from_checkpoint=False):
-        _FROM_CHECKPOINT.append(bool(from_checkpoint))
+        token = _CHECKPOINT_BUILD.set(bool(from_checkpoint))
         try:
             return build_model(cfg, task, from_checkpoint)
         finally:
-            _FROM_CHECKPOINT.pop()
+            _CHECKPOINT_BUILD.reset(token)
 
     return build_model_noting_origin
 
