@@ -1,7 +1,7 @@
 """What one model's build hands on to later code (the sublayers' shared state, whether it is a
 checkpoint's, the flags that bound its length, the split fairseq filtered last) is scoped to the
 thread (or task) that builds it: two models built at once in one process never see each other's.
-Each test runs two builds in two threads, stepping them in lockstep so that both are open at once."""
+Each test runs two builds in two threads, in lockstep so that both are open at once."""
 
 import threading
 from argparse import Namespace

@@ -35,7 +35,8 @@ patch and a warning, rather than a fix written for other code.
 # the machinery, then the table (registers its rows, in order), and what its rows compute, for
 # scripts and tests
 from .machinery import (APPLIED, DISABLED, ENV_DISABLE, PATCHES, SKIPPED, Patch,  # noqa: F401
-                        always, apply_all, describe, disabled_names, fix, known_source, lookup,
-                        register, replace, require, restore, source_digest, status)
+                        always, apply_all, built_by_fairseq, describe, disabled_names, fix,
+                        known_source, lookup, register, replace, require, restore, source_digest,
+                        status)
 from .fixes import (bf16_without_tpu, check_block_length, padding_batches_first,  # noqa: F401
                     remove_bpe_mismatch, segmentation_counts, xla_available)

@@ -1,9 +1,11 @@
 """The machinery of the compatibility table (:mod:`fairseq_attnzoo.compat`): a :class:`Patch` (one
 entry), :func:`register` and :func:`fix` (add one), :func:`replace` / :func:`restore` (install a
 wrapper, put the original back), the checks (:func:`known_source`, :func:`always`) and
-:func:`apply_all`, :func:`status`, :func:`require`, :func:`describe`. The rows are in
+:func:`apply_all` (and :func:`built_by_fairseq`, the hook that applies it before fairseq builds
+one of ours), :func:`status`, :func:`require`, :func:`describe`. The rows are in
 :mod:`.fixes`; the package re-exports both."""
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -161,6 +163,19 @@ def apply_all() -> Dict[str, str]:
         logger.info(f"compat patches: {', '.join(new)} (fairseq_attnzoo/compat; opt out with "
                     f"{ENV_DISABLE}=NAME,... or =all)")
     return status()
+
+
+def built_by_fairseq(build: Callable) -> Callable:
+    """The build hook: decorates what fairseq calls to build one of ours (a model's
+    ``build_model``, a task's ``setup_task``, a criterion's or an optimizer's ``__init__``).
+    fairseq building it uses the plugin, so the table is applied first (once per process)."""
+
+    @functools.wraps(build)
+    def building(*args, **kwargs):
+        apply_all()
+        return build(*args, **kwargs)
+
+    return building
 
 
 def status() -> Dict[str, str]:

@@ -343,8 +343,8 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
         gen_parser_from_dataclass(parser, AdaptiveSpanLMConfig(), delete_default=True)
 
     @classmethod
+    @compat.built_by_fairseq
     def build_model(cls, args, task):
-        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
         apply_base_arch(cls, args)  # (fairseq may build from options no arch function filled)
         _check(args)
         _check_projection(args)

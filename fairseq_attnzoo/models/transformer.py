@@ -391,10 +391,10 @@ def _wrap_layer(layer, cfg):
 
 @contextlib.contextmanager
 def _building(args, decoder_only: bool = False):
-    """What building any zoo model does around fairseq's build: the plugin applied (fairseq builds
-    one of our models: it uses the plugin), the flags checked, one sharing scope for the model
-    (shared state, and each method's options built once); yields the args as a Namespace."""
-    compat.apply_all()
+    """What building any zoo model does around fairseq's build (the table applied first: its
+    ``build_model`` is :func:`~fairseq_attnzoo.compat.built_by_fairseq`): the flags checked, one
+    sharing scope for the model (shared state, and each method's options built once); yields the
+    args as a Namespace."""
     args = _as_namespace(args)
     _check_supported(args)
     with sharing_scope():
@@ -469,6 +469,7 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
         add_host_args(parser)
 
     @classmethod
+    @compat.built_by_fairseq
     def build_model(cls, args, task):
         with _building(args) as args:
             return super().build_model(args, task)
@@ -496,6 +497,7 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
         add_host_args(parser)
 
     @classmethod
+    @compat.built_by_fairseq
     def build_model(cls, args, task):
         with _building(args, decoder_only=True) as args:
             model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)

@@ -1,11 +1,9 @@
 """The benchmark harness: one way to declare a row (scripts/bench/cases.py, of the kinds in
 scripts/bench/rows.py), four levels: ``Kernel`` (a module against its baseline or a peer at named
-shapes, in one process), ``Train`` (``fairseq-train`` of an arch against its stock baseline, timed
-on warm shapes), ``Decode`` (``fairseq-generate`` / ``fairseq-eval-lm`` of their checkpoints) and
-``Quality`` (valid loss at equal updates and seeds). Each row is appended as a JSON line to ``--records``
-(docs/benchmarks.jsonl); ``python -m scripts.bench.tables`` renders docs/performance.md's tables
-from them. What each level measures, and why so: docs/performance.md.
-"""
+shapes), ``Train`` (``fairseq-train`` of an arch against its stock baseline, timed on warm shapes),
+``Decode`` (``fairseq-generate`` / ``fairseq-eval-lm`` of their checkpoints) and ``Quality`` (valid
+loss at equal updates and seeds). Each row is a JSON line of ``--records`` (docs/benchmarks.jsonl),
+rendered by ``python -m scripts.bench.tables`` in docs/performance.md (what each measures, why)."""
 
 import argparse
 import datetime
@@ -23,7 +21,7 @@ import time
 from typing import Any, Dict, List
 
 from scripts.bench.cases import CASES, FLOORS, own_arch
-from scripts.bench.rows import REPO, Decode, Kernel, Quality, Side, Train, sized
+from scripts.bench.rows import REPO, USER_DIR, Decode, Kernel, Quality, Side, Train, sized
 
 RECORDS = os.path.join(REPO, "docs", "benchmarks.jsonl")
 PEAKS_TAG = "ATTNZOO_BENCH_PEAKS"  # the training child's last line: per-update CUDA peaks
@@ -211,18 +209,18 @@ def train_child(argv):
 
 
 def child_setup():
-    """Every child first: torch's loader told about argparse, and the plugin enabled as
-    ``--user-dir`` enables it, before fairseq parses its arguments (importing it only registers
-    names, and fairseq then skips ``--user-dir``); ``PLUGIN_TAG`` "off": never imported."""
+    """Every child first: torch's loader told about argparse, and the plugin loaded as
+    ``--user-dir`` loads it (fairseq's ``import_user_module``, which applies the compat table),
+    before fairseq parses its arguments; ``PLUGIN_TAG`` "off": never imported."""
     import argparse as ap
 
     import torch
 
     torch.serialization.add_safe_globals([ap.Namespace])
     if os.environ.get(PLUGIN_TAG) != "off":
-        import fairseq_attnzoo
+        from fairseq import utils
 
-        fairseq_attnzoo.enable()
+        utils.import_user_module(ap.Namespace(user_dir=USER_DIR))
 
 
 def decode_child(tool: str, argv):

@@ -1,6 +1,4 @@
-"""The kinds of benchmark rows (scripts/bench/cases.py declares them, scripts/bench/harness.py
-runs them): ``Kernel``, ``Train`` (of ``Side``s), ``Quality`` and ``Decode``, and ``fwd_bwd``, the
-call a kernel row times. What each level measures, and why so: docs/performance.md."""
+"""The kinds of benchmark rows (cases.py declares them, harness.py runs them), and ``fwd_bwd``."""
 
 import os
 from dataclasses import dataclass, field
