@@ -28,7 +28,8 @@ import logging
 import os
 import re
 import sys
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 from .errors import ZooConfigError
 
@@ -220,14 +221,19 @@ NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
            "No CUDA GPUs are available")
 
 
-def hint_for(exc: BaseException, cuda=None, data=None):
-    """One line naming the problem and the fix for a fairseq/torch error a user causes with flags or
-    data, or None. ``cuda``: whether a GPU is usable (default: ask torch); ``data``: the data
-    directory (default: the command line's first positional argument)."""
-    hydra = program() == "fairseq-hydra-train"
-    if data is None:
-        data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
-    text = str(exc)
+@dataclass
+class HintContext:
+    """What a rule knows besides the exception: the data directory (the command line's first
+    positional argument unless given), whether this is ``fairseq-hydra-train`` (its flags are
+    ``key=value`` overrides) and whether a GPU is usable (None: ask torch when a rule needs it)."""
+
+    data: Optional[str]
+    hydra: bool
+    cuda: Optional[bool] = None
+
+
+def hint_lm_arch_under_translation(exc, text, ctx) -> Optional[str]:
+    """One of our language-model archs run under the default translation task."""
     if "Could not infer language pair" in text or (
             isinstance(exc, FileNotFoundError) and re.fullmatch(
                 r"dict\.[^.]+\.txt", os.path.basename(str(exc.filename or "")))):
@@ -236,113 +242,208 @@ def hint_for(exc: BaseException, cuda=None, data=None):
         if wanted and wanted != "translation" and (_argv_value("--task") or "translation") != wanted:
             return (f"--arch {arch} is a language model and this run's task is translation: add "
                     f"--task {wanted}")
-    if isinstance(exc, FileNotFoundError):
-        missing = exc.filename or ""
-        if data and os.path.abspath(str(missing)) == os.path.abspath(data):
-            return (f"data directory {data} does not exist: pass the directory written by "
-                    "fairseq-preprocess (for the demo corpus run `make data`)")
-        if os.path.basename(str(missing)).startswith("dict."):
-            where = data or os.path.dirname(str(missing))
-            folder = os.path.dirname(str(missing)) or "."
-            pair = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                          if re.fullmatch(r"dict\.[^.]+\.txt", f))
-            if os.path.basename(str(missing)) == "dict.txt" and pair:
-                return (f"{where} is translation data ({', '.join(pair)}), not language-model data "
-                        "(dict.txt): binarise the text with fairseq-preprocess --only-source for a "
-                        "language model, or train a translation arch (--task translation)")
-            return (f"{missing} is missing: {where} is not a binarised fairseq data directory; run "
-                    "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
-    if any(m in text for m in NO_CUDA):
-        if any(f.endswith(os.path.join("optim", "fp16_optimizer.py")) for f in _frames(exc)):
-            if hydra:
-                return ("common.fp16=true (set by the shipped configs) trains only on a CUDA GPU "
-                        "and this machine has none: on a CPU add common.fp16=false common.cpu=true")
-            return ("--fp16 trains only on a CUDA GPU (fairseq keeps its fp32 master weights "
-                    "there) and this machine has none: on a CPU drop --fp16 and pass --cpu")
-        if hydra:
-            return "this run needs a CUDA GPU and this machine has none: add common.cpu=true"
-        return "this command needs a CUDA GPU and this machine has none: pass --cpu"
-    if "xla_device" in text:  # no torch_xla: fairseq's --bf16 turned on --tpu
-        # reached only when compat's fairseq_bf16_without_tpu did not apply (disabled, --tpu given
-        # or another fairseq version)
-        cuda = _cuda_available() if cuda is None else cuda
-        fix = ("fairseq 0.12's --bf16 implies --tpu (torch_xla), and the plugin's fix did not "
-               "apply (compat entry fairseq_bf16_without_tpu: disabled, --tpu given or another "
-               "fairseq version): ")
-        if cuda:
-            return fix + ("re-enable it, or use --amp (fp16 autocast, fp32 weights) or --fp16 "
-                          "(docs/precision.md)")
-        return fix + ("re-enable it and pass --cpu, or drop --bf16 and pass --cpu (fp32) "
+    return None
+
+
+def hint_missing_data(exc, text, ctx) -> Optional[str]:
+    """No data directory, no dictionary in it, or translation data given to a language model."""
+    if not isinstance(exc, FileNotFoundError):
+        return None
+    missing, data = exc.filename or "", ctx.data
+    if data and os.path.abspath(str(missing)) == os.path.abspath(data):
+        return (f"data directory {data} does not exist: pass the directory written by "
+                "fairseq-preprocess (for the demo corpus run `make data`)")
+    if os.path.basename(str(missing)).startswith("dict."):
+        where = data or os.path.dirname(str(missing))
+        folder = os.path.dirname(str(missing)) or "."
+        pair = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                      if re.fullmatch(r"dict\.[^.]+\.txt", f))
+        if os.path.basename(str(missing)) == "dict.txt" and pair:
+            return (f"{where} is translation data ({', '.join(pair)}), not language-model data "
+                    "(dict.txt): binarise the text with fairseq-preprocess --only-source for a "
+                    "language model, or train a translation arch (--task translation)")
+        return (f"{missing} is missing: {where} is not a binarised fairseq data directory; run "
+                "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
+    return None
+
+
+def hint_no_cuda(exc, text, ctx) -> Optional[str]:
+    """A run that needs a GPU (``--fp16``'s master weights, or no ``--cpu``) on a machine
+    without one."""
+    if not any(m in text for m in NO_CUDA):
+        return None
+    if any(f.endswith(os.path.join("optim", "fp16_optimizer.py")) for f in _frames(exc)):
+        if ctx.hydra:
+            return ("common.fp16=true (set by the shipped configs) trains only on a CUDA GPU "
+                    "and this machine has none: on a CPU add common.fp16=false common.cpu=true")
+        return ("--fp16 trains only on a CUDA GPU (fairseq keeps its fp32 master weights "
+                "there) and this machine has none: on a CPU drop --fp16 and pass --cpu")
+    if ctx.hydra:
+        return "this run needs a CUDA GPU and this machine has none: add common.cpu=true"
+    return "this command needs a CUDA GPU and this machine has none: pass --cpu"
+
+
+def hint_bf16_without_xla(exc, text, ctx) -> Optional[str]:
+    """fairseq's ``--bf16`` turned on ``--tpu`` and there is no torch_xla: reached only when the
+    compat entry fairseq_bf16_without_tpu did not apply (disabled, --tpu given or another fairseq
+    version)."""
+    if "xla_device" not in text:
+        return None
+    cuda = _cuda_available() if ctx.cuda is None else ctx.cuda
+    fix = ("fairseq 0.12's --bf16 implies --tpu (torch_xla), and the plugin's fix did not "
+           "apply (compat entry fairseq_bf16_without_tpu: disabled, --tpu given or another "
+           "fairseq version): ")
+    if cuda:
+        return fix + ("re-enable it, or use --amp (fp16 autocast, fp32 weights) or --fp16 "
                       "(docs/precision.md)")
-    if "doesn't match the size of optimizer's group" in text:  # torch's Optimizer.load_state_dict
-        return ("the checkpoint's optimizer state holds another layout of the fp32 master weights "
-                "(one flat buffer, or one per parameter: --fp16-no-flatten-grads, and --bf16 "
-                "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
-                "with the flags it was trained with (for such a bf16 checkpoint add "
-                "--fp16-no-flatten-grads), or pass --reset-optimizer")
+    return fix + ("re-enable it and pass --cpu, or drop --bf16 and pass --cpu (fp32) "
+                  "(docs/precision.md)")
+
+
+def hint_master_weights_layout(exc, text, ctx) -> Optional[str]:
+    """torch's ``Optimizer.load_state_dict``: the checkpoint's fp32 masters are laid out
+    otherwise."""
+    if "doesn't match the size of optimizer's group" not in text:
+        return None
+    return ("the checkpoint's optimizer state holds another layout of the fp32 master weights "
+            "(one flat buffer, or one per parameter: --fp16-no-flatten-grads, and --bf16 "
+            "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
+            "with the flags it was trained with (for such a bf16 checkpoint add "
+            "--fp16-no-flatten-grads), or pass --reset-optimizer")
+
+
+def hint_optimizer_or_criterion_changed(exc, text, ctx) -> Optional[str]:
+    """Resuming with another --optimizer or --criterion than the checkpoint's."""
     mismatch = re.match(r"(Optimizer|Criterion) does not match; .* (\S+) vs (\S+)$", text)
-    if isinstance(exc, AssertionError) and mismatch:
-        kind, stored, now = mismatch.groups()
-        flag = "--" + kind.lower()
-        stored, now = (_registry_name(kind, n) for n in (stored, now))
-        return (f"the checkpoint was trained with {flag} {stored}, this run has {flag} {now}: "
-                f"resume with {flag} {stored}, or pass --reset-optimizer to start {now}'s state "
-                "afresh (the model's weights are still loaded)")
-    if text.startswith("--finetune-from-model ") and text.endswith(" does not exist"):
-        path = text[len("--finetune-from-model "):-len(" does not exist")]
-        return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
-                "fine-tune (for a conversion, the OUT file attnzoo-collab-reparametrize wrote)")
-    if isinstance(exc, ValueError) and "cannot mmap an empty file" in text:
-        path = _frame_local(exc, "_do_init", "path")
-        if path:
-            _ignore_half_built_mmap_dataset()
-            split = os.path.basename(str(path)).split(".")[0]
-            fix = SPLIT_FIX.get(split, "binarise a non-empty text file for it, or leave the "
-                                       "split out")
-            return (f"{path}.bin is empty: the '{split}' split has no examples "
-                    f"(fairseq-preprocess was given an empty file): {fix}")
-    if "please ensure that the architectures match" in text:
-        path = text.split("Cannot load model parameters from checkpoint ", 1)[-1].split(";")[0]
-        trained, now = stored_arch(path), _argv_value("--arch", "-a")
-        if trained and now and trained != now:
-            return (f"{path} was trained with --arch {trained}, this run has --arch {now}: resume "
-                    f"with --arch {trained} (and the flags it was trained with), or start a new "
-                    "run in another --save-dir")
-        rows = dictionary_mismatch(str(exc.__context__ or ""))
-        if rows:
-            return dictionary_mismatch_line(rows, data, path)
-        state, trainer = (_frame_local(exc, "load_checkpoint", n) for n in ("state", "self"))
-        try:
-            differ = model_flag_differences(_cfg_get(_cfg_get(state, "cfg"), "model"),
-                                            trainer.cfg.model)
-        except Exception:  # no readable configs: the general line below
-            differ = []
-        if differ:
-            return (f"{path} holds parameters of other shapes than this run's flags build; its "
-                    f"model flags differ: {', '.join(differ)}: resume with the checkpoint's "
-                    "values, or start a new run in another --save-dir")
-        return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
-                "resume with the flags it was trained with, or start a new run in another "
-                "--save-dir")
-    m = _TOO_LONG.search(text)
-    if m:
-        size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
-        bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
-        flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
-        return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
-                f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
-                "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "
-                "then covers a subset, and says so)")
-    if "Must specify batch size either with --max-tokens or --batch-size" in text:
-        if hydra:
-            return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"
-        return "no batch size: pass --max-tokens N (tokens per batch) or --batch-size N (sentences)"
-    rows = dictionary_mismatch(text)
+    if not (isinstance(exc, AssertionError) and mismatch):
+        return None
+    kind, stored, now = mismatch.groups()
+    flag = "--" + kind.lower()
+    stored, now = (_registry_name(kind, n) for n in (stored, now))
+    return (f"the checkpoint was trained with {flag} {stored}, this run has {flag} {now}: "
+            f"resume with {flag} {stored}, or pass --reset-optimizer to start {now}'s state "
+            "afresh (the model's weights are still loaded)")
+
+
+def hint_missing_finetune_checkpoint(exc, text, ctx) -> Optional[str]:
+    if not (text.startswith("--finetune-from-model ") and text.endswith(" does not exist")):
+        return None
+    path = text[len("--finetune-from-model "):-len(" does not exist")]
+    return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
+            "fine-tune (for a conversion, the OUT file attnzoo-collab-reparametrize wrote)")
+
+
+def hint_empty_split(exc, text, ctx) -> Optional[str]:
+    """fairseq-preprocess was given an empty file: its ``.bin`` cannot be memory-mapped."""
+    if not (isinstance(exc, ValueError) and "cannot mmap an empty file" in text):
+        return None
+    path = _frame_local(exc, "_do_init", "path")
+    if not path:
+        return None
+    _ignore_half_built_mmap_dataset()
+    split = os.path.basename(str(path)).split(".")[0]
+    fix = SPLIT_FIX.get(split, "binarise a non-empty text file for it, or leave the split out")
+    return (f"{path}.bin is empty: the '{split}' split has no examples "
+            f"(fairseq-preprocess was given an empty file): {fix}")
+
+
+def hint_checkpoint_of_another_model(exc, text, ctx) -> Optional[str]:
+    """A checkpoint whose parameters do not fit this run's model: another --arch, another
+    dictionary, other model flags (named when the configs say which), or other sizes."""
+    if "please ensure that the architectures match" not in text:
+        return None
+    path = text.split("Cannot load model parameters from checkpoint ", 1)[-1].split(";")[0]
+    trained, now = stored_arch(path), _argv_value("--arch", "-a")
+    if trained and now and trained != now:
+        return (f"{path} was trained with --arch {trained}, this run has --arch {now}: resume "
+                f"with --arch {trained} (and the flags it was trained with), or start a new "
+                "run in another --save-dir")
+    rows = dictionary_mismatch(str(exc.__context__ or ""))
     if rows:
-        return dictionary_mismatch_line(rows, data, _argv_value("--path") or "the checkpoint")
-    if "Could not infer language pair" in text:
-        return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
-                "fairseq-preprocess first, or pass --source-lang/--target-lang")
+        return dictionary_mismatch_line(rows, ctx.data, path)
+    state, trainer = (_frame_local(exc, "load_checkpoint", n) for n in ("state", "self"))
+    try:
+        differ = model_flag_differences(_cfg_get(_cfg_get(state, "cfg"), "model"),
+                                        trainer.cfg.model)
+    except Exception:  # no readable configs: the general line below
+        differ = []
+    if differ:
+        return (f"{path} holds parameters of other shapes than this run's flags build; its "
+                f"model flags differ: {', '.join(differ)}: resume with the checkpoint's "
+                "values, or start a new run in another --save-dir")
+    return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
+            "resume with the flags it was trained with, or start a new run in another "
+            "--save-dir")
+
+
+def hint_example_too_long(exc, text, ctx) -> Optional[str]:
+    """An evaluated example longer than the model accepts (no --skip-invalid-size-inputs-...)."""
+    m = _TOO_LONG.search(text)
+    if not m:
+        return None
+    size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
+    bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
+    flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
+    return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
+            f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
+            "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "
+            "then covers a subset, and says so)")
+
+
+def hint_no_batch_size(exc, text, ctx) -> Optional[str]:
+    if "Must specify batch size either with --max-tokens or --batch-size" not in text:
+        return None
+    if ctx.hydra:
+        return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"
+    return "no batch size: pass --max-tokens N (tokens per batch) or --batch-size N (sentences)"
+
+
+def hint_dictionary_of_another_size(exc, text, ctx) -> Optional[str]:
+    """A checkpoint (``--path``) trained with a dictionary of another size than the data's."""
+    rows = dictionary_mismatch(text)
+    if not rows:
+        return None
+    return dictionary_mismatch_line(rows, ctx.data, _argv_value("--path") or "the checkpoint")
+
+
+def hint_no_language_pair(exc, text, ctx) -> Optional[str]:
+    if "Could not infer language pair" not in text:
+        return None
+    return (f"{ctx.data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
+            "fairseq-preprocess first, or pass --source-lang/--target-lang")
+
+
+#: the rules :func:`hint_for` asks, in order: the first line one of them gives is the hint
+RULES: List[Callable[[BaseException, str, HintContext], Optional[str]]] = [
+    hint_lm_arch_under_translation,
+    hint_missing_data,
+    hint_no_cuda,
+    hint_bf16_without_xla,
+    hint_master_weights_layout,
+    hint_optimizer_or_criterion_changed,
+    hint_missing_finetune_checkpoint,
+    hint_empty_split,
+    hint_checkpoint_of_another_model,
+    hint_example_too_long,
+    hint_no_batch_size,
+    hint_dictionary_of_another_size,
+    hint_no_language_pair,
+]
+
+
+def hint_for(exc: BaseException, cuda=None, data=None) -> Optional[str]:
+    """One line naming the problem and the fix for a fairseq/torch error a user causes with flags or
+    data, or None: the first line a rule of :data:`RULES` gives. ``cuda``: whether a GPU is usable
+    (default: ask torch); ``data``: the data directory (default: the command line's first
+    positional argument)."""
+    if data is None:
+        data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
+    ctx = HintContext(data=data, hydra=program() == "fairseq-hydra-train", cuda=cuda)
+    text = str(exc)
+    for rule in RULES:
+        line = rule(exc, text, ctx)
+        if line is not None:
+            return line
     return None
 
 
