@@ -232,6 +232,23 @@ result = dict(_global_state(), status=compat.status())
     assert enabled["targets"]["amp"] != FAIRSEQ_AS_SHIPPED["amp"] and enabled["targets"]["meter"]
 
 
+def test_undoing_the_table_gives_back_what_fairseq_torch_and_numpy_shipped():
+    """``compat.undo_all()`` after ``enable()``: every target the table changed is back (the
+    console-only entries changed nothing here and stay applied)."""
+    got = _python(BEFORE + SHIPPED + '''
+import fairseq_attnzoo
+before = dict(_global_state(), targets=_targets())
+fairseq_attnzoo.enable()
+undone = compat.undo_all()
+result = dict(before=before, after=dict(_global_state(), targets=_targets()), undone=undone,
+              left=compat.status(), names=[p.name for p in compat.PATCHES])
+''')
+    assert got["before"]["targets"] == FAIRSEQ_AS_SHIPPED and got["after"] == got["before"]
+    assert set(got["left"]) == {"fairseq_cli_hints", "fairseq_mmap_dataset_del",
+                                "fairseq_root_log_level"}
+    assert sorted(got["undone"] + list(got["left"])) == sorted(got["names"])
+
+
 def test_building_our_model_applies_the_table():
     got = _python(BEFORE + '''
 import fairseq_attnzoo

@@ -7,7 +7,7 @@ import threading
 from argparse import Namespace
 
 import fairseq_attnzoo  # noqa: F401  (registers the sublayers)
-from fairseq_attnzoo.compat import fixes
+from fairseq_attnzoo.compat import data
 from fairseq_attnzoo.messages.cli_hints import length_flags
 from fairseq_attnzoo.models import registry, sublayers
 
@@ -95,10 +95,10 @@ def test_the_score_line_notes_the_subset_of_its_own_run():
 
     def generation(skip):
         def steps(meet):
-            kept = fixes.reporting_skipped(lambda self, idx, ds, mp, ignore: idx[skip:])
+            kept = data.reporting_skipped(lambda self, idx, ds, mp, ignore: idx[skip:])
             kept(Task(), list(range(10)), object(), 100)
             meet()  # both filtered
-            return fixes.subset_note()
+            return data.subset_note()
         return steps
 
     with_skipped, without = both_at_once(generation(2), generation(0))

@@ -5,14 +5,14 @@ version it was written for. :func:`apply_all` applies each entry whose check pas
 line per entry: ``applied``, ``skipped`` (the target is not the version we know, so we leave it
 alone and say so) or ``disabled``.
 
-Where the entries live: the machinery (:class:`Patch`, :func:`register`, :func:`apply_all`, ...)
-is :mod:`.machinery`, re-exported here; the fixes of torch, NumPy and fairseq (defects, speed
-layouts) and the entries that change what fairseq prints are rows of :mod:`.fixes`, the table (the
-messages' code is in :mod:`fairseq_attnzoo.messages`); the two hooks of our own features are
-registered by their owners (``fairseq_meters_slot_usage`` in ``models/pkm.py``,
-``fairseq_model_from_checkpoint`` in ``models/registry.py``). A row names its target once,
-``"module:Class.attribute"``, and gives the wrapper of the original (:func:`fix`); :func:`replace`
-installs it.
+Where the entries live: the machinery (:class:`Patch`, :func:`fix`, :func:`apply_all`,
+:func:`undo_all`, ...) is :mod:`.machinery`, re-exported here; the rows are :mod:`.fixes`, the
+table, one row per change: its target named once, the library version it fixes, why; the code a
+row installs lives with what it serves (:mod:`.mixed_precision` for fairseq's optimizers,
+:mod:`.data` for its data and checkpoints, :mod:`fairseq_attnzoo.messages` for what it prints).
+The two hooks of our own features are registered by their owners (``fairseq_meters_slot_usage`` in
+``models/pkm.py``, ``fairseq_model_from_checkpoint`` in ``models/registry.py``). Every row can be
+undone (:func:`undo_all`) but where the change itself was nothing.
 
 Nothing is applied when the package or its plain PyTorch modules are imported. The table is
 applied where fairseq uses the plugin: when fairseq imports it as a user dir (``--user-dir``,
@@ -37,6 +37,8 @@ patch and a warning, rather than a fix written for other code.
 from .machinery import (APPLIED, DISABLED, ENV_DISABLE, PATCHES, SKIPPED, Patch,  # noqa: F401
                         always, apply_all, built_by_fairseq, describe, disabled_names, fix,
                         known_source, lookup, register, replace, require, restore, source_digest,
-                        status)
-from .fixes import (bf16_without_tpu, check_block_length, padding_batches_first,  # noqa: F401
-                    remove_bpe_mismatch, segmentation_counts, xla_available)
+                        status, undo_all)
+from . import fixes  # noqa: F401,E402  (registers the rows)
+from .data import (check_block_length, padding_batches_first,  # noqa: F401,E402
+                   remove_bpe_mismatch, segmentation_counts)
+from .mixed_precision import bf16_without_tpu, xla_available  # noqa: F401,E402

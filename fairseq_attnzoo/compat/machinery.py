@@ -12,7 +12,7 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from ..messages.errors import ZooConfigError
 
@@ -30,13 +30,18 @@ class Patch:
     why: str  # one line
     #: None when the target is the version this patch knows; otherwise why it is not applied
     check: Callable[[], Optional[str]]
-    apply: Callable[[], None]
+    #: makes the change; returns how to undo it (None: it cannot be undone)
+    apply: Callable[[], Optional[Callable[[], None]]]
+    #: the library and version whose behaviour the entry changes ("fairseq 0.12.3", "NumPy 2")
+    version: str = ""
 
 
 PATCHES: List[Patch] = []
 _STATUS: Dict[str, str] = {}
 _REASONS: Dict[str, str] = {}  # why an entry was skipped
-_ORIGINALS: Dict[str, tuple] = {}  # "module:attribute" -> (owner, attribute, what it held)
+#: "module:attribute" -> [(owner, attribute, what it held)] before each replace, the last last
+_ORIGINALS: Dict[str, List[tuple]] = {}
+_UNDO: Dict[str, Callable[[], None]] = {}  # applied entry -> how to undo it
 
 
 def register(entry: Patch, after: Optional[str] = None) -> Patch:
@@ -75,14 +80,16 @@ def replace(path: str, wrap: Callable) -> None:
     new = wrap(original)
     if new.__doc__ is None:
         new.__doc__ = original.__doc__
-    _ORIGINALS.setdefault(path, (owner, attr, held if attr in vars(owner) else None))
+    _ORIGINALS.setdefault(path, []).append((owner, attr, held if attr in vars(owner) else None))
     setattr(owner, attr, classmethod(new) if isinstance(held, classmethod) else new)
 
 
 def restore(path: str) -> None:
-    """Put back what ``"module:Class.attribute"`` held before :func:`replace` (an inherited
-    attribute is inherited again)."""
-    owner, attr, held = _ORIGINALS.pop(path)
+    """Put back what ``"module:Class.attribute"`` held before the last :func:`replace` of it (an
+    inherited attribute is inherited again)."""
+    owner, attr, held = _ORIGINALS[path].pop()
+    if not _ORIGINALS[path]:
+        del _ORIGINALS[path]
     if held is None:
         delattr(owner, attr)
     else:
@@ -117,13 +124,31 @@ def always() -> Optional[str]:
     return None
 
 
-def fix(name: str, target: str, why: str, wrap: Callable, *digests: str,
-        after: Optional[str] = None) -> Patch:
+def fix(name: str, target: Union[str, Dict[str, Callable]], why: str,
+        wrap: Optional[Callable] = None, *digests: str, version: str = "",
+        check: Optional[Callable[[], Optional[str]]] = None, after: Optional[str] = None) -> Patch:
     """Register the entry that replaces ``target``'s ``"module:Class.attribute"`` (its first
-    word) with ``wrap(original)``, applied when that attribute's source has one of ``digests``."""
-    path = target.split()[0]
-    return register(Patch(name, target, why, known_source(lambda: lookup(path), *digests),
-                          lambda: replace(path, wrap)), after)
+    word) with ``wrap(original)`` -- or each path of a ``{path: wrap}`` dict with its wrap --
+    applied when each path's source has one of ``digests`` (none given: not checked) and
+    ``check`` (if given) passes; undone by :func:`restore` of each path."""
+    wraps = dict(target) if isinstance(target, dict) else {target.split()[0]: wrap}
+    checks = ([check] if check else []) + [known_source(lambda p=p: lookup(p), *digests)
+                                           for p in wraps if digests]
+
+    def checked() -> Optional[str]:
+        return next((reason for reason in (c() for c in checks) if reason is not None), None)
+
+    def apply():
+        for path, w in wraps.items():
+            replace(path, w)
+        return undo
+
+    def undo():
+        for path in reversed(list(wraps)):
+            restore(path)
+
+    label = " and ".join(wraps) if isinstance(target, dict) else target
+    return register(Patch(name, label, why, checked, apply, version), after)
 
 
 def disabled_names() -> set:
@@ -156,7 +181,9 @@ def apply_all() -> Dict[str, str]:
             logger.warning(f"compat: {p.name} not applied: {reason}; {p.target} left unchanged "
                            f"({p.why})")
             continue
-        p.apply()
+        undo = p.apply()
+        if undo is not None:
+            _UNDO[p.name] = undo
         _STATUS[p.name] = APPLIED
         new.append(p.name)
     if new:  # one line per process
@@ -176,6 +203,16 @@ def built_by_fairseq(build: Callable) -> Callable:
         return build(*args, **kwargs)
 
     return building
+
+
+def undo_all() -> List[str]:
+    """Undo every applied entry that can be undone, the last applied first, and forget it (a later
+    :func:`apply_all` applies it again); returns their names."""
+    names = [p.name for p in reversed(PATCHES) if p.name in _UNDO]
+    for name in names:
+        _UNDO.pop(name)()
+        del _STATUS[name]
+    return names
 
 
 def status() -> Dict[str, str]:
@@ -207,5 +244,5 @@ def require(name: str, needed_by: str, alternative: str = "") -> None:
 def describe() -> str:
     """A table of the entries, their targets, reasons and what happened to each."""
     rows = [f"{p.name:34s} {_STATUS.get(p.name, 'not run'):9s} {p.target}\n{'':45s}{p.why}"
-            for p in PATCHES]
+            + (f" [{p.version}]" if p.version else "") for p in PATCHES]
     return "\n".join(rows)

@@ -196,19 +196,6 @@ def stored_arch(path: str):
     return get("arch", None) or get("_name", None)
 
 
-def _ignore_half_built_mmap_dataset():
-    """fairseq's MMapIndexedDataset whose ``np.memmap`` failed raises again in ``__del__``
-    (AttributeError, "Exception ignored in ..." and a traceback after our line): not that one."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, AttributeError)
-                and "_bin_buffer_mmap" in str(unraisable.exc_value)):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-
-
 SPLIT_FIX = {
     "train": "binarise a non-empty --trainpref file",
     "valid": "binarise a non-empty --validpref file, or train without validation "
@@ -340,7 +327,6 @@ def hint_empty_split(exc, text, ctx) -> Optional[str]:
     path = _frame_local(exc, "_do_init", "path")
     if not path:
         return None
-    _ignore_half_built_mmap_dataset()
     split = os.path.basename(str(path)).split(".")[0]
     fix = SPLIT_FIX.get(split, "binarise a non-empty text file for it, or leave the split out")
     return (f"{path}.bin is empty: the '{split}' split has no examples "
@@ -553,9 +539,11 @@ def one_line(exc: BaseException):
 
 
 def install():
+    """In a console script, ``sys.excepthook`` prints :func:`one_line` for the errors it knows
+    (compat entry ``fairseq_cli_hints``); returns the undo (None: nothing installed)."""
     prog = program()
     if not in_console_script() or getattr(sys.excepthook, "_attnzoo", False):
-        return
+        return None
     previous = sys.excepthook
     if prog == "fairseq-hydra-train":
         # hydra prints errors raised inside the job itself and exits 1, so no excepthook ever sees
@@ -571,6 +559,25 @@ def install():
 
     hook._attnzoo = True
     sys.excepthook = hook
+    return lambda: setattr(sys, "excepthook", previous)
+
+
+def ignore_half_built_mmap_dataset():
+    """In a console script, ``sys.unraisablehook`` passes over the one error fairseq's
+    MMapIndexedDataset raises again in ``__del__`` when its ``np.memmap`` failed (an empty split:
+    "Exception ignored in ..." and a traceback after the hint's line); every other one is printed
+    as before (compat entry ``fairseq_mmap_dataset_del``). Returns the undo (None: nothing)."""
+    if not in_console_script():
+        return None
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, AttributeError)
+                and "_bin_buffer_mmap" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    return lambda: setattr(sys, "unraisablehook", previous)
 
 
 # ---- the flags that bound an example's length ----------------------------------------------------
@@ -662,8 +669,10 @@ def debug_root_logger() -> Optional[str]:
 
 def root_log_level():
     """In a console script, a root logger left at DEBUG goes back to ``$LOGLEVEL`` (INFO) (compat
-    entry ``fairseq_root_log_level``)."""
+    entry ``fairseq_root_log_level``); returns the undo (None: nothing changed)."""
     root = logging.getLogger()
     wanted = os.environ.get("LOGLEVEL", "INFO").upper()
     if in_console_script() and root.level == logging.DEBUG and wanted != "DEBUG":
         root.setLevel(wanted)
+        return lambda: root.setLevel(logging.DEBUG)
+    return None

@@ -270,6 +270,7 @@ def _register_meter():
     from fairseq.logging import meters
 
     setattr(meters, SlotUsageMeter.__name__, SlotUsageMeter)
+    return lambda: delattr(meters, SlotUsageMeter.__name__)
 
 
 # fairseq checkpoints the "valid" aggregator and rebuilds its meters by class name from the
@@ -278,7 +279,7 @@ compat.register(compat.Patch(
     "fairseq_meters_slot_usage", "fairseq.logging.meters (module globals)",
     "fairseq rebuilds checkpointed meters by class name from fairseq.logging.meters' globals; "
     "PKM's SlotUsageMeter must be resolvable there for --restore-file", compat.always,
-    _register_meter), after="fairseq_bf16_without_tpu")
+    _register_meter, "fairseq 0.12.3"), after="fairseq_bf16_without_tpu")
 
 
 class UsageLogger:

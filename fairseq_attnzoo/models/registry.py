@@ -188,7 +188,8 @@ compat.fix("fairseq_model_from_checkpoint", "fairseq.models:build_model",
            "fairseq knows whether it builds a model from a checkpoint (from_checkpoint) but does "
            "not hand it to the arch function: note it, so that a stored config is never refused "
            "as if the user had typed it (e.g. flags of a sublayer the model does not use)",
-           noting_origin, "616b10d14de9810d", after="fairseq_parser_one_line")
+           noting_origin, "616b10d14de9810d", version="fairseq 0.12.3",
+           after="fairseq_parser_one_line")
 
 
 def check_flag_owners(args, arch: str, given):
