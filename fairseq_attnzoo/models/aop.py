@@ -16,8 +16,8 @@ from typing import Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.aop import SCALE_AT, AttentionOverParameters, aop_num_params, ffn_matching_slots
+from .registry import register_arch
 from .sublayers import register_sublayer, require
-from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
 

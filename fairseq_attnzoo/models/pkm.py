@@ -37,16 +37,15 @@ from typing import List, Optional
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.logging import metrics
+from fairseq.logging import meters, metrics
 from fairseq.logging.meters import Meter
 
 from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_triton import KERNELS
-from .registry import Derived
-from .sublayers import register_sublayer, require, to_bool
 from .llama import LLAMA, llama_post
-from .transformer import register_arch
+from .registry import Derived, register_arch
+from .sublayers import register_sublayer, require, to_bool
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +266,6 @@ class SlotUsageMeter(Meter):
 
 
 def _register_meter():
-    from fairseq.logging import meters
-
     setattr(meters, SlotUsageMeter.__name__, SlotUsageMeter)
     return lambda: delattr(meters, SlotUsageMeter.__name__)
 

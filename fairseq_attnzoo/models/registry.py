@@ -19,10 +19,13 @@ from argparse import Namespace
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY, register_model_architecture
+from fairseq.models import (ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY,
+                            register_model_architecture)
 
 from .. import compat
 from ..messages.errors import ZooConfigError
+from .sublayers import (and_list, family, flag_name, given_options, option_owners, owner_label,
+                        used_sublayers)
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,6 @@ _ARCH_SUBLAYERS: Dict[str, Tuple[str, ...]] = {}
 
 def arch_sublayers(arch: str) -> Tuple[str, ...]:
     """The sublayers ``arch`` builds when the user sets no flag (cached)."""
-    from fairseq.models import ARCH_CONFIG_REGISTRY
-
-    from .sublayers import used_sublayers
-
     if arch not in _ARCH_SUBLAYERS:
         args = Namespace()
         ARCH_CONFIG_REGISTRY[arch](args)
@@ -199,8 +198,6 @@ def check_flag_owners(args, arch: str, given):
     (a flag that selects layers, e.g. ``--pkm-decoder-layers none``, keeps its sublayer's flags).
     Stock fairseq flags are not looked at. A model built from a checkpoint is never refused
     (:func:`building_from_checkpoint`)."""
-    from .sublayers import and_list, family, flag_name, option_owners, owner_label, used_sublayers
-
     if not given or building_from_checkpoint():
         return
     used = used_sublayers(args)
@@ -227,8 +224,6 @@ def check_flag_owners(args, arch: str, given):
 def _refusing_unused_flags(arch: str, fn: Callable) -> Callable:
     """The arch function ``fn`` registered for ``arch``: after it has filled the config, the flags
     of sublayers the model does not use are refused (:func:`check_flag_owners`)."""
-    from .sublayers import given_options
-
     def arch_function(args):
         given = given_options(args)
         fn(args)

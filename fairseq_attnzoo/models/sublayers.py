@@ -39,6 +39,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from ..messages.cli_hints import forget_length_limits, note_length_limit  # noqa: F401 (builders)
 
@@ -161,8 +162,6 @@ def add_sublayer_args(parser: argparse.ArgumentParser, decoder_only: bool = Fals
     A ``bool`` option becomes ``--x`` / ``--no-x`` (fairseq's own generator makes it a
     ``store_true`` flag, which cannot undo a preset that sets it); the other fields get fairseq's
     ``gen_parser_from_dataclass`` flags."""
-    from fairseq.dataclass.utils import gen_parser_from_dataclass
-
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):
             continue

@@ -18,6 +18,8 @@ import logging
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn as nn
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from fairseq.distributed import fsdp_wrap
@@ -36,6 +38,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.quant_noise import quant_noise
 from fairseq.modules.transformer_layer import (
     TransformerDecoderLayerBase,
     TransformerEncoderLayerBase,
@@ -45,8 +48,11 @@ from .. import compat
 from ..messages.errors import ZooConfigError
 from ..modules.attention import mask_scope
 from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm
-from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
+from ..modules.sdpa import ZooMultiheadAttention
+from .registry import register_base_arch
 from .sublayers import (
+    SLOT_FLAGS,
+    STOCK,
     SublayerSpec,
     add_sublayer_args,
     build_sublayer,
@@ -165,14 +171,16 @@ def host_rope_theta(spec) -> Optional[float]:
     return float(_host(spec.args, "rope_theta"))
 
 
+def host_proj_bias(spec) -> bool:
+    """For a builder: whether its projections have biases (--proj-bias, fairseq's: yes)."""
+    return bool(_host(spec.args, "proj_bias"))
+
+
 def host_attention(spec):
     """The stock slot's attention when a host option changes it: the shared-base multi-head
     attention (same parameter names as fairseq's MultiheadAttention, which has no rotary hook)."""
-    from ..modules.sdpa import ZooMultiheadAttention
-
     return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,
-                                 kdim=spec.kdim, vdim=spec.kdim,
-                                 bias=bool(_host(spec.args, "proj_bias")),
+                                 kdim=spec.kdim, vdim=spec.kdim, bias=host_proj_bias(spec),
                                  rope_theta=host_rope_theta(spec))
 
 
@@ -191,16 +199,12 @@ def _as_namespace(args):
     fairseq's ``TransformerConfig.from_namespace`` copies the keys it does not know through
     ``vars(args)``, which sees none of a DictConfig's keys: every sublayer flag and method option
     would be dropped silently (a stock transformer). A plain Namespace keeps them."""
-    from omegaconf import OmegaConf
-
     if OmegaConf.is_config(args):
         return argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
     return args
 
 
 def _any_replaced(cfg) -> bool:
-    from .sublayers import SLOT_FLAGS, STOCK
-
     return any(set(str(getattr(cfg, a, None) or STOCK[s]).split(",")) - {STOCK[s]}
                for a, (s, _, _) in SLOT_FLAGS.items())
 
@@ -218,9 +222,6 @@ def _spec(cfg, slot: str, side: str, idx: int, causal: bool) -> SublayerSpec:
 
 def _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size):
     """fairseq's fc1/fc2 (``build_fc1``) without the bias (--no-proj-bias)."""
-    import torch.nn as nn
-    from fairseq.modules.quant_noise import quant_noise
-
     return quant_noise(nn.Linear(input_dim, output_dim, bias=False), p=q_noise,
                        block_size=qn_block_size)
 
