@@ -9,8 +9,9 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from preptest_util import REPO
+
 PACKAGE = "fairseq_attnzoo"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(REPO, PACKAGE)
 SCRIPTS_DIR = os.path.join(REPO, "scripts")
 

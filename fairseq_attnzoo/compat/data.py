@@ -223,7 +223,7 @@ def checking_block_length(original):
     return eval_lm_dataloader
 
 
-# ---- examples skipped for their length, and the score over the rest --------------------------------
+# ---- examples skipped for their length, and the score over the rest ------------------------------
 
 #: the last split fairseq filtered by size in this thread / task: {"split", "total", "skipped",
 #: "max_positions"}

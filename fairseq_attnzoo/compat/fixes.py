@@ -38,7 +38,7 @@ register(Patch(
     "NumPy 2; restore just that alias (int64)",
     data.numpy_lacks_compat_long, data.numpy_compat_long, "NumPy >= 2"))
 
-# ---- fairseq's optimizers and --bf16 (code: mixed_precision.py) -------------------------------------
+# ---- fairseq's optimizers and --bf16 (code: mixed_precision.py) ----------------------------------
 fix("fairseq_amp_single_unscale", "fairseq.optim.amp_optimizer:AMPOptimizer.step",
     "fairseq unscales --amp gradients twice (clip_grad_norm unscales the torch optimizer, step "
     "hands the scaler its wrapper): every update divided by the loss scale once more. This "
@@ -66,7 +66,7 @@ fix("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
     "(bfloat16 model, fp32 masters) on the GPU/CPU, as the hydra path already does",
     mp.without_tpu, "c2a32fa44fa277a6", version="fairseq 0.12.3")
 
-# ---- what fairseq's commands print (code: messages/) ------------------------------------------------
+# ---- what fairseq's commands print (code: messages/) ---------------------------------------------
 register(Patch(
     "fairseq_cli_hints", f"sys.excepthook {CONSOLE}",
     "errors a user can cause end in one line naming the problem and the fix, without the "
@@ -85,7 +85,7 @@ register(Patch(
     "$LOGLEVEL (INFO), the level the command asks for",
     cli_hints.debug_root_logger, cli_hints.root_log_level, "fairseq 0.12.3"))
 
-# ---- fairseq's data (code: data.py) -------------------------------------------------------------------
+# ---- fairseq's data (code: data.py) --------------------------------------------------------------
 fix("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",
     "fairseq 0.12 drops the last batch when its size is not a multiple of "
     "--required-batch-size-multiple (default 8): fairseq-generate and validation silently "
@@ -105,7 +105,7 @@ fix("fairseq_eval_lm_block_length",
     "as fairseq does, plus one warning line with the counts and the flag that fixes it",
     data.checking_block_length, "6ae1cc56dea42151", version="fairseq 0.12.3")
 
-# ---- fairseq's parsers (code: messages/cli_hints.py) ----------------------------------------------
+# ---- fairseq's parsers (code: messages/cli_hints.py) ---------------------------------------------
 fix("fairseq_train_parser_one_line",
     "fairseq.options:add_model_args (the training parser's --arch type)",
     "a misspelled --arch printed argparse's ~200 choices (over 10 KB) and no suggestion: name "
@@ -118,7 +118,7 @@ fix("fairseq_parser_one_line", "fairseq.options:add_dataset_args (every command'
     "argparse's behaviour)",
     cli_hints.parsing_in_one_line, "d28d7bdb8e29e2c3", version="fairseq 0.12.3")
 
-# ---- hydra's deprecation warnings in fairseq's config loading (code: messages/hydra.py) -----------
+# ---- hydra's deprecation warnings in fairseq's config loading (code: messages/hydra.py) ----------
 fix("hydra_deprecation_warnings", {
         "fairseq.dataclass.utils:initialize":
             lambda initialize: quiet_hydra_deprecations(initialize, finds_caller=True),
@@ -129,7 +129,7 @@ fix("hydra_deprecation_warnings", {
     "runs before the plugin is loaded and keeps its warnings)",
     version="fairseq 0.12.3, hydra 1.3", check=hydra_in_fairseq)
 
-# ---- examples left out, and --remove-bpe (code: data.py) ---------------------------------------------
+# ---- examples left out, and --remove-bpe (code: data.py) -----------------------------------------
 fix("fairseq_skipped_examples", "fairseq.tasks.fairseq_task:FairseqTask.filter_indices_by_size",
     "fairseq skips examples longer than the model accepts (always in training, with "
     "--skip-invalid-size-inputs-valid-test in validation and generation) with a warning that "
