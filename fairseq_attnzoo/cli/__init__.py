@@ -44,6 +44,14 @@ def require(module: str, extra: str = "analysis"):
                          f"installed: run `pip install 'fairseq-attnzoo[{extra}]'`") from None
 
 
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Lay ``fig`` out, write it to ``path`` (:func:`output_file`) and close it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(output_file(path), dpi=dpi)
+    require("matplotlib.pyplot").close(fig)
+    return path
+
+
 def output_file(path: str) -> str:
     """``path`` with its folder created (the plot commands write into folders that need not
     exist yet)."""

@@ -22,7 +22,7 @@ import argparse
 import os
 import re
 
-from fairseq_attnzoo.cli import command, output_file, require
+from fairseq_attnzoo.cli import command, require, save_figure
 
 ATTN = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
 THRESHOLDS = (0.9, 0.95, 0.99)
@@ -150,10 +150,7 @@ def plot_panels(panels, out: str, with_projections: bool = False) -> str:
                              sharey=True)
     for ax, (title, curves) in zip(axes[0], panels):
         draw_curves(ax, curves, with_projections, title)
-    fig.tight_layout()
-    fig.savefig(output_file(out), dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 @command

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from fairseq_attnzoo.cli import command, output_file, require
+from fairseq_attnzoo.cli import command, require, save_figure
 
 
 def load_spans(path: str):
@@ -75,10 +75,7 @@ def plot_spans(s: int, r: int, spans, out: str, title: str) -> str:
         ax.set_yscale("symlog", linthresh=max(1.0, r))
     ax.set_title(title)
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(output_file(out), dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 @command

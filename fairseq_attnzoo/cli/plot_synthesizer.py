@@ -21,7 +21,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.modules import MultiheadAttention
 
-from fairseq_attnzoo.cli import command, output_file, require
+from fairseq_attnzoo.cli import command, output_file, require, save_figure
 from fairseq_attnzoo.models.synthesizer import format_mixture_weights
 from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
@@ -196,10 +196,7 @@ def plot_mixture_log(curves: Dict[str, List[Tuple[int, float]]], out: str, title
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, title="layer", title_fontsize=8)
-    fig.tight_layout()
-    fig.savefig(output_file(out), dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 @command
