@@ -7,16 +7,19 @@ hook prints
 
 - our own errors (:class:`~.errors.ZooConfigError`, or a ``ValueError`` raised by a ``raise``
   statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
-- a fairseq/torch error we recognise (:func:`hint_for`): ``fairseq-attnzoo: <hint>`` naming the
-  flag and the fix, without fairseq's traceback;
+- a fairseq/torch error we recognise (:func:`hint_for`, which asks the named rules of
+  :data:`RULES` in order): ``fairseq-attnzoo: <hint>`` naming the flag and the fix, without
+  fairseq's traceback;
 - anything else: the usual traceback, unchanged.
 
 ``ATTNZOO_TRACEBACK=1`` prints the traceback in every case (the one line still follows it).
 
 Also here, for the compat entries that change what fairseq's commands print: the one-line parser
-errors (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``), the root logger's level
+errors (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``), the unraisable error of a
+half-built dataset (``fairseq_mmap_dataset_del``), the root logger's level
 (``fairseq_root_log_level``), and the flags that bound an example's length (named by
-``fairseq_skipped_examples``, ``fairseq_subset_score`` and the hook).
+``fairseq_skipped_examples``, ``fairseq_subset_score`` and the hook; noted per thread by the model
+built last, :func:`note_length_limit`).
 """
 
 import argparse
