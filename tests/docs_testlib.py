@@ -13,7 +13,8 @@ import stat
 from dataclasses import dataclass
 from typing import List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from preptest_util import REPO
+
 
 #: appended to every documented ``fairseq-train`` (later flags win in argparse) and
 #: ``fairseq-hydra-train`` (later overrides win) by the wrappers put first on PATH: the commands

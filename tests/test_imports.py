@@ -1,13 +1,19 @@
 """The parts of ``fairseq_attnzoo`` (its top-level modules and first-level subpackages) import each
-other without a cycle, counting the imports inside functions; the compatibility table (``compat/``)
-imports nothing of ours but the user-facing messages (``messages/``)."""
+other without a cycle, and so do the modules inside them (a subpackage's ``__init__`` and its own
+modules) and those of ``scripts/``, counting the imports inside functions; the compatibility table
+(``compat/``) imports nothing of ours but the user-facing messages (``messages/``)."""
 
 import ast
 import os
 from typing import Dict, List, Optional, Tuple
 
+import pytest
+
+from preptest_util import REPO
+
 PACKAGE = "fairseq_attnzoo"
-PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
+PACKAGE_DIR = os.path.join(REPO, PACKAGE)
+SCRIPTS_DIR = os.path.join(REPO, "scripts")
 
 Edges = Dict[Tuple[str, str], str]  # (importing part, imported part) -> the first "file:line"
 
@@ -37,6 +43,42 @@ def _imported(node, module: str, is_package: bool, known) -> List[str]:
     return [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
 
 
+def _ours(name: str, known) -> Optional[str]:
+    """The module of ours that importing ``name`` runs last (``a.b.c`` of a known ``a.b`` whose
+    ``c`` is no module: ``a.b``), or None for another library's."""
+    names = name.split(".")
+    while names and ".".join(names) not in known:
+        names.pop()
+    return ".".join(names) or None
+
+
+def _imports(package_dir: str):
+    """``(module, path, lineno, imported name)`` for every import statement below ``package_dir``,
+    at module level or inside a function."""
+    known = _modules(package_dir)
+    for module, path in sorted(known.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        is_package = path.endswith("__init__.py")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported(node, module, is_package, known):
+                    yield module, path, node.lineno, name
+
+
+def module_graph(package_dir: str) -> Edges:
+    """Every import between two modules below ``package_dir`` (a package's ``__init__`` counts as
+    the package), at module level or inside a function."""
+    known = _modules(package_dir)
+    edges: Edges = {}
+    for module, path, line, name in _imports(package_dir):
+        target = _ours(name, known)
+        if target is not None and target != module:
+            where = f"{os.path.relpath(path, os.path.dirname(package_dir))}:{line}"
+            edges.setdefault((module, target), where)
+    return edges
+
+
 def part(module: str) -> Optional[str]:
     """The part of ours ``module`` belongs to (the package itself for its ``__init__``), or None."""
     names = module.split(".")
@@ -47,20 +89,12 @@ def part(module: str) -> Optional[str]:
 
 def part_graph(package_dir: str = PACKAGE_DIR) -> Edges:
     """Every import between two parts, at module level or inside a function."""
-    known = _modules(package_dir)
     edges: Edges = {}
-    for module, path in sorted(known.items()):
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-        is_package = path.endswith("__init__.py")
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
-            for name in _imported(node, module, is_package, known):
-                a, b = part(module), part(name)
-                if b is not None and a != b:
-                    where = f"{os.path.relpath(path, os.path.dirname(package_dir))}:{node.lineno}"
-                    edges.setdefault((a, b), where)
+    for module, path, line, name in _imports(package_dir):
+        a, b = part(module), part(name)
+        if b is not None and a != b:
+            where = f"{os.path.relpath(path, os.path.dirname(package_dir))}:{line}"
+            edges.setdefault((a, b), where)
     return edges
 
 
@@ -92,11 +126,21 @@ def find_cycle(edges: Edges) -> Optional[List[str]]:
     return None
 
 
-def test_no_import_cycle_between_parts():
-    edges = part_graph()
+def _no_cycle(edges: Edges):
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle: " + ", ".join(
         f"{a} -> {b} ({edges[a, b]})" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_no_import_cycle_between_parts():
+    _no_cycle(part_graph())
+
+
+@pytest.mark.parametrize("folder", [PACKAGE_DIR, SCRIPTS_DIR], ids=[PACKAGE, "scripts"])
+def test_no_import_cycle_between_modules(folder):
+    """Inside a part too: ``compat/__init__`` and ``compat/fixes``, ``scripts/bench/cases`` and
+    ``harness`` once imported each other."""
+    _no_cycle(module_graph(folder))
 
 
 def test_compat_imports_only_the_messages():
@@ -114,3 +158,22 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):
     edges = part_graph(str(package))
     assert set(edges) == {(PACKAGE, "models"), ("models", "compat"), ("compat", "models")}
     assert find_cycle(edges) == ["compat", "models", "compat"]
+
+
+def test_the_module_walk_sees_a_cycle_inside_a_subpackage(tmp_path):
+    """``compat/__init__`` imports ``compat/fixes`` at its end, which imports the machinery back
+    from ``compat/__init__``: no cycle between parts, one between modules."""
+    compat = tmp_path / PACKAGE / "compat"
+    compat.mkdir(parents=True)
+    (tmp_path / PACKAGE / "__init__.py").write_text("")
+    (compat / "__init__.py").write_text("def register(p):\n    pass\n\nfrom .fixes import x\n")
+    (compat / "fixes.py").write_text("def f():\n    from . import register\nx = 1\n")
+    (compat / "table.py").write_text("import fairseq_attnzoo.compat.fixes.x\nimport os\n")
+    package = str(tmp_path / PACKAGE)
+    assert find_cycle(part_graph(package)) is None
+    edges = module_graph(package)
+    assert set(edges) == {(f"{PACKAGE}.compat", f"{PACKAGE}.compat.fixes"),
+                          (f"{PACKAGE}.compat.fixes", f"{PACKAGE}.compat"),
+                          (f"{PACKAGE}.compat.table", f"{PACKAGE}.compat.fixes")}
+    assert find_cycle(edges) == [f"{PACKAGE}.compat", f"{PACKAGE}.compat.fixes",
+                                 f"{PACKAGE}.compat"]

@@ -146,7 +146,7 @@ def test_unskipped_long_example_names_both_fixes():
     from fairseq_attnzoo.messages.cli_hints import hint_for
     from fairseq_attnzoo.models import sublayers
 
-    sublayers.LENGTH_LIMITS.clear()
+    sublayers.forget_length_limits()
     sublayers.note_length_limit("--synth-max-len", 10)
     line = hint_for(Exception("Size of sample #1 is invalid (=(np.int32(12), np.int32(12))) since "
                               "max_positions=(10, 10), skip this example with "
@@ -155,4 +155,4 @@ def test_unskipped_long_example_names_both_fixes():
                            "(10, 10) positions")
     assert "raise --synth-max-len (now 10)" in line
     assert "--skip-invalid-size-inputs-valid-test" in line
-    sublayers.LENGTH_LIMITS.clear()
+    sublayers.forget_length_limits()

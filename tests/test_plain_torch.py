@@ -24,7 +24,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from preptest_util import REPO
+
 
 #: blocks ``import fairseq`` (and fairseq_cli) in this interpreter, as if it were not installed
 BLOCK_FAIRSEQ = '''
@@ -118,10 +119,10 @@ def _python(code: str, **env) -> dict:
     """Run ``code`` in a fresh interpreter with this checkout first on the path; it leaves a dict
     in ``result``, returned here."""
     full = {k: v for k, v in os.environ.items() if k != "ATTNZOO_COMPAT_DISABLE"}
-    full.update(env, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    full.update(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1")
     code += "\nprint('RESULT ' + json.dumps(result))\n"
-    out = subprocess.run([sys.executable, "-c", code], env=full, cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env=full, cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
@@ -223,13 +224,30 @@ from fairseq import utils
 utils.import_user_module(argparse.Namespace(user_dir=%r))
 from fairseq_attnzoo import compat
 result = dict(_global_state(), status=compat.status())
-''' % os.path.join(ROOT, "fairseq_attnzoo"))
+''' % os.path.join(REPO, "fairseq_attnzoo"))
     for got in (enabled, user_dir):
         assert set(got["status"].values()) == {"applied"} and len(got["status"]) >= 13
         assert got["namespace_allowed"] and got["np_compat"]
         assert got["optimizer_hooks"] == 0 and got["module_hooks"] == 0  # never a global hook
     assert enabled["before"] == {}
     assert enabled["targets"]["amp"] != FAIRSEQ_AS_SHIPPED["amp"] and enabled["targets"]["meter"]
+
+
+def test_undoing_the_table_gives_back_what_fairseq_torch_and_numpy_shipped():
+    """``compat.undo_all()`` after ``enable()``: every target the table changed is back (the
+    console-only entries changed nothing here and stay applied)."""
+    got = _python(BEFORE + SHIPPED + '''
+import fairseq_attnzoo
+before = dict(_global_state(), targets=_targets())
+fairseq_attnzoo.enable()
+undone = compat.undo_all()
+result = dict(before=before, after=dict(_global_state(), targets=_targets()), undone=undone,
+              left=compat.status(), names=[p.name for p in compat.PATCHES])
+''')
+    assert got["before"]["targets"] == FAIRSEQ_AS_SHIPPED and got["after"] == got["before"]
+    assert set(got["left"]) == {"fairseq_cli_hints", "fairseq_mmap_dataset_del",
+                                "fairseq_root_log_level"}
+    assert sorted(got["undone"] + list(got["left"])) == sorted(got["names"])
 
 
 def test_building_our_model_applies_the_table():

@@ -29,7 +29,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from preptest_util import REPO
+
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ with open(out_path, "w") as f:
 def run(mode, commands, tmp_path):
     """Run ``commands`` ([(module, argv)]) in one fresh interpreter; returns their results."""
     if mode == "plugin":
-        commands = [(m, argv + ["--user-dir", os.path.join(ROOT, "fairseq_attnzoo")])
+        commands = [(m, argv + ["--user-dir", os.path.join(REPO, "fairseq_attnzoo")])
                     for m, argv in commands]
     out = tmp_path / f"{mode}.json"
     env = {k: v for k, v in os.environ.items()

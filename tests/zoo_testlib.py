@@ -29,6 +29,7 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq_attnzoo.models.registry import ArchTests, arch_tests
 from fairseq_attnzoo.models.sublayers import (SLOT_FLAGS, SUBLAYER_REGISTRY, layer_names,
                                               tiny_overrides)
+from preptest_util import REPO
 
 # the suite drives fairseq in-process (its CLIs, checkpoints, stock tasks) with the plugin, as a
 # script does: `--user-dir` finds the package already imported, so enable the compat table here
@@ -70,7 +71,6 @@ def record_sdpa(monkeypatch) -> List[tuple]:
     return calls
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
 
 TINY_MT = {

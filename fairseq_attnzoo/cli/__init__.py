@@ -11,14 +11,28 @@ command                             module
 ``attnzoo-plot KIND ...``           :mod:`.plot`: spans, pkm-usage, qk-spectrum, synthesizer
 ==================================  ==========================================================
 
-Importing this package has no side effects; each command imports ``fairseq_attnzoo`` (which
-registers the archs) when it runs.
+Importing this package has no side effects (importing ``fairseq_attnzoo`` registers the archs);
+each command's ``main`` is a :func:`command`: it uses the plugin with fairseq.
 """
 
+import functools
 import importlib
 import os
 
-ANALYSIS_HINT = "pip install 'fairseq-attnzoo[analysis]'"
+from .. import enable
+
+
+def command(main):
+    """A console command's ``main``: it runs fairseq with the plugin (loads our checkpoints,
+    builds our models), so the compat table is applied first (:func:`fairseq_attnzoo.enable`;
+    without a supported fairseq, the one line saying what to install)."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        enable()
+        return main(*args, **kwargs)
+
+    return run
 
 
 def require(module: str, extra: str = "analysis"):
@@ -28,6 +42,14 @@ def require(module: str, extra: str = "analysis"):
     except ImportError:
         raise SystemExit(f"error: this command needs {module.split('.')[0]}, which is not "
                          f"installed: run `pip install 'fairseq-attnzoo[{extra}]'`") from None
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Lay ``fig`` out, write it to ``path`` (:func:`output_file`) and close it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(output_file(path), dpi=dpi)
+    require("matplotlib.pyplot").close(fig)
+    return path
 
 
 def output_file(path: str) -> str:

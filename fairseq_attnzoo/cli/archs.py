@@ -17,6 +17,8 @@ import sys
 import textwrap
 from typing import Dict, List, Optional
 
+from fairseq_attnzoo.cli import command
+
 STOCK_NAMES = ("mha", "ffn")  # fairseq's own modules: not a method
 TASKS = ("translation", "language_modeling", "attnzoo_stream_lm")
 
@@ -245,12 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv=None) -> int:
-    import fairseq_attnzoo
-
     p = build_parser()
     a = p.parse_args(argv)
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     if a.compat:
         from fairseq_attnzoo import compat
 

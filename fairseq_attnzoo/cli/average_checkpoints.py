@@ -25,6 +25,8 @@ import re
 import sys
 from pathlib import Path
 
+from fairseq_attnzoo.cli import command
+
 UPDATE_CKPT = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")
 EPOCH_CKPT = re.compile(r"^checkpoint(\d+)\.pt$")
 
@@ -64,6 +66,7 @@ def average_states(states: list[dict]) -> dict:
     return out
 
 
+@command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Average the weights of fairseq checkpoints.")
     p.add_argument("--inputs", nargs="+", required=True,
@@ -74,10 +77,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-
-    import fairseq_attnzoo
-
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
 
     inputs = [Path(x) for x in args.inputs]
     if len(inputs) == 1 and inputs[0].is_dir():

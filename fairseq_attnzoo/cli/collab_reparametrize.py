@@ -40,6 +40,7 @@ import os
 import re
 import time
 
+from fairseq_attnzoo.cli import command
 from fairseq_attnzoo.cli.progress import add_progress_flag, configure_progress
 
 ATTN_KEY = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
@@ -228,6 +229,7 @@ def format_rows(rows, key_dim: int) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -241,9 +243,6 @@ def main(argv=None):
     t0 = time.perf_counter()
     import torch
 
-    import fairseq_attnzoo
-
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils
     from omegaconf import OmegaConf
 

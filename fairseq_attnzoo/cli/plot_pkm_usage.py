@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from fairseq_attnzoo.cli import output_file, require
+from fairseq_attnzoo.cli import command, output_file, require
 
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the plugin package
 
@@ -27,10 +27,6 @@ def load(path, data, user_dir, cpu):
     from fairseq import checkpoint_utils, utils
 
     utils.import_user_module(argparse.Namespace(user_dir=user_dir))
-    import fairseq_attnzoo
-
-    # (import_user_module does nothing when this package is already imported, as here)
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
         [path], arg_overrides={"data": data})
     model = models[0].eval()
@@ -125,6 +121,7 @@ def plot(counts, mems, out):
     fig.savefig(output_file(out), dpi=110)
 
 
+@command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--path", required=True, help="fairseq checkpoint")

@@ -22,7 +22,7 @@ import argparse
 import os
 import re
 
-from fairseq_attnzoo.cli import output_file, require
+from fairseq_attnzoo.cli import command, require, save_figure
 
 ATTN = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|encoder_attn)\.q_proj\.weight$")
 THRESHOLDS = (0.9, 0.95, 0.99)
@@ -102,9 +102,6 @@ def components_for(curve, fraction: float) -> int:
 def load_curves(path: str, center: bool = False):
     """{layer: (product curve, W_Q curve)} of a checkpoint (see :func:`spectra`); {} when it has
     no attention layer with q_proj/k_proj."""
-    import fairseq_attnzoo
-
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils
 
     state = checkpoint_utils.load_checkpoint_to_cpu(path)
@@ -153,12 +150,10 @@ def plot_panels(panels, out: str, with_projections: bool = False) -> str:
                              sharey=True)
     for ax, (title, curves) in zip(axes[0], panels):
         draw_curves(ax, curves, with_projections, title)
-    fig.tight_layout()
-    fig.savefig(output_file(out), dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
+@command
 def main(argv=None):
     p = argparse.ArgumentParser(description="Energy spectrum of concatenated key/query products "
                                 "W_Q,i W_K,iᵀ per attention layer (paper Figure 1)")

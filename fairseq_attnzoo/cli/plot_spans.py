@@ -16,14 +16,11 @@ import re
 
 import torch
 
-from fairseq_attnzoo.cli import output_file, require
+from fairseq_attnzoo.cli import command, require, save_figure
 
 
 def load_spans(path: str):
     """-> (S, R, [per layer: tensor of z per head]) from a fairseq checkpoint."""
-    import fairseq_attnzoo
-
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils
 
     state = checkpoint_utils.load_checkpoint_to_cpu(path)
@@ -78,12 +75,10 @@ def plot_spans(s: int, r: int, spans, out: str, title: str) -> str:
         ax.set_yscale("symlog", linthresh=max(1.0, r))
     ax.set_title(title)
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(output_file(out), dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
+@command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -21,8 +21,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.modules import MultiheadAttention
 
-import fairseq_attnzoo
-from fairseq_attnzoo.cli import output_file, require
+from fairseq_attnzoo.cli import command, output_file, require, save_figure
 from fairseq_attnzoo.models.synthesizer import format_mixture_weights
 from fairseq_attnzoo.modules.synthesizer import SynthesizerAttention
 
@@ -197,14 +196,11 @@ def plot_mixture_log(curves: Dict[str, List[Tuple[int, float]]], out: str, title
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, title="layer", title_fontsize=8)
-    fig.tight_layout()
-    fig.savefig(output_file(out), dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
+@command
 def main(argv=None):
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="Synthesizer checkpoint (.pt)")
     p.add_argument("--data", required=True, help="the data-bin directory (dictionaries)")

@@ -26,6 +26,8 @@ from typing import List
 
 import torch
 
+from fairseq_attnzoo.cli import command
+
 _NEWLINE = 10
 
 
@@ -74,10 +76,8 @@ def _fail(message: str):
     raise SystemExit(f"error: {message}")
 
 
+@command
 def main(argv: List[str] = None) -> int:
-    import fairseq_attnzoo
-
-    fairseq_attnzoo.enable()  # an attnzoo command: fairseq uses the plugin (compat table)
     from fairseq import checkpoint_utils, options, utils
     from fairseq.data import encoders
     from fairseq.models import FairseqEncoderDecoderModel

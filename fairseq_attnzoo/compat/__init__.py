@@ -5,12 +5,14 @@ version it was written for. :func:`apply_all` applies each entry whose check pas
 line per entry: ``applied``, ``skipped`` (the target is not the version we know, so we leave it
 alone and say so) or ``disabled``.
 
-Where the entries live: the fixes of torch, NumPy and fairseq (defects, speed layouts) and the
-entries that change what fairseq prints are rows of :mod:`.fixes`, the table (the messages' code is
-in :mod:`fairseq_attnzoo.messages`); the two hooks of our own features are registered by their
-owners (``fairseq_meters_slot_usage`` in ``models/pkm.py``, ``fairseq_model_from_checkpoint`` in
-``models/registry.py``). A row names its target once, ``"module:Class.attribute"``, and gives
-the wrapper of the original (:func:`fix`); :func:`replace` installs it.
+Where the entries live: the machinery (:class:`Patch`, :func:`fix`, :func:`apply_all`,
+:func:`undo_all`, ...) is :mod:`.machinery`, re-exported here; the rows are :mod:`.fixes`, the
+table, one row per change: its target named once, the library version it fixes, why; the code a
+row installs lives with what it serves (:mod:`.mixed_precision` for fairseq's optimizers,
+:mod:`.data` for its data and checkpoints, :mod:`fairseq_attnzoo.messages` for what it prints).
+The two hooks of our own features are registered by their owners (``fairseq_meters_slot_usage`` in
+``models/pkm.py``, ``fairseq_model_from_checkpoint`` in ``models/registry.py``). Every row can be
+undone (:func:`undo_all`) but where the change itself was nothing.
 
 Nothing is applied when the package or its plain PyTorch modules are imported. The table is
 applied where fairseq uses the plugin: when fairseq imports it as a user dir (``--user-dir``,
@@ -30,202 +32,13 @@ digits) as shipped by ``fairseq-fixed==0.12.3.1``: a fairseq that changed the fu
 patch and a warning, rather than a fix written for other code.
 """
 
-import hashlib
-import importlib
-import inspect
-import logging
-import os
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
-
-from ..messages.errors import ZooConfigError
-
-logger = logging.getLogger(__name__)
-
-ENV_DISABLE = "ATTNZOO_COMPAT_DISABLE"
-
-APPLIED, SKIPPED, DISABLED = "applied", "skipped", "disabled"
-
-
-@dataclass
-class Patch:
-    name: str
-    target: str  # what is changed: "module:attribute", then a note where that says too little
-    why: str  # one line
-    #: None when the target is the version this patch knows; otherwise why it is not applied
-    check: Callable[[], Optional[str]]
-    apply: Callable[[], None]
-
-
-PATCHES: List[Patch] = []
-_STATUS: Dict[str, str] = {}
-_REASONS: Dict[str, str] = {}  # why an entry was skipped
-_ORIGINALS: Dict[str, tuple] = {}  # "module:attribute" -> (owner, attribute, what it held)
-
-
-def register(entry: Patch, after: Optional[str] = None) -> Patch:
-    """Add ``entry`` to the table: at the end, or right after the entry named ``after`` (the
-    order entries are applied and listed in)."""
-    if any(p.name == entry.name for p in PATCHES):
-        raise ValueError(f"compat patch {entry.name!r} is defined twice")
-    at = len(PATCHES) if after is None else [p.name for p in PATCHES].index(after) + 1
-    PATCHES.insert(at, entry)
-    return entry
-
-
-def _owner(path: str):
-    """``(object, attribute)`` named by ``"module:Class.attribute"``."""
-    module, _, attrs = path.partition(":")
-    owner = importlib.import_module(module)
-    *outer, attr = attrs.split(".")
-    for name in outer:
-        owner = getattr(owner, name)
-    return owner, attr
-
-
-def lookup(path: str):
-    """What ``"module:Class.attribute"`` holds now (a class's method as ``Class.method`` gives)."""
-    owner, attr = _owner(path)
-    return getattr(owner, attr)
-
-
-def replace(path: str, wrap: Callable) -> None:
-    """Install ``wrap(original)`` at ``"module:Class.attribute"``, keeping the original for
-    :func:`restore`. A classmethod's function is wrapped and stays a classmethod; the replacement
-    gets the original's docstring where it has none of its own."""
-    owner, attr = _owner(path)
-    held = inspect.getattr_static(owner, attr)
-    original = held.__func__ if isinstance(held, classmethod) else getattr(owner, attr)
-    new = wrap(original)
-    if new.__doc__ is None:
-        new.__doc__ = original.__doc__
-    _ORIGINALS.setdefault(path, (owner, attr, held if attr in vars(owner) else None))
-    setattr(owner, attr, classmethod(new) if isinstance(held, classmethod) else new)
-
-
-def restore(path: str) -> None:
-    """Put back what ``"module:Class.attribute"`` held before :func:`replace` (an inherited
-    attribute is inherited again)."""
-    owner, attr, held = _ORIGINALS.pop(path)
-    if held is None:
-        delattr(owner, attr)
-    else:
-        setattr(owner, attr, held)
-
-
-def source_digest(fn) -> Optional[str]:
-    try:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-    except (OSError, TypeError):
-        return None
-
-
-def known_source(get: Callable[[], object], *digests: str) -> Callable[[], Optional[str]]:
-    """A check that passes when the function returned by ``get()`` has one of these digests."""
-
-    def check():
-        try:
-            fn = get()
-        except (ImportError, AttributeError) as e:
-            return f"target not found ({e})"
-        digest = source_digest(fn)
-        if digest in digests:
-            return None
-        return (f"{getattr(fn, '__qualname__', fn)} is not the version this patch was written for "
-                f"(source digest {digest}, known {', '.join(digests)})")
-
-    return check
-
-
-def always() -> Optional[str]:
-    return None
-
-
-def fix(name: str, target: str, why: str, wrap: Callable, *digests: str,
-        after: Optional[str] = None) -> Patch:
-    """Register the entry that replaces ``target``'s ``"module:Class.attribute"`` (its first
-    word) with ``wrap(original)``, applied when that attribute's source has one of ``digests``."""
-    path = target.split()[0]
-    return register(Patch(name, target, why, known_source(lambda: lookup(path), *digests),
-                          lambda: replace(path, wrap)), after)
-
-
-def disabled_names() -> set:
-    raw = os.environ.get(ENV_DISABLE, "")
-    return {x.strip() for x in raw.split(",") if x.strip()}
-
-
-def apply_all() -> Dict[str, str]:
-    """Apply every entry not yet handled in this process; returns :func:`status`. Cheap after
-    the first call (each entry is handled once per process)."""
-    if len(_STATUS) == len(PATCHES):
-        return status()
-    off = disabled_names()
-    unknown = sorted(off - {p.name for p in PATCHES} - {"all"})
-    if unknown and not _STATUS:
-        logger.warning(f"{ENV_DISABLE}: no compat patch named {', '.join(unknown)}; the names are "
-                       f"{', '.join(p.name for p in PATCHES)} (or all)")
-    new = []
-    for p in PATCHES:
-        if p.name in _STATUS:
-            continue
-        if "all" in off or p.name in off:
-            _STATUS[p.name] = DISABLED
-            new.append(f"{p.name} (disabled)")
-            continue
-        reason = p.check()
-        if reason is not None:
-            _STATUS[p.name] = SKIPPED
-            _REASONS[p.name] = reason
-            logger.warning(f"compat: {p.name} not applied: {reason}; {p.target} left unchanged "
-                           f"({p.why})")
-            continue
-        p.apply()
-        _STATUS[p.name] = APPLIED
-        new.append(p.name)
-    if new:  # one short line per process; the names at DEBUG (attnzoo-archs --compat: the table)
-        off = [n for n in new if n.endswith(" (disabled)")]
-        logger.info(f"compat: {len(new) - len(off)} patches of fairseq/torch applied"
-                    + (f", disabled: {', '.join(n.split()[0] for n in off)}" if off else "")
-                    + f" (attnzoo-archs --compat lists them; {ENV_DISABLE}=NAME,... opts out)")
-        logger.debug(f"compat patches: {', '.join(new)}")
-    return status()
-
-
-def status() -> Dict[str, str]:
-    """``{entry: applied | skipped | disabled}`` of the entries handled so far in this process
-    (empty until fairseq uses the plugin or a program calls :func:`fairseq_attnzoo.enable`)."""
-    return dict(_STATUS)
-
-
-def require(name: str, needed_by: str, alternative: str = "") -> None:
-    """Refuse, in one line naming the entry, to go on without entry ``name`` (applies the table
-    first). ``needed_by``: what needs it ("adaptive spans under --fp16"); ``alternative``: another
-    way out, appended to the fix ("or train with --amp")."""
-    if name not in {p.name for p in PATCHES}:  # pragma: no cover - a typo in our own code
-        raise KeyError(name)
-    state = apply_all().get(name)
-    if state == APPLIED:
-        return
-    if state == DISABLED:
-        raw = os.environ.get(ENV_DISABLE, "")
-        why = f"disabled by {ENV_DISABLE}={raw}"
-        remedy = f"leave {name} out of {ENV_DISABLE}"
-    else:
-        why = f"not applied: {_REASONS.get(name, 'unknown reason')}"
-        remedy = "install fairseq-fixed==0.12.3.1"
-    more = f" {alternative}" if alternative else ""
-    raise ZooConfigError(f"{needed_by} needs the compat entry {name} ({why}): {remedy}{more}")
-
-
-def describe() -> str:
-    """A table of the entries, their targets, reasons and what happened to each."""
-    rows = [f"{p.name:34s} {_STATUS.get(p.name, 'not run'):9s} {p.target}\n{'':45s}{p.why}"
-            for p in PATCHES]
-    return "\n".join(rows)
-
-
-# the table (registers its rows, in order), and what its rows compute, for scripts and tests
-from .fixes import (bf16_without_tpu, bpe_name, check_block_length,  # noqa: E402
-                    padding_batches_first, remove_bpe_mismatch, segmentation_counts,
-                    sentencepiece_without_bpe, xla_available)
+# the machinery, then the table (registers its rows, in order), and what its rows compute, for
+# scripts and tests
+from .machinery import (APPLIED, DISABLED, ENV_DISABLE, PATCHES, SKIPPED, Patch,  # noqa: F401
+                        always, apply_all, built_by_fairseq, describe, disabled_names, fix,
+                        known_source, lookup, register, replace, require, restore, source_digest,
+                        status, undo_all)
+from . import fixes  # noqa: F401,E402  (registers the rows)
+from .data import (bpe_name, check_block_length, padding_batches_first,  # noqa: F401,E402
+                   remove_bpe_mismatch, segmentation_counts, sentencepiece_without_bpe)
+from .mixed_precision import bf16_without_tpu, xla_available  # noqa: F401,E402

@@ -1,760 +1,172 @@
-"""The table: the fixes of torch, NumPy and fairseq (defects, speed layouts) and the entries that
-change what fairseq prints (their code in :mod:`fairseq_attnzoo.messages`), in the order they are
-applied and listed. Each row names its target once; :func:`~fairseq_attnzoo.compat.fix` resolves
-it, checks the source digest, keeps the original and installs the wrapper its factory returns.
-The two hooks of our own features are registered by their owners (see the package docstring)."""
+"""The table: every change to torch, NumPy, hydra and fairseq, one row each, in the order they are
+applied and listed. A row names its target once, the library version it fixes and why; the code it
+installs lives with what it serves (:mod:`.mixed_precision`, :mod:`.data`, :mod:`..messages`).
+:func:`~.machinery.fix` replaces a ``"module:Class.attribute"`` when its source has a known digest
+and restores it on :func:`~.machinery.undo_all`; :class:`~.machinery.Patch` rows change other state
+and return their own undo. The two hooks of our own features are rows of their owners
+(``models/pkm.py``, ``models/registry.py``)."""
 
-import argparse
-import inspect
-import logging
-import os
-import types
-from typing import Dict, Optional
+from typing import Optional
 
 from ..messages import cli_hints
-from ..messages.cli_hints import length_flags, position_numbers
-from ..messages.errors import ZooConfigError
 from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
-from . import Patch, always, fix, known_source, lookup, register, replace
-from .mixed_precision import (amp_step, bf16_flat_build, flat_grads_sync, flat_params_sync,
-                              projecting_sync)
+from . import data
+from . import mixed_precision as mp
+from . import trainer
+from .machinery import Patch, always, fix, register
 
-logger = logging.getLogger("fairseq_attnzoo.compat")  # the name its log lines have always had
+FP16 = "fairseq.optim.fp16_optimizer:"
+GRADS_SYNC, PARAMS_SYNC = (FP16 + "_FP16OptimizerMixin._sync_fp16_grads_to_fp32",
+                           FP16 + "_FP16OptimizerMixin._sync_fp32_params_to_fp16")
+CONSOLE = "(fairseq-* console scripts only)"
+OURS_TOO = "(fairseq-* and attnzoo-* console scripts)"
 
 
-# ---- torch and numpy -----------------------------------------------------------------------------
-
-def _has_safe_globals() -> Optional[str]:
+def _foreach_copy() -> Optional[str]:
     import torch
 
-    ok = hasattr(getattr(torch, "serialization", None), "add_safe_globals")
-    return None if ok else "torch has no serialization.add_safe_globals (torch < 2.4: not needed)"
+    return None if hasattr(torch, "_foreach_copy_") else "torch has no _foreach_copy_ (torch < 2.1)"
 
 
-def _allow_namespace():
-    import torch
-
-    torch.serialization.add_safe_globals([argparse.Namespace])
-
-
+# ---- torch and NumPy (code: data.py) ------------------------------------------------------------
 register(Patch(
     "torch_safe_globals_namespace", "torch.serialization (weights-only allow-list)",
     "fairseq checkpoints pickle an argparse.Namespace; torch>=2.6 loads with weights_only=True. "
     "Allow-list just that class instead of disabling the safe loader globally",
-    _has_safe_globals, _allow_namespace))
-
-
-def _numpy_lacks_compat_long() -> Optional[str]:
-    import numpy as np
-
-    if hasattr(getattr(np, "compat", None), "long"):
-        return "numpy still has np.compat.long (NumPy < 2): nothing to restore"
-    return None
-
-
-def _numpy_compat_long():
-    import numpy as np
-
-    if not hasattr(np, "compat"):
-        np.compat = types.SimpleNamespace(long=np.int64)
-    else:  # pragma: no cover
-        np.compat.long = np.int64
-
-
+    data.torch_has_safe_globals, data.allow_namespace, "torch >= 2.6"))
 register(Patch(
     "numpy_compat_long", "numpy.compat.long",
     "fairseq's TokenBlockDataset and bucketed translation data use np.compat.long, removed in "
-    "NumPy 2; restore just that alias (int64)", _numpy_lacks_compat_long, _numpy_compat_long))
+    "NumPy 2; restore just that alias (int64)",
+    data.numpy_lacks_compat_long, data.numpy_compat_long, "NumPy >= 2"))
 
-
-# ---- fairseq optimizers (the wrappers: mixed_precision.py) ---------------------------------------
-
+# ---- fairseq's optimizers and --bf16 (code: mixed_precision.py) ----------------------------------
 fix("fairseq_amp_single_unscale", "fairseq.optim.amp_optimizer:AMPOptimizer.step",
     "fairseq unscales --amp gradients twice (clip_grad_norm unscales the torch optimizer, step "
     "hands the scaler its wrapper): every update divided by the loss scale once more. This "
     "changes --amp training of every arch, stock ones included, while the plugin is loaded",
-    lambda step: amp_step, "2b8a6f80fa6ca14b")
-
-GRADS_SYNC = "fairseq.optim.fp16_optimizer:_FP16OptimizerMixin._sync_fp16_grads_to_fp32"
-PARAMS_SYNC = "fairseq.optim.fp16_optimizer:_FP16OptimizerMixin._sync_fp32_params_to_fp16"
-
-
-def _both_syncs_known() -> Optional[str]:
-    import torch
-
-    if not hasattr(torch, "_foreach_copy_"):
-        return "torch has no _foreach_copy_ (torch < 2.1)"
-    return (known_source(lambda: lookup(GRADS_SYNC), "9a06568699ab4d06")()
-            or known_source(lambda: lookup(PARAMS_SYNC), "a53fdba609963e2d")())
-
-
-def _fp16_flat_sync():
-    replace(GRADS_SYNC, flat_grads_sync)
-    replace(PARAMS_SYNC, flat_params_sync)
-
-
+    lambda step: mp.amp_step, "2b8a6f80fa6ca14b", version="fairseq 0.12.3")
 # (before fairseq_fp16_master_projection, which wraps the copy installed here)
-register(Patch(
-    "fairseq_fp16_flat_sync", f"{GRADS_SYNC} and _sync_fp32_params_to_fp16",
+fix("fairseq_fp16_flat_sync", {GRADS_SYNC: mp.flat_grads_sync, PARAMS_SYNC: mp.flat_params_sync},
     "with flat fp32 masters fairseq copies every gradient into the buffer and every master "
     "back in Python loops (five ops per parameter and direction); one multi-tensor copy per "
-    "device does the same copies", _both_syncs_known, _fp16_flat_sync))
-
+    "device does the same copies", None, "9a06568699ab4d06", "a53fdba609963e2d",
+    version="fairseq 0.12.3, torch >= 2.1", check=_foreach_copy)
 fix("fairseq_fp16_master_projection", PARAMS_SYNC,
     "under --fp16/--bf16 the optimizer steps fp32 master copies: bounded parameters are "
     "projected on the masters before fairseq copies them into the half model",
-    projecting_sync, "a53fdba609963e2d", "a319261284577fb6")  # fairseq's, or the flat sync's
-
-fix("fairseq_bf16_flat_masters", "fairseq.optim.fp16_optimizer:FP16Optimizer.build_optimizer",
+    mp.projecting_sync, "a53fdba609963e2d", "a319261284577fb6",  # fairseq's, or the flat sync's
+    version="fairseq 0.12.3")
+fix("fairseq_bf16_flat_masters", FP16 + "FP16Optimizer.build_optimizer",
     "under --bf16 fairseq keeps one fp32 master per parameter (for TPUs), so every update loops "
     "over the parameters in Python; off TPUs flatten them as --fp16 does (unless "
     "--fp16-no-flatten-grads or the optimizer takes no flat parameters)",
-    bf16_flat_build, "c7ff6d890b7d4239")
-
-
-# ---- fairseq --bf16 on GPUs and CPUs -------------------------------------------------------------
-
-def tpu_requested(argv) -> bool:
-    """Whether the command line asked for TPUs itself (fairseq's ``--tpu``)."""
-    return any(a == "--tpu" for a in argv)
-
-
-def xla_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch_xla") is not None
-
-
-def bf16_without_tpu(cfg, argv) -> bool:
-    """Turn off the ``--tpu`` that fairseq 0.12's ``--bf16`` implied, when the user did not ask for
-    TPUs and torch_xla is not installed; returns whether it did. fairseq's own bf16 path is then
-    what trains: the model in bfloat16, fp32 master weights in ``FP16Optimizer`` (no loss scaling),
-    on the GPU (or the CPU with ``--cpu``), exactly as ``fairseq-hydra-train common.bf16=true``."""
-    common = cfg.common
-    if not (common.bf16 and common.tpu) or tpu_requested(argv) or xla_available():
-        return False
-    for section in cfg.values():  # common, distributed_training, task, optimizer copy the flag
-        if hasattr(section, "get") and section.get("tpu", False) is True:
-            section.tpu = False
-    logger.info("--bf16 without --tpu: training in bfloat16 with fp32 master weights on "
-                f"{'the CPU' if common.cpu else 'CUDA'} (fairseq's bf16 path; compat entry "
-                "fairseq_bf16_without_tpu)")
-    return True
-
-
-def without_tpu(call_main):
-    """fairseq's ``call_main`` that first turns off the ``--tpu`` fairseq's ``--bf16`` implied
-    (:func:`bf16_without_tpu`)."""
-    import sys
-
-    def patched_call_main(cfg, main, **kwargs):
-        bf16_without_tpu(cfg, sys.argv[1:])
-        return call_main(cfg, main, **kwargs)
-
-    return patched_call_main
-
-
+    mp.bf16_flat_build, "c7ff6d890b7d4239", version="fairseq 0.12.3")
 fix("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
     "fairseq 0.12's --bf16 implies --tpu, so fairseq-train --bf16 dies without torch_xla; "
     "unless --tpu is given or torch_xla is installed, train with fairseq's own bf16 path "
     "(bfloat16 model, fp32 masters) on the GPU/CPU, as the hydra path already does",
-    without_tpu, "c2a32fa44fa277a6")
+    mp.without_tpu, "c2a32fa44fa277a6", version="fairseq 0.12.3")
 
-
-# ---- fairseq command-line tools (the code: messages/) --------------------------------------------
-
+# ---- what fairseq's commands print (code: messages/) ---------------------------------------------
 register(Patch(
-    "fairseq_cli_hints", "sys.excepthook (fairseq-* console scripts only)",
+    "fairseq_cli_hints", f"sys.excepthook {CONSOLE}",
     "errors a user can cause end in one line naming the problem and the fix, without the "
     "traceback (ATTNZOO_TRACEBACK=1 shows it); fairseq-hydra-train gets HYDRA_FULL_ERROR=1 so "
-    "that its job's errors reach the hook", always, cli_hints.install))
-
+    "that its job's errors reach the hook", always, cli_hints.install, "fairseq 0.12.3"))
 register(Patch(
-    "fairseq_root_log_level", "the root logger's level (fairseq-* and attnzoo-* console scripts)",
+    "fairseq_mmap_dataset_del", f"sys.unraisablehook {CONSOLE}",
+    "fairseq's MMapIndexedDataset whose np.memmap failed (an empty split) raises again in "
+    "__del__: that one error is not printed after the hint's line; every other one is",
+    always, cli_hints.ignore_half_built_mmap_dataset, "fairseq 0.12.3"))
+register(Patch(
+    "fairseq_root_log_level", f"the root logger's level {OURS_TOO}",
     "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
     "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
     "$LOGLEVEL (INFO), the level the command asks for",
-    cli_hints.debug_root_logger, cli_hints.root_log_level))
+    cli_hints.debug_root_logger, cli_hints.root_log_level, "fairseq 0.12.3"))
 
-
-# ---- fairseq data --------------------------------------------------------------------------------
-
-def keep_tail(batch_by_size):
-    """``batch_by_size`` that keeps its last batch. fairseq 0.12 drops it when its size is not a
-    multiple of ``required_batch_size_multiple`` (upstream issue #5036): 20 test sentences gave 16
-    scored, newstest2014's 3,003 at most 3,000. The batches are consecutive slices of ``indices``
-    (the Cython helpers fill them in order), so what is missing is the tail: it becomes one more,
-    smaller batch, within the same --max-tokens/--batch-size limits."""
-
-    def batch_by_size_keeping_tail(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None,
-                                   max_sentences=None, required_batch_size_multiple=1,
-                                   fixed_shapes=None):
-        import numpy as np
-
-        if not isinstance(indices, np.ndarray):
-            indices = np.fromiter(indices, dtype=np.int64, count=-1)
-        batches = batch_by_size(indices, num_tokens_fn, num_tokens_vec=num_tokens_vec,
-                                max_tokens=max_tokens, max_sentences=max_sentences,
-                                required_batch_size_multiple=required_batch_size_multiple,
-                                fixed_shapes=fixed_shapes)
-        kept = sum(len(b) for b in batches)
-        if fixed_shapes is None and kept < len(indices):
-            batches = list(batches) + [indices[kept:]]
-            logger.info(f"compat fairseq_batch_keep_tail: the last {len(indices) - kept:,} of "
-                        f"{len(indices):,} examples form one more batch (fairseq 0.12 drops a "
-                        f"last batch that is not a multiple of --required-batch-size-multiple "
-                        f"{required_batch_size_multiple})")
-        return batches
-
-    return batch_by_size_keeping_tail
-
-
+# ---- fairseq's data (code: data.py) --------------------------------------------------------------
 fix("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",
     "fairseq 0.12 drops the last batch when its size is not a multiple of "
     "--required-batch-size-multiple (default 8): fairseq-generate and validation silently "
     "skipped up to 7 sentences, training the same examples every epoch. Keep it as a smaller "
     "batch (--skip-remainder-batch still drops a training epoch's last batch when asked)",
-    keep_tail, "10c0b48b47357f22")
-
-
-def _is_padding_batch(sample) -> bool:
-    """The test ``Trainer._prepare_sample`` applies: an empty slot from the sharded iterator, for
-    which a rank runs its dummy batch with the loss multiplied by 0."""
-    return sample is None or len(sample) == 0
-
-
-def _zeroed(logging_output: dict) -> dict:
-    """A logging output that adds nothing when fairseq sums it (numbers and tensors times 0)."""
-    import torch
-
-    return {k: v * 0 if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
-            else v for k, v in logging_output.items()}
-
-
-def padding_batches_first(train_step):
-    """``Trainer.train_step`` for an update whose micro-batches on this rank mix real batches and
-    padding (dummy) ones. fairseq 0.12 zeroes the rank's whole ``sample_size`` and drops all its
-    logging outputs when the *last* micro-batch is a dummy, but keeps the real batches' gradients:
-    with --update-freq > 1 under DDP the last update of an epoch is normalised by the wrong token
-    count and logs the wrong loss. Here each dummy micro-batch counts for nothing (sample size and
-    logging outputs times 0, its loss already is) and runs first, so the real ones are counted."""
-
-    def train_step_counting_real_batches(self, samples, raise_oom=False):
-        padding = [s for s in samples if _is_padding_batch(s)]
-        if not padding or len(padding) == len(samples):
-            return train_step(self, samples, raise_oom)
-        task = self.task
-        inner = task.train_step
-
-        def task_train_step(*args, **kwargs):
-            loss, sample_size, logging_output = inner(*args, **kwargs)
-            if kwargs.get("ignore_grad"):
-                return loss, sample_size * 0, _zeroed(logging_output)
-            return loss, sample_size, logging_output
-
-        task.train_step = task_train_step
-        logger.info(f"compat fairseq_ddp_partial_update: {len(padding)} padding micro-batch(es) of "
-                    f"this update count for nothing; its {len(samples) - len(padding)} real ones "
-                    "keep their sample size and logs")
-        try:
-            return train_step(self, padding + [s for s in samples if not _is_padding_batch(s)],
-                              raise_oom)
-        finally:
-            del task.train_step
-
-    return train_step_counting_real_batches
-
-
+    data.keep_tail, "10c0b48b47357f22", version="fairseq 0.12.3 (upstream #5036)")
 fix("fairseq_ddp_partial_update", "fairseq.trainer:Trainer.train_step",
     "under DDP with --update-freq > 1, a rank whose last update of an epoch ends in a padding "
     "(dummy) batch dropped its real batches from the sample size and the logs but kept their "
     "gradients: that update was normalised by the wrong token count. Count the real batches",
-    padding_batches_first, "8cbf0406b1fe5093")
-
-
-def _position_limit(max_positions) -> Optional[float]:
-    """The length above which fairseq's ``filter_indices_by_size`` skips a block of a monolingual
-    dataset: an int or float (``inf``: unbounded) as is; a tuple or list skips a block longer
-    than any of its entries (``_filter_by_size_dynamic``), so its smallest; None: no limit."""
-    if isinstance(max_positions, (tuple, list)):
-        bounds = [float(p) for p in max_positions if p is not None]
-        return min(bounds) if bounds else None
-    return None if max_positions is None else float(max_positions)
-
-
-def _blocks(n: int) -> str:
-    return f"{n:,} block{'' if n == 1 else 's'}"
-
-
-def check_block_length(sizes, tokens_per_sample: int, max_positions, break_mode: str = "none",
-                       context_window: int = 0) -> Optional[str]:
-    """What fairseq-eval-lm will skip. fairseq drops, with a warning of sample ids, every block
-    longer than the model's positions (``ignore_invalid_inputs=True``). When that is every block
-    it reports "Evaluated 0 tokens ... Perplexity: 1.00" and exits 0 (e.g. a Synthesizer LM with
-    --synth-max-len below eval-lm's default --tokens-per-sample 1024): refuse in one line. When
-    some blocks fit, fairseq's behaviour stands and this returns one warning line with the counts
-    and the flag that evaluates every token; also when ``--context-window`` makes blocks it
-    evaluates longer than the positions (fairseq does not count the context when it filters; a
-    model with learned or bounded positions then fails, sinusoidal ones read on). None when
-    neither happens."""
-    import numpy as np
-
-    limit = _position_limit(max_positions)
-    if limit is None or sizes is None or not np.isfinite(limit):
-        return None
-    sizes = np.asarray(sizes)
-    cw = int(context_window or 0)
-    long = sizes > limit
-    over = ~long & (sizes + cw > limit)  # evaluated, but longer than the positions with context
-    n_long, n_over = int(long.sum()), int(over.sum())
-    if n_long == 0 and n_over == 0:
-        return None
-    fit = int(limit)
-    given = f"--tokens-per-sample {tokens_per_sample}"
-    if break_mode not in (None, "none"):
-        given += f" --sample-break-mode {break_mode}"
-    if cw:
-        given += f" --context-window {cw}"
-    fix = "" if break_mode in (None, "none") else "--sample-break-mode none "
-    fix += (f"--tokens-per-sample {fit - cw} --context-window {cw}" if cw and fit > cw
-            else f"--tokens-per-sample {fit}" + (" and a --context-window below it" if cw else ""))
-    if n_long == len(sizes):
-        raise ZooConfigError(
-            f"fairseq-eval-lm would evaluate nothing: every block of {given} ({_blocks(n_long)}, "
-            f"{int(sizes.sum()):,} tokens) is longer than the {fit} positions this model accepts: "
-            f"pass {fix}")
-    what = []
-    if n_long:
-        what.append(f"skips {n_long:,} of {_blocks(len(sizes))} ({int(sizes[long].sum()):,} of "
-                    f"{int(sizes.sum()):,} tokens): with {given} they are longer than the {fit} "
-                    "positions this model accepts")
-    if n_over:
-        what.append(f"{'' if n_long else f'with {given} '}gives the model {_blocks(n_over)} of "
-                    f"up to {int(sizes[over].max()) + cw} tokens with their context, beyond the "
-                    f"{fit} positions it accepts")
-    return f"fairseq-eval-lm {', and '.join(what)}; pass {fix} to evaluate every token"
-
-
-def checking_block_length(original):
-    """``LanguageModelingTask.eval_lm_dataloader`` that says, or refuses, what it will skip
-    (:func:`check_block_length`)."""
-
-    def eval_lm_dataloader(self, dataset, max_tokens=36000, batch_size=None, max_positions=None,
-                           num_shards=1, shard_id=0, num_workers=1, data_buffer_size=10,
-                           context_window=0):
-        warning = check_block_length(getattr(dataset, "sizes", None), self.args.tokens_per_sample,
-                                     max_positions, self.args.sample_break_mode, context_window)
-        if warning:
-            logger.warning(f"{warning} (compat entry fairseq_eval_lm_block_length)")
-        return original(self, dataset, max_tokens=max_tokens, batch_size=batch_size,
-                        max_positions=max_positions, num_shards=num_shards, shard_id=shard_id,
-                        num_workers=num_workers, data_buffer_size=data_buffer_size,
-                        context_window=context_window)
-
-    return eval_lm_dataloader
-
-
+    data.padding_batches_first, "8cbf0406b1fe5093", version="fairseq 0.12.3")
 fix("fairseq_eval_lm_block_length",
     "fairseq.tasks.language_modeling:LanguageModelingTask.eval_lm_dataloader",
     "fairseq-eval-lm skips every block longer than the model accepts: when that is every "
     "block it reports 0 tokens, perplexity 1.00, exit 0 (e.g. a Synthesizer LM without "
     "--tokens-per-sample): refuse that case in one line; when some blocks fit, evaluate them "
     "as fairseq does, plus one warning line with the counts and the flag that fixes it",
-    checking_block_length, "6ae1cc56dea42151")
+    data.checking_block_length, "6ae1cc56dea42151", version="fairseq 0.12.3")
 
-
-# ---- fairseq's parsers (the code: messages/cli_hints.py) -----------------------------------------
-
+# ---- fairseq's parsers (code: messages/cli_hints.py) ---------------------------------------------
 fix("fairseq_train_parser_one_line",
     "fairseq.options:add_model_args (the training parser's --arch type)",
     "a misspelled --arch printed argparse's ~200 choices (over 10 KB) and no suggestion: name "
     "the closest arch names instead (the one-line error itself: fairseq_parser_one_line)",
-    cli_hints.arch_checked, "1c18c8c34cb60493")
-
+    cli_hints.arch_checked, "1c18c8c34cb60493", version="fairseq 0.12.3")
 fix("fairseq_parser_one_line", "fairseq.options:add_dataset_args (every command's parser)",
     "a bad flag value of fairseq-train, -generate, -interactive, -validate or -eval-lm printed "
     "the whole usage (thousands of flags in fairseq-train) before argparse's message: answer "
     "in one line (fairseq-* console scripts only; a parser built in a program keeps "
     "argparse's behaviour)",
-    cli_hints.parsing_in_one_line, "d28d7bdb8e29e2c3")
+    cli_hints.parsing_in_one_line, "d28d7bdb8e29e2c3", version="fairseq 0.12.3")
 
-
-# ---- hydra's deprecation warnings in fairseq's config loading (the code: messages/hydra.py) ------
-
-def _quiet_hydra_deprecations():
-    replace("fairseq.dataclass.utils:initialize",
-            lambda initialize: quiet_hydra_deprecations(initialize, finds_caller=True))
-    replace("fairseq.dataclass.utils:compose", quiet_hydra_deprecations)
-
-
-register(Patch(
-    "hydra_deprecation_warnings", "fairseq.dataclass.utils:initialize, compose (hydra's)",
+# ---- hydra's deprecation warnings in fairseq's config loading (code: messages/hydra.py) ----------
+fix("hydra_deprecation_warnings", {
+        "fairseq.dataclass.utils:initialize":
+            lambda initialize: quiet_hydra_deprecations(initialize, finds_caller=True),
+        "fairseq.dataclass.utils:compose": quiet_hydra_deprecations},
     "fairseq 0.12 loads every config through hydra.experimental's initialize/compose, and "
     "hydra 1.3 answers with about 20 lines of deprecation warnings on every command: silence "
     "exactly those messages, only inside these two calls (fairseq-hydra-train's own @hydra.main "
     "runs before the plugin is loaded and keeps its warnings)",
-    hydra_in_fairseq, _quiet_hydra_deprecations))
+    version="fairseq 0.12.3, hydra 1.3", check=hydra_in_fairseq)
 
-
-# ---- fairseq: examples skipped for their length ----------------------------------------------------
-
-#: the last split fairseq filtered by size: {"split", "total", "skipped", "max_positions"}
-LAST_FILTER: Dict[str, object] = {}
-
-
-def _split_name(task, dataset) -> str:
-    datasets = getattr(task, "datasets", {}) or {}
-    return next((name for name, d in datasets.items() if d is dataset), "")
-
-
-def caller_max_tokens() -> Optional[int]:
-    """``--max-tokens`` (``dataset.max_tokens``) when the size filter runs for fairseq's
-    ``Trainer.get_train_iterator``, which folds it into the filter's bound
-    (``resolve_max_positions``; validation and the commands do not), else None."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code.co_name == "get_train_iterator":
-            dataset = getattr(getattr(frame.f_locals.get("self"), "cfg", None), "dataset", None)
-            tokens = getattr(dataset, "max_tokens", None)
-            return tokens if isinstance(tokens, int) else None
-        frame = frame.f_back
-    return None
-
-
-def skipped_line(skipped: int, total: int, split: str, max_positions,
-                 max_tokens: Optional[int] = None) -> str:
-    """The one line for examples fairseq skipped: how many, and the flag that keeps them (the
-    bound is ``--max-tokens`` when that is the smallest of the limits fairseq folded together)."""
-    where = f"'{split}' examples" if split else "examples"
-    count = (f"all {total:,} {where} are skipped" if skipped == total else
-             f"{skipped:,} of {total:,} {where} ({skipped / max(total, 1):.1%}) are skipped")
-    if max_tokens is not None and min(position_numbers(max_positions), default=None) == max_tokens:
-        return (f"{count}: longer than --max-tokens {max_tokens}, the most tokens a batch "
-                f"holds; raise --max-tokens (or lower --tokens-per-sample for a language "
-                f"model) to keep them")
-    return (f"{count}: longer than the {max_positions} positions the model accepts; raise "
-            f"{length_flags(max_positions)} to keep them")
-
-
-def reporting_skipped(original):
-    """``FairseqTask.filter_indices_by_size`` that says how many examples it skipped and which
-    flag keeps them (:func:`skipped_line`), refuses when none is left, and notes the split for
-    the score line (:data:`LAST_FILTER`)."""
-
-    def filter_indices_by_size(self, indices, dataset, max_positions=None,
-                               ignore_invalid_inputs=False):
-        total = len(indices)
-        kept = original(self, indices, dataset, max_positions, ignore_invalid_inputs)
-        skipped = total - len(kept)
-        split = _split_name(self, dataset)
-        LAST_FILTER.clear()
-        LAST_FILTER.update(split=split, total=total, skipped=skipped, max_positions=max_positions)
-        if skipped:
-            line = skipped_line(skipped, total, split, max_positions, caller_max_tokens())
-            if not len(kept):  # nothing left: fairseq would fail later (an IndexError)
-                raise ZooConfigError(line)
-            logger.warning(line)
-        return kept
-
-    return filter_indices_by_size
-
-
+# ---- examples left out, and --remove-bpe (code: data.py) -----------------------------------------
 fix("fairseq_skipped_examples", "fairseq.tasks.fairseq_task:FairseqTask.filter_indices_by_size",
     "fairseq skips examples longer than the model accepts (always in training, with "
     "--skip-invalid-size-inputs-valid-test in validation and generation) with a warning that "
     "names no flag; a length-bounded arch (--synth-max-len) can drop a third of the data. Say "
     "how many, of which split, and which flag keeps them, and remember it for the score line",
-    reporting_skipped, "064d9e381d9a3db6")
-
-
-def subset_note() -> str:
-    """`` (scored N of M sentences: ...)`` when the split generated last lost examples to the size
-    filter, else ""."""
-    if not LAST_FILTER.get("skipped"):
-        return ""
-    total, skipped = int(LAST_FILTER["total"]), int(LAST_FILTER["skipped"])
-    return (f" [a subset: scored {total - skipped:,} of {total:,} sentences, {skipped:,} longer "
-            f"than the model accepts were skipped; raise "
-            f"{length_flags(LAST_FILTER['max_positions'])}]")
-
-
-def noting_subset(build_scorer):
-    """``fairseq.scoring.build_scorer`` whose scorer's result line ends with :func:`subset_note`."""
-
-    def build_scorer_noting_subset(choice, tgt_dict):
-        scorer = build_scorer(choice, tgt_dict)
-        result_string = scorer.result_string
-
-        def result_string_noting_subset(*args, **kwargs):
-            return result_string(*args, **kwargs) + subset_note()
-
-        scorer.result_string = result_string_noting_subset
-        return scorer
-
-    return build_scorer_noting_subset
-
-
+    data.reporting_skipped, "064d9e381d9a3db6", version="fairseq 0.12.3")
 fix("fairseq_subset_score", "fairseq.scoring:build_scorer",
     "fairseq-generate prints BLEU over the sentences it kept, and says nothing when "
     "--skip-invalid-size-inputs-valid-test left some out: the score line says it is a subset",
-    noting_subset, "bfcb5472301b0cfd")
-
-
-# ---- fairseq-generate: --remove-bpe of another segmentation than the data's ----------------------
-
-#: the --remove-bpe values whose marker can be told from a dictionary: (marker, segmentation)
-REMOVE_BPE_MARKERS = {"sentencepiece": ("▁", "SentencePiece"), "@@ ": ("@@", "subword-nmt"),
-                      "@@": ("@@", "subword-nmt"), "subword_nmt": ("@@", "subword-nmt")}
-
-
-def segmentation_counts(dictionary) -> Dict[str, int]:
-    """How many symbols of ``dictionary`` (past the special ones) are SentencePiece pieces (start
-    with ``▁``) and how many subword-nmt pieces (end with ``@@``)."""
-    symbols = dictionary.symbols[getattr(dictionary, "nspecial", 0):]
-    return {"▁": sum(s.startswith("▁") for s in symbols),
-            "@@": sum(s.endswith("@@") for s in symbols)}
-
-
-def remove_bpe_mismatch(dictionary, remove_bpe) -> Optional[str]:
-    """The one line refusing ``--remove-bpe remove_bpe`` for data whose target dictionary shows
-    the other segmentation (its marker never occurs, the other one does), else None."""
-    if remove_bpe not in REMOVE_BPE_MARKERS:
-        return None
-    marker, name = REMOVE_BPE_MARKERS[remove_bpe]
-    counts = segmentation_counts(dictionary)
-    other = "@@" if marker == "▁" else "▁"
-    if counts[marker] or not counts[other]:
-        return None
-    value = "sentencepiece" if other == "▁" else "subword_nmt"
-    plain = remove_bpe in ("@@ ", "subword_nmt")  # what --remove-bpe alone means
-    flag = "--remove-bpe" if plain else f"--remove-bpe {remove_bpe}"
-    return (f"{flag} removes {name}'s '{marker}' markers, but the target dictionary holds "
-            f"{counts[other]:,} pieces marked '{other}' and none marked '{marker}': the score "
-            f"would be over pieces, not words; pass --remove-bpe {value}")
-
-
-def checking_remove_bpe(original):
-    """``fairseq.utils.post_process_prediction`` that refuses a ``--remove-bpe`` of the other
-    segmentation (:func:`remove_bpe_mismatch`), once per dictionary and value."""
-
-    def post_process_prediction(hypo_tokens, src_str, alignment, align_dict, tgt_dict,
-                                remove_bpe=None, extra_symbols_to_ignore=None):
-        # (the values checked against a dictionary live on it: it is read once, not per sentence)
-        checked = vars(tgt_dict).setdefault("_attnzoo_remove_bpe_checked", set())
-        if remove_bpe not in checked:
-            line = remove_bpe_mismatch(tgt_dict, remove_bpe)
-            if line:
-                raise ZooConfigError(line)
-            checked.add(remove_bpe)
-        return original(hypo_tokens, src_str, alignment, align_dict, tgt_dict, remove_bpe,
-                        extra_symbols_to_ignore)
-
-    return post_process_prediction
-
-
+    data.noting_subset, "bfcb5472301b0cfd", version="fairseq 0.12.3")
 fix("fairseq_remove_bpe_check", "fairseq.utils:post_process_prediction",
     "fairseq-generate/-interactive apply --remove-bpe's rule whatever the data's segmentation: "
     "subword-nmt's '@@ ' rule on SentencePiece data leaves the pieces in and BLEU scores them, "
     "silently and higher. Refuse, in one line naming the right value, when the target "
     "dictionary shows the other segmentation (checked once per dictionary and value)",
-    checking_remove_bpe, "005b84430b598a22")
-
-
-# ---- fairseq-interactive: SentencePiece data without --bpe ---------------------------------------
-
-def sentencepiece_without_bpe(dictionary, bpe, lines) -> Optional[str]:
-    """The one line refusing to look typed text up in a dictionary of SentencePiece pieces (most
-    symbols start with ``▁``) when no ``--bpe`` encodes it first: every word would be one
-    ``<unk>`` (text already written in pieces, with ``▁``, passes). None otherwise."""
-    if bpe or any("▁" in line for line in lines):
-        return None
-    pieces = segmentation_counts(dictionary)["▁"]
-    symbols = len(dictionary) - getattr(dictionary, "nspecial", 0)
-    if not pieces or pieces * 4 < symbols:
-        return None
-    return (f"the dictionary holds SentencePiece pieces ({pieces:,} of {symbols:,} symbols start "
-            "with '▁') and no --bpe is given: every word of the text would be looked up whole "
-            "(mostly <unk>); pass --bpe sentencepiece --sentencepiece-model SPM.model (the "
-            "model the data was made with: OUT/spm.model of scripts.data.prepare_text)")
-
-
-def bpe_name(cfg_bpe) -> Optional[str]:
-    """The --bpe of a command's config (None, or a config whose ``_name`` is None: no bpe)."""
-    return getattr(cfg_bpe, "_name", None) if cfg_bpe is not None else None
-
-
-def checking_bpe(make_batches):
-    """``fairseq_cli.interactive.make_batches`` that refuses SentencePiece data without --bpe
-    (:func:`sentencepiece_without_bpe`)."""
-
-    def make_batches_checking_bpe(lines, cfg, task, max_positions, encode_fn):
-        line = sentencepiece_without_bpe(task.source_dictionary, bpe_name(cfg.bpe), lines)
-        if line:
-            raise ZooConfigError(line)
-        yield from make_batches(lines, cfg, task, max_positions, encode_fn)
-
-    return make_batches_checking_bpe
-
-
+    data.checking_remove_bpe, "005b84430b598a22", version="fairseq 0.12.3")
 fix("fairseq_interactive_bpe_check", "fairseq_cli.interactive:make_batches",
     "fairseq-interactive without --bpe looks each typed word up whole: on SentencePiece data "
     "almost every word became <unk>, silently (S-0 <unk> ... <unk>). Refuse in one line naming "
     "--bpe sentencepiece --sentencepiece-model when the dictionary holds SentencePiece pieces",
-    checking_bpe, "53e9b96853c3f008")
-
-
-# ---- fairseq-train: resuming with other host options ---------------------------------------------
-
-def resume_mismatch(path: str, current) -> Optional[str]:
-    """The one line refusing to resume the checkpoint ``path`` with host options (--norm, --rope,
-    --rope-theta, --proj-bias: ``models/transformer.py``'s HOST_FLAGS) other than it was trained
-    with, naming every model flag that differs; None when they agree, or for another arch (its
-    own line) or a model without host options. --rope and --rope-theta change no parameter shape,
-    so fairseq loads such a checkpoint without a word."""
-    from ..messages.cli_hints import (_cfg_get, _stored_section, load_stored,
-                                      model_flag_differences)
-    from ..models.transformer import HOST_FLAGS
-
-    if _cfg_get(current, "rope") is None:  # a model without the host options
-        return None
-    stored = _stored_section(load_stored(path), "model")
-    if stored is None or _cfg_get(stored, "arch") != _cfg_get(current, "arch"):
-        return None
-
-    def host(cfg, attr):
-        value = _cfg_get(cfg, attr)
-        return HOST_FLAGS[attr][0] if value is None else value  # a checkpoint before the flag
-
-    if all(host(stored, attr) == host(current, attr) for attr in HOST_FLAGS):
-        return None
-    differ = model_flag_differences(stored, current)
-    return (f"{path} was trained with other model flags than this run's: {', '.join(differ)}: "
-            "resume with the checkpoint's values, or start a new run in another --save-dir "
-            "(--finetune-from-model starts one from its weights)")
-
-
-def checking_resume(load_checkpoint):
-    """``Trainer.load_checkpoint`` that refuses a checkpoint trained with other host options
-    (:func:`resume_mismatch`); a --finetune-from-model start is not a resume."""
-
-    def load_checkpoint_checking_flags(self, filename, *args, **kwargs):
-        finetune = getattr(self.cfg.checkpoint, "finetune_from_model", None)
-        if os.path.isfile(filename) and filename != finetune:
-            line = resume_mismatch(filename, self.cfg.model)
-            if line:
-                raise ZooConfigError(line)
-        return load_checkpoint(self, filename, *args, **kwargs)
-
-    return load_checkpoint_checking_flags
-
-
-fix("fairseq_resume_host_flags", "fairseq.trainer:Trainer.load_checkpoint",
-    "a --rope checkpoint resumed without --rope (or another --rope-theta) loads without a word: "
-    "the parameter shapes are the same, the model is not. Refuse, in one line naming every "
-    "model flag that differs, a resume whose host options differ from the checkpoint's",
-    checking_resume, "128800d64185aede")
-
-
-# ---- fairseq-train: absent parameters counted as shared ------------------------------------------
-
-def skipping_absent(catalog_shared_params):
-    """``fairseq.trainer._catalog_shared_params`` without the absent ones (a bias-free Linear holds
-    ``bias = None``): fairseq grouped every None as one parameter shared by all of them."""
-
-    def catalog_present_shared_params(module, memo=None, prefix=""):
-        groups = catalog_shared_params(module, memo, prefix)
-        if groups is None:  # a recursive call: fairseq's memo is filled in place
-            return None
-        return [paths for paths in groups if _get_by_path(module, paths[0]) is not None]
-
-    return catalog_present_shared_params
-
-
-def _get_by_path(module, path: str):
-    for name in path.split("."):
-        module = getattr(module, name, None)
-    return module
-
-
-fix("fairseq_shared_params_absent", "fairseq.trainer:_catalog_shared_params",
-    "fairseq-train logged 'detected shared parameter: ...q_proj.bias <- ...k_proj.bias' for "
-    "each bias that does not exist (--no-proj-bias: 14-36 lines): absent parameters (None) are "
-    "not shared ones", skipping_absent, "de2da18cb6df2c02")
-
-
-# ---- fairseq-train --no-save: no checkpoint folder -----------------------------------------------
-
-SAVE = "fairseq.checkpoint_utils:save_checkpoint"
-VERIFY_SAVE_DIR = "fairseq.checkpoint_utils:verify_checkpoint_directory"
-
-
-def _caller_cfg():
-    """The ``cfg`` of the function that called the caller of this function, or None."""
-    frame = inspect.currentframe()
-    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-    return frame.f_locals.get("cfg") if frame is not None else None
-
-
-def _no_folder_made(fn, save_dir: str, no_save: bool, *args):
-    """``fn(*args)``, then the folder ``save_dir`` removed again when it made it empty for a run
-    that saves nothing."""
-    existed = os.path.exists(save_dir)
-    out = fn(*args)
-    if no_save and not existed and os.path.isdir(save_dir) and not os.listdir(save_dir):
-        os.rmdir(save_dir)
-    return out
-
-
-def _no_save_no_folder():
-    def verifying(verify):
-        def verify_checkpoint_directory(save_dir):  # called by fairseq_cli.train.main(cfg)
-            checkpoint = getattr(_caller_cfg(), "checkpoint", None)
-            return _no_folder_made(verify, save_dir, bool(getattr(checkpoint, "no_save", False)),
-                                   save_dir)
-        return verify_checkpoint_directory
-
-    def saving(save):
-        def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-            return _no_folder_made(save, cfg.save_dir, cfg.no_save, cfg, trainer, epoch_itr,
-                                   val_loss)
-        return save_checkpoint
-
-    replace(VERIFY_SAVE_DIR, verifying)
-    replace(SAVE, saving)
-
-
-register(Patch(
-    "fairseq_no_save_no_folder", f"{SAVE} and verify_checkpoint_directory",
-    "fairseq-train --no-save created an empty ./checkpoints/ (the default --save-dir): both "
-    "functions make the folder before they look at --no-save; a run that saves nothing leaves "
-    "no folder it made",
-    lambda: (known_source(lambda: lookup(SAVE), "61513534b9b33e6a")()
-             or known_source(lambda: lookup(VERIFY_SAVE_DIR), "413f93d9a158f8d4")()),
-    _no_save_no_folder))
-
-
-# ---- sacrebleu: fairseq's own tokenization is not a forgotten detokenization ---------------------
-
-def forcing_tokenized(score):
-    """``SacrebleuScorer._score`` whose ``corpus_bleu`` gets ``force=True``: fairseq tokenizes
-    both sides itself (``--sacrebleu-tokenizer``, 13a) and hands sacrebleu ``tokenize="none"``,
-    so sacrebleu's "forgot to detokenize" guess (100 lines ending in ' .') is always wrong."""
-
-    def _score(self, order=4):
-        real = self.sacrebleu
-        self.sacrebleu = types.SimpleNamespace(
-            corpus_bleu=lambda *a, **kw: real.corpus_bleu(*a, **dict(kw, force=True)))
-        try:
-            return score(self, order)
-        finally:
-            self.sacrebleu = real
-
-    return _score
-
-
+    data.checking_bpe, "53e9b96853c3f008", version="fairseq 0.12.3")
 fix("sacrebleu_tokenized_by_fairseq", "fairseq.scoring.bleu:SacrebleuScorer._score",
     "fairseq-generate --scoring sacrebleu tokenizes hypotheses and references itself (13a) "
     "before sacrebleu scores them untokenized: sacrebleu warned 'It looks like you forgot to "
     "detokenize your test data' on every run of 100+ sentences ending in '.'; the score is "
-    "unchanged, the false warning goes", forcing_tokenized, "d735bbceb5d66b44")
+    "unchanged, the false warning goes", data.forcing_tokenized, "d735bbceb5d66b44",
+    version="fairseq 0.12.3, sacrebleu 2")
+
+# ---- fairseq's trainer (code: trainer.py) --------------------------------------------------------
+fix("fairseq_shared_params_absent", "fairseq.trainer:_catalog_shared_params",
+    "fairseq-train logged 'detected shared parameter: ...q_proj.bias <- ...k_proj.bias' for "
+    "each bias that does not exist (--no-proj-bias: 14-36 lines): absent parameters (None) are "
+    "not shared ones", trainer.skipping_absent, "de2da18cb6df2c02", version="fairseq 0.12.3")
+fix("fairseq_no_save_no_folder", {trainer.SAVE: trainer.saving,
+                                  trainer.VERIFY_SAVE_DIR: trainer.verifying},
+    "fairseq-train --no-save created an empty ./checkpoints/ (the default --save-dir): both "
+    "functions make the folder before they look at --no-save; a run that saves nothing leaves "
+    "no folder it made", None, "61513534b9b33e6a", "413f93d9a158f8d4", version="fairseq 0.12.3")

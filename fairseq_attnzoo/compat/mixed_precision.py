@@ -1,4 +1,5 @@
-"""Four fixes to fairseq's mixed-precision optimizer wrappers (rows of the table, :mod:`.fixes`).
+"""Four fixes to fairseq's mixed-precision optimizer wrappers (rows of the table, :mod:`.fixes`),
+and, at the end, the one that trains fairseq's ``--bf16`` without a TPU.
 
 1. **Parameter constraints under FP16Optimizer** (see below).
 2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
@@ -42,9 +43,14 @@ projection on the tensors the optimizer really updates. Offsets follow fairseq's
 (parameters that require gradients, grouped by ``device.index``, in order).
 """
 
+import importlib.util
+import logging
+import sys
 from collections import defaultdict
 
 import torch
+
+logger = logging.getLogger("fairseq_attnzoo.compat")  # the name its log lines have always had
 
 
 def _bounded(p) -> bool:
@@ -190,3 +196,42 @@ def flat_params_sync(sync):
                 torch._foreach_copy_(params, _flat_views(self, device, params, grads=False))
 
     return _sync_fp32_params_to_fp16
+
+
+# ---- fairseq --bf16 on GPUs and CPUs (the row fairseq_bf16_without_tpu) --------------------------
+
+def tpu_requested(argv) -> bool:
+    """Whether the command line asked for TPUs itself (fairseq's ``--tpu``)."""
+    return any(a == "--tpu" for a in argv)
+
+
+def xla_available() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def bf16_without_tpu(cfg, argv) -> bool:
+    """Turn off the ``--tpu`` that fairseq 0.12's ``--bf16`` implied, when the user did not ask for
+    TPUs and torch_xla is not installed; returns whether it did. fairseq's own bf16 path is then
+    what trains: the model in bfloat16, fp32 master weights in ``FP16Optimizer`` (no loss scaling),
+    on the GPU (or the CPU with ``--cpu``), exactly as ``fairseq-hydra-train common.bf16=true``."""
+    common = cfg.common
+    if not (common.bf16 and common.tpu) or tpu_requested(argv) or xla_available():
+        return False
+    for section in cfg.values():  # common, distributed_training, task, optimizer copy the flag
+        if hasattr(section, "get") and section.get("tpu", False) is True:
+            section.tpu = False
+    logger.info("--bf16 without --tpu: training in bfloat16 with fp32 master weights on "
+                f"{'the CPU' if common.cpu else 'CUDA'} (fairseq's bf16 path; compat entry "
+                "fairseq_bf16_without_tpu)")
+    return True
+
+
+def without_tpu(call_main):
+    """fairseq's ``call_main`` that first turns off the ``--tpu`` fairseq's ``--bf16`` implied
+    (:func:`bf16_without_tpu`)."""
+
+    def patched_call_main(cfg, main, **kwargs):
+        bf16_without_tpu(cfg, sys.argv[1:])
+        return call_main(cfg, main, **kwargs)
+
+    return patched_call_main

@@ -40,8 +40,8 @@ class SpanLossConfig(FairseqDataclass):
 
 @register_criterion("attnzoo_span_loss", dataclass=SpanLossConfig)
 class AdaptiveSpanLoss(FairseqCriterion):
+    @compat.built_by_fairseq
     def __init__(self, task, sentence_avg: bool, no_layer_spans: bool = False):
-        compat.apply_all()  # fairseq builds our criterion: it uses the plugin
         super().__init__(task)
         self.sentence_avg = sentence_avg
         self.log_layer_spans = not no_layer_spans

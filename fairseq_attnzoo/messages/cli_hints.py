@@ -7,19 +7,23 @@ hook prints
 
 - our own errors (:class:`~.errors.ZooConfigError`, or a ``ValueError`` raised by a ``raise``
   statement in this package): ``fairseq-attnzoo: <message>``, nothing else;
-- a fairseq/torch error we recognise (:func:`hint_for`): ``fairseq-attnzoo: <hint>`` naming the
-  flag and the fix, without fairseq's traceback;
+- a fairseq/torch error we recognise (:func:`hint_for`, which asks the named rules of
+  :data:`RULES` in order): ``fairseq-attnzoo: <hint>`` naming the flag and the fix, without
+  fairseq's traceback;
 - anything else: the usual traceback, unchanged.
 
 ``ATTNZOO_TRACEBACK=1`` prints the traceback in every case (the one line still follows it).
 
 Also here, for the compat entries that change what fairseq's commands print: the one-line parser
-errors (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``), the root logger's level
+errors (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``), the unraisable error of a
+half-built dataset (``fairseq_mmap_dataset_del``), the root logger's level
 (``fairseq_root_log_level``), and the flags that bound an example's length (named by
-``fairseq_skipped_examples``, ``fairseq_subset_score`` and the hook).
+``fairseq_skipped_examples``, ``fairseq_subset_score`` and the hook; noted per thread by the model
+built last, :func:`note_length_limit`).
 """
 
 import argparse
+import contextvars
 import difflib
 import inspect
 import linecache
@@ -27,7 +31,8 @@ import logging
 import os
 import re
 import sys
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 from .errors import ZooConfigError
 
@@ -143,10 +148,11 @@ def _cfg_get(cfg, key):
     return cfg.get(key, None) if hasattr(cfg, "get") else getattr(cfg, key, None)
 
 
-def model_flag_differences(stored, current):
+def model_flag_differences(stored, current, defaults: Optional[Dict[str, tuple]] = None):
     """``--flag X (checkpoint) vs Y (this run)`` for each model flag of the arch's model class
     whose value differs between the checkpoint's model config ``stored`` and this run's
-    ``current`` (argparse namespaces or dict configs), in the parser's order."""
+    ``current`` (argparse namespaces or dict configs), in the parser's order. ``defaults``:
+    ``{dest: (default, ...)}`` of options an older checkpoint may lack (read as the default)."""
     from fairseq.models import ARCH_MODEL_REGISTRY
 
     model_cls = ARCH_MODEL_REGISTRY.get(_cfg_get(current, "arch") or _cfg_get(current, "_name"))
@@ -157,15 +163,13 @@ def model_flag_differences(stored, current):
         model_cls.add_args(parser)
     except Exception:  # an unusual model: nothing to compare
         return []
-    from ..models.transformer import HOST_FLAGS  # (a checkpoint from before them: the default)
-
     out = []
     for action in parser._actions:
         if not action.option_strings:
             continue
         before, now = _cfg_get(stored, action.dest), _cfg_get(current, action.dest)
-        if before is None and action.dest in HOST_FLAGS:
-            before = HOST_FLAGS[action.dest][0]
+        if before is None and action.dest in (defaults or {}):
+            before = defaults[action.dest][0]
         if before != now:
             out.append(f"{action.option_strings[0]} {before} (checkpoint) vs {now} (this run)")
     return out
@@ -220,19 +224,6 @@ def stored_update(state) -> Optional[int]:
         return None
 
 
-def _ignore_half_built_mmap_dataset():
-    """fairseq's MMapIndexedDataset whose ``np.memmap`` failed raises again in ``__del__``
-    (AttributeError, "Exception ignored in ..." and a traceback after our line): not that one."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, AttributeError)
-                and "_bin_buffer_mmap" in str(unraisable.exc_value)):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-
-
 SPLIT_FIX = {
     "train": "binarise a non-empty --trainpref file",
     "valid": "binarise a non-empty --validpref file, or train without validation "
@@ -243,6 +234,197 @@ SPLIT_FIX = {
 
 NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
            "No CUDA GPUs are available")
+
+
+@dataclass
+class HintContext:
+    """What a rule knows besides the exception: the data directory (the command line's first
+    positional argument unless given), whether this is ``fairseq-hydra-train`` (its flags are
+    ``key=value`` overrides) and whether a GPU is usable (None: ask torch when a rule needs it)."""
+
+    data: Optional[str]
+    hydra: bool
+    cuda: Optional[bool] = None
+
+
+def hint_lm_arch_under_translation(exc, text, ctx) -> Optional[str]:
+    """One of our language-model archs run under the default translation task."""
+    if "Could not infer language pair" in text or (
+            isinstance(exc, FileNotFoundError) and re.fullmatch(
+                r"dict\.[^.]+\.txt", os.path.basename(str(exc.filename or "")))):
+        arch = _argv_value("--arch", "-a")
+        wanted = _zoo_task(arch)
+        if wanted and wanted != "translation" and (_argv_value("--task") or "translation") != wanted:
+            return (f"--arch {arch} is a language model and this run's task is translation: add "
+                    f"--task {wanted}")
+    return None
+
+
+def hint_missing_data(exc, text, ctx) -> Optional[str]:
+    """No data directory, no dictionary in it, or translation data given to a language model."""
+    if not isinstance(exc, FileNotFoundError):
+        return None
+    missing, data = exc.filename or "", ctx.data
+    if data and os.path.abspath(str(missing)) == os.path.abspath(data):
+        return (f"data directory {data} does not exist: pass the directory written by "
+                "fairseq-preprocess (for the demo corpus run `make data`)")
+    if os.path.basename(str(missing)).startswith("dict."):
+        where = data or os.path.dirname(str(missing))
+        folder = os.path.dirname(str(missing)) or "."
+        pair = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                      if re.fullmatch(r"dict\.[^.]+\.txt", f))
+        if os.path.basename(str(missing)) == "dict.txt" and pair:
+            return (f"{where} is translation data ({', '.join(pair)}), not language-model data "
+                    "(dict.txt): binarise the text with fairseq-preprocess --only-source for a "
+                    "language model, or train a translation arch (--task translation)")
+        return (f"{missing} is missing: {where} is not a binarised fairseq data directory; run "
+                "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
+    return None
+
+
+def hint_no_cuda(exc, text, ctx) -> Optional[str]:
+    """A run that needs a GPU (``--fp16``'s master weights, or no ``--cpu``) on a machine
+    without one."""
+    if not any(m in text for m in NO_CUDA):
+        return None
+    if any(f.endswith(os.path.join("optim", "fp16_optimizer.py")) for f in _frames(exc)):
+        if ctx.hydra:
+            return ("common.fp16=true (set by the shipped configs) trains only on a CUDA GPU "
+                    "and this machine has none: on a CPU add common.fp16=false common.cpu=true")
+        return ("--fp16 trains only on a CUDA GPU (fairseq keeps its fp32 master weights "
+                "there) and this machine has none: on a CPU drop --fp16 and pass --cpu")
+    if ctx.hydra:
+        return "this run needs a CUDA GPU and this machine has none: add common.cpu=true"
+    return "this command needs a CUDA GPU and this machine has none: pass --cpu"
+
+
+def hint_bf16_without_xla(exc, text, ctx) -> Optional[str]:
+    """fairseq's ``--bf16`` turned on ``--tpu`` and there is no torch_xla: reached only when the
+    compat entry fairseq_bf16_without_tpu did not apply (disabled, --tpu given or another fairseq
+    version)."""
+    if "xla_device" not in text:
+        return None
+    cuda = _cuda_available() if ctx.cuda is None else ctx.cuda
+    fix = ("fairseq 0.12's --bf16 implies --tpu (torch_xla), and the plugin's fix did not "
+           "apply (compat entry fairseq_bf16_without_tpu: disabled, --tpu given or another "
+           "fairseq version): ")
+    if cuda:
+        return fix + ("re-enable it, or use --amp (fp16 autocast, fp32 weights) or --fp16 "
+                      "(docs/precision.md)")
+    return fix + ("re-enable it and pass --cpu, or drop --bf16 and pass --cpu (fp32) "
+                  "(docs/precision.md)")
+
+
+def hint_master_weights_layout(exc, text, ctx) -> Optional[str]:
+    """torch's ``Optimizer.load_state_dict``: the checkpoint's fp32 masters are laid out
+    otherwise."""
+    if "doesn't match the size of optimizer's group" not in text:
+        return None
+    return ("the checkpoint's optimizer state holds another layout of the fp32 master weights "
+            "(one flat buffer, or one per parameter: --fp16-no-flatten-grads, and --bf16 "
+            "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
+            "with the flags it was trained with (for such a bf16 checkpoint add "
+            "--fp16-no-flatten-grads), or pass --reset-optimizer")
+
+
+def hint_optimizer_or_criterion_changed(exc, text, ctx) -> Optional[str]:
+    """Resuming with another --optimizer or --criterion than the checkpoint's."""
+    mismatch = re.match(r"(Optimizer|Criterion) does not match; .* (\S+) vs (\S+)$", text)
+    if not (isinstance(exc, AssertionError) and mismatch):
+        return None
+    kind, stored, now = mismatch.groups()
+    flag = "--" + kind.lower()
+    stored, now = (_registry_name(kind, n) for n in (stored, now))
+    return (f"the checkpoint was trained with {flag} {stored}, this run has {flag} {now}: "
+            f"resume with {flag} {stored}, or pass --reset-optimizer to start {now}'s state "
+            "afresh (the model's weights are still loaded)")
+
+
+def hint_missing_finetune_checkpoint(exc, text, ctx) -> Optional[str]:
+    if not (text.startswith("--finetune-from-model ") and text.endswith(" does not exist")):
+        return None
+    path = text[len("--finetune-from-model "):-len(" does not exist")]
+    return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
+            "fine-tune (for a conversion, the OUT file attnzoo-collab-reparametrize wrote)")
+
+
+def hint_empty_split(exc, text, ctx) -> Optional[str]:
+    """fairseq-preprocess was given an empty file: its ``.bin`` cannot be memory-mapped."""
+    if not (isinstance(exc, ValueError) and "cannot mmap an empty file" in text):
+        return None
+    path = _frame_local(exc, "_do_init", "path")
+    if not path:
+        return None
+    split = os.path.basename(str(path)).split(".")[0]
+    fix = SPLIT_FIX.get(split, "binarise a non-empty text file for it, or leave the split out")
+    return (f"{path}.bin is empty: the '{split}' split has no examples "
+            f"(fairseq-preprocess was given an empty file): {fix}")
+
+
+def hint_checkpoint_of_another_model(exc, text, ctx) -> Optional[str]:
+    """A checkpoint whose parameters do not fit this run's model: another --arch, another
+    dictionary, other model flags (named when the configs say which), or other sizes."""
+    if "please ensure that the architectures match" not in text:
+        return None
+    path = text.split("Cannot load model parameters from checkpoint ", 1)[-1].split(";")[0]
+    trained, now = stored_arch(path), _argv_value("--arch", "-a")
+    if trained and now and trained != now:
+        return (f"{path} was trained with --arch {trained}, this run has --arch {now}: resume "
+                f"with --arch {trained} (and the flags it was trained with), or start a new "
+                "run in another --save-dir")
+    rows = dictionary_mismatch(str(exc.__context__ or ""))
+    if rows:
+        return dictionary_mismatch_line(rows, ctx.data, path)
+    state, trainer = (_frame_local(exc, "load_checkpoint", n) for n in ("state", "self"))
+    try:
+        differ = model_flag_differences(_cfg_get(_cfg_get(state, "cfg"), "model"),
+                                        trainer.cfg.model)
+    except Exception:  # no readable configs: the general line below
+        differ = []
+    if differ:
+        return (f"{path} holds parameters of other shapes than this run's flags build; its "
+                f"model flags differ: {', '.join(differ)}: resume with the checkpoint's "
+                "values, or start a new run in another --save-dir")
+    return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
+            "resume with the flags it was trained with, or start a new run in another "
+            "--save-dir")
+
+
+def hint_example_too_long(exc, text, ctx) -> Optional[str]:
+    """An evaluated example longer than the model accepts (no --skip-invalid-size-inputs-...)."""
+    m = _TOO_LONG.search(text)
+    if not m:
+        return None
+    size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
+    bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
+    flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
+    return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
+            f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
+            "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "
+            "then covers a subset, and says so)")
+
+
+def hint_no_batch_size(exc, text, ctx) -> Optional[str]:
+    if "Must specify batch size either with --max-tokens or --batch-size" not in text:
+        return None
+    if ctx.hydra:
+        return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"
+    return "no batch size: pass --max-tokens N (tokens per batch) or --batch-size N (sentences)"
+
+
+def hint_dictionary_of_another_size(exc, text, ctx) -> Optional[str]:
+    """A checkpoint (``--path``) trained with a dictionary of another size than the data's."""
+    rows = dictionary_mismatch(text)
+    if not rows:
+        return None
+    return dictionary_mismatch_line(rows, ctx.data, _argv_value("--path") or "the checkpoint")
+
+
+def hint_no_language_pair(exc, text, ctx) -> Optional[str]:
+    if "Could not infer language pair" not in text:
+        return None
+    return (f"{ctx.data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
+            "fairseq-preprocess first, or pass --source-lang/--target-lang")
 
 
 #: the tasks whose checkpoints are language models
@@ -264,7 +446,7 @@ def _loading_checkpoints(folder: str, but: str) -> List[str]:
     return [f"{name} (update {update})" for update, name in found]
 
 
-def _hint_truncated_checkpoint(exc, text, data):
+def hint_truncated_checkpoint(exc, text, ctx) -> Optional[str]:
     """A checkpoint cut short (a crash or a full disk during its save): torch's zip reader fails.
     Names the file and the other checkpoints of its folder that load."""
     if "PytorchStreamReader failed reading zip archive" not in text:
@@ -285,7 +467,7 @@ def _hint_truncated_checkpoint(exc, text, data):
     return f"{head}; these in {folder} load: {', '.join(good[:4])}: {fix}"
 
 
-def _hint_not_a_language_model(exc, text, data):
+def hint_not_a_language_model(exc, text, ctx) -> Optional[str]:
     """fairseq-eval-lm with a translation checkpoint: the LM task asks the model for
     ``supported_targets``, which encoder-decoder models lack."""
     if not (isinstance(exc, AttributeError) and "supported_targets" in text):
@@ -303,7 +485,7 @@ POST_PROCESS = ("sentencepiece", "wordpiece", "letter", "silence", "_EOW", "subw
                 "@@", "none")
 
 
-def _hint_post_process(exc, text, data):
+def hint_post_process(exc, text, ctx) -> Optional[str]:
     """A --remove-bpe (--post-process) value fairseq does not know: a NotImplementedError at the
     first sentence decoded, after the model was loaded."""
     m = re.fullmatch(r"Unknown post_process option: (.*)", text, flags=re.S)
@@ -317,7 +499,7 @@ def _hint_post_process(exc, text, data):
     return f"{flag} {value} is not a value fairseq knows ({known}): {fix}"
 
 
-def _hint_checkpoint_of_another_task(exc, text, data):
+def hint_checkpoint_of_another_task(exc, text, ctx) -> Optional[str]:
     """A language model's checkpoint given to fairseq-generate (the translation task), or a
     translation checkpoint to a language-model task: fairseq builds it with this task's
     dictionaries, and torch reports embedding tables of other sizes."""
@@ -339,136 +521,41 @@ def _hint_checkpoint_of_another_task(exc, text, data):
             f"{trained}), or pass a language model's checkpoint")
 
 
-def hint_for(exc: BaseException, cuda=None, data=None):
+#: the rules :func:`hint_for` asks, in order: the first line one of them gives is the hint
+RULES: List[Callable[[BaseException, str, HintContext], Optional[str]]] = [
+    hint_truncated_checkpoint,
+    hint_not_a_language_model,
+    hint_post_process,
+    hint_lm_arch_under_translation,
+    hint_missing_data,
+    hint_no_cuda,
+    hint_bf16_without_xla,
+    hint_master_weights_layout,
+    hint_optimizer_or_criterion_changed,
+    hint_missing_finetune_checkpoint,
+    hint_empty_split,
+    hint_checkpoint_of_another_model,
+    hint_example_too_long,
+    hint_no_batch_size,
+    hint_checkpoint_of_another_task,
+    hint_dictionary_of_another_size,
+    hint_no_language_pair,
+]
+
+
+def hint_for(exc: BaseException, cuda=None, data=None) -> Optional[str]:
     """One line naming the problem and the fix for a fairseq/torch error a user causes with flags or
-    data, or None. ``cuda``: whether a GPU is usable (default: ask torch); ``data``: the data
-    directory (default: the command line's first positional argument)."""
-    hydra = program() == "fairseq-hydra-train"
+    data, or None: the first line a rule of :data:`RULES` gives. ``cuda``: whether a GPU is usable
+    (default: ask torch); ``data``: the data directory (default: the command line's first
+    positional argument)."""
     if data is None:
         data = next((a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a), None)
+    ctx = HintContext(data=data, hydra=program() == "fairseq-hydra-train", cuda=cuda)
     text = str(exc)
-    for rule in (_hint_truncated_checkpoint, _hint_not_a_language_model, _hint_post_process):
-        line = rule(exc, text, data)
-        if line:
+    for rule in RULES:
+        line = rule(exc, text, ctx)
+        if line is not None:
             return line
-    if "Could not infer language pair" in text or (
-            isinstance(exc, FileNotFoundError) and re.fullmatch(
-                r"dict\.[^.]+\.txt", os.path.basename(str(exc.filename or "")))):
-        arch = _argv_value("--arch", "-a")
-        wanted = _zoo_task(arch)
-        if wanted and wanted != "translation" and (_argv_value("--task") or "translation") != wanted:
-            return (f"--arch {arch} is a language model and this run's task is translation: add "
-                    f"--task {wanted}")
-    if isinstance(exc, FileNotFoundError):
-        missing = exc.filename or ""
-        if data and os.path.abspath(str(missing)) == os.path.abspath(data):
-            return (f"data directory {data} does not exist: pass the directory written by "
-                    "fairseq-preprocess (for the demo corpus run `make data`)")
-        if os.path.basename(str(missing)).startswith("dict."):
-            where = data or os.path.dirname(str(missing))
-            folder = os.path.dirname(str(missing)) or "."
-            pair = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                          if re.fullmatch(r"dict\.[^.]+\.txt", f))
-            if os.path.basename(str(missing)) == "dict.txt" and pair:
-                return (f"{where} is translation data ({', '.join(pair)}), not language-model data "
-                        "(dict.txt): binarise the text with fairseq-preprocess --only-source for a "
-                        "language model, or train a translation arch (--task translation)")
-            return (f"{missing} is missing: {where} is not a binarised fairseq data directory; run "
-                    "fairseq-preprocess on your text first (for the demo corpus run `make data`)")
-    if any(m in text for m in NO_CUDA):
-        if any(f.endswith(os.path.join("optim", "fp16_optimizer.py")) for f in _frames(exc)):
-            if hydra:
-                return ("common.fp16=true (set by the shipped configs) trains only on a CUDA GPU "
-                        "and this machine has none: on a CPU add common.fp16=false common.cpu=true")
-            return ("--fp16 trains only on a CUDA GPU (fairseq keeps its fp32 master weights "
-                    "there) and this machine has none: on a CPU drop --fp16 and pass --cpu")
-        if hydra:
-            return "this run needs a CUDA GPU and this machine has none: add common.cpu=true"
-        return "this command needs a CUDA GPU and this machine has none: pass --cpu"
-    if "xla_device" in text:  # no torch_xla: fairseq's --bf16 turned on --tpu
-        # reached only when compat's fairseq_bf16_without_tpu did not apply (disabled, --tpu given
-        # or another fairseq version)
-        cuda = _cuda_available() if cuda is None else cuda
-        fix = ("fairseq 0.12's --bf16 implies --tpu (torch_xla), and the plugin's fix did not "
-               "apply (compat entry fairseq_bf16_without_tpu: disabled, --tpu given or another "
-               "fairseq version): ")
-        if cuda:
-            return fix + ("re-enable it, or use --amp (fp16 autocast, fp32 weights) or --fp16 "
-                          "(docs/precision.md)")
-        return fix + ("re-enable it and pass --cpu, or drop --bf16 and pass --cpu (fp32) "
-                      "(docs/precision.md)")
-    if "doesn't match the size of optimizer's group" in text:  # torch's Optimizer.load_state_dict
-        return ("the checkpoint's optimizer state holds another layout of the fp32 master weights "
-                "(one flat buffer, or one per parameter: --fp16-no-flatten-grads, and --bf16 "
-                "checkpoints written before the compat entry fairseq_bf16_flat_masters): resume "
-                "with the flags it was trained with (for such a bf16 checkpoint add "
-                "--fp16-no-flatten-grads), or pass --reset-optimizer")
-    mismatch = re.match(r"(Optimizer|Criterion) does not match; .* (\S+) vs (\S+)$", text)
-    if isinstance(exc, AssertionError) and mismatch:
-        kind, stored, now = mismatch.groups()
-        flag = "--" + kind.lower()
-        stored, now = (_registry_name(kind, n) for n in (stored, now))
-        return (f"the checkpoint was trained with {flag} {stored}, this run has {flag} {now}: "
-                f"resume with {flag} {stored}, or pass --reset-optimizer to start {now}'s state "
-                "afresh (the model's weights are still loaded)")
-    if text.startswith("--finetune-from-model ") and text.endswith(" does not exist"):
-        path = text[len("--finetune-from-model "):-len(" does not exist")]
-        return (f"--finetune-from-model {path} does not exist: pass the path of the checkpoint to "
-                "fine-tune (for a conversion, the OUT file attnzoo-collab-reparametrize wrote)")
-    if isinstance(exc, ValueError) and "cannot mmap an empty file" in text:
-        path = _frame_local(exc, "_do_init", "path")
-        if path:
-            _ignore_half_built_mmap_dataset()
-            split = os.path.basename(str(path)).split(".")[0]
-            fix = SPLIT_FIX.get(split, "binarise a non-empty text file for it, or leave the "
-                                       "split out")
-            return (f"{path}.bin is empty: the '{split}' split has no examples "
-                    f"(fairseq-preprocess was given an empty file): {fix}")
-    if "please ensure that the architectures match" in text:
-        path = text.split("Cannot load model parameters from checkpoint ", 1)[-1].split(";")[0]
-        trained, now = stored_arch(path), _argv_value("--arch", "-a")
-        if trained and now and trained != now:
-            return (f"{path} was trained with --arch {trained}, this run has --arch {now}: resume "
-                    f"with --arch {trained} (and the flags it was trained with), or start a new "
-                    "run in another --save-dir")
-        rows = dictionary_mismatch(str(exc.__context__ or ""))
-        if rows:
-            return dictionary_mismatch_line(rows, data, path)
-        state, trainer = (_frame_local(exc, "load_checkpoint", n) for n in ("state", "self"))
-        try:
-            differ = model_flag_differences(_cfg_get(_cfg_get(state, "cfg"), "model"),
-                                            trainer.cfg.model)
-        except Exception:  # no readable configs: the general line below
-            differ = []
-        if differ:
-            return (f"{path} holds parameters of other shapes than this run's flags build; its "
-                    f"model flags differ: {', '.join(differ)}: resume with the checkpoint's "
-                    "values, or start a new run in another --save-dir")
-        return (f"{path} holds a model of other sizes or sublayers than this run's flags build: "
-                "resume with the flags it was trained with, or start a new run in another "
-                "--save-dir")
-    m = _TOO_LONG.search(text)
-    if m:
-        size = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(2))
-        bound = re.sub(r"np\.\w+\((\d+)\)", r"\1", m.group(3))
-        flags = length_flags([int(n) for n in re.findall(r"\d+", bound)])
-        return (f"example #{m.group(1)} of the evaluated split is longer ({size}) than the "
-                f"{bound} positions the model accepts: raise {flags} (and retrain), or pass "
-                "--skip-invalid-size-inputs-valid-test to leave such examples out (the score "
-                "then covers a subset, and says so)")
-    if "Must specify batch size either with --max-tokens or --batch-size" in text:
-        if hydra:
-            return "no batch size: set dataset.max_tokens=N or dataset.batch_size=N"
-        return "no batch size: pass --max-tokens N (tokens per batch) or --batch-size N (sentences)"
-    line = _hint_checkpoint_of_another_task(exc, text, data)
-    if line:
-        return line
-    rows = dictionary_mismatch(text)
-    if rows:
-        return dictionary_mismatch_line(rows, data, _argv_value("--path") or "the checkpoint")
-    if "Could not infer language pair" in text:
-        return (f"{data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
-                "fairseq-preprocess first, or pass --source-lang/--target-lang")
     return None
 
 
@@ -613,9 +700,11 @@ def one_line(exc: BaseException):
 
 
 def install():
+    """In a console script, ``sys.excepthook`` prints :func:`one_line` for the errors it knows
+    (compat entry ``fairseq_cli_hints``); returns the undo (None: nothing installed)."""
     prog = program()
     if not in_console_script() or getattr(sys.excepthook, "_attnzoo", False):
-        return
+        return None
     previous = sys.excepthook
     if prog == "fairseq-hydra-train":
         # hydra prints errors raised inside the job itself and exits 1, so no excepthook ever sees
@@ -631,19 +720,53 @@ def install():
 
     hook._attnzoo = True
     sys.excepthook = hook
+    return lambda: setattr(sys, "excepthook", previous)
+
+
+def ignore_half_built_mmap_dataset():
+    """In a console script, ``sys.unraisablehook`` passes over the one error fairseq's
+    MMapIndexedDataset raises again in ``__del__`` when its ``np.memmap`` failed (an empty split:
+    "Exception ignored in ..." and a traceback after the hint's line); every other one is printed
+    as before (compat entry ``fairseq_mmap_dataset_del``). Returns the undo (None: nothing)."""
+    if not in_console_script():
+        return None
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, AttributeError)
+                and "_bin_buffer_mmap" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    return lambda: setattr(sys, "unraisablehook", previous)
 
 
 # ---- the flags that bound an example's length ----------------------------------------------------
 
-#: flags that bound the length the model built last accepts (flag -> value), noted by its
-#: sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's --synth-max-len): the
-#: flag to raise when fairseq skips longer examples
-LENGTH_LIMITS: Dict[str, int] = {}
+#: flags that bound the length the model built last in this thread / task accepts (flag ->
+#: value), noted by its sublayers' builders (:func:`note_length_limit`, e.g. the synthesizer's
+#: --synth-max-len): the flag to raise when fairseq skips longer examples
+_LENGTH_LIMITS: "contextvars.ContextVar[Optional[Dict[str, int]]]" = contextvars.ContextVar(
+    "attnzoo_length_limits", default=None)
+
+
+def forget_length_limits():
+    """A new model is being built: the limits noted so far were another model's."""
+    _LENGTH_LIMITS.set({})
 
 
 def note_length_limit(flag: str, value: int):
     """For a builder whose module accepts at most ``value`` positions because of ``flag``."""
-    LENGTH_LIMITS[flag] = int(value)
+    limits = _LENGTH_LIMITS.get()
+    if limits is None:
+        limits = {}
+        _LENGTH_LIMITS.set(limits)
+    limits[flag] = int(value)
+
+
+def length_limits() -> Dict[str, int]:
+    """The limits noted for the model built last in this thread / task."""
+    return dict(_LENGTH_LIMITS.get() or {})
 
 
 def position_numbers(x) -> List[float]:
@@ -659,7 +782,7 @@ def length_flags(max_positions) -> str:
     """The flag(s) that keep examples longer than ``max_positions`` (a number or fairseq's tuple
     of them): one of ours when it is the bound, else fairseq's position flags."""
     bound = min(position_numbers(max_positions), default=None)
-    ours = [f"{flag} (now {value})" for flag, value in LENGTH_LIMITS.items() if value == bound]
+    ours = [f"{flag} (now {value})" for flag, value in length_limits().items() if value == bound]
     if ours:
         return " and ".join(ours)
     return ("--max-source-positions/--max-target-positions (--tokens-per-sample for a language "
@@ -707,9 +830,12 @@ def debug_root_logger() -> Optional[str]:
 
 def root_log_level():
     """In a console script, ours (``attnzoo-sample``) too, a root logger left at DEBUG goes back to
-    ``$LOGLEVEL`` (INFO) (compat entry ``fairseq_root_log_level``)."""
+    ``$LOGLEVEL`` (INFO) (compat entry ``fairseq_root_log_level``); returns the undo (None:
+    nothing changed)."""
     root = logging.getLogger()
     wanted = os.environ.get("LOGLEVEL", "INFO").upper()
     ours = in_console_script() or program().startswith("attnzoo-")
     if ours and root.level == logging.DEBUG and wanted != "DEBUG":
         root.setLevel(wanted)
+        return lambda: root.setLevel(logging.DEBUG)
+    return None

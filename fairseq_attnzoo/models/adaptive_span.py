@@ -25,23 +25,31 @@ zoo arch: presets over the model's base arch, which fills :class:`AdaptiveSpanLM
 """
 
 import logging
+import shlex
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model
+from fairseq.tasks import TASK_REGISTRY, FairseqTask
+from fairseq.tasks.language_modeling import LanguageModelingTask
 
+from .. import compat
+from ..messages.cli_hints import program
+from ..messages.errors import ZooConfigError
 from ..modules.adaptive_span import (KERNELS as SPAN_KERNELS, AdaptiveMask, clamp_spans,
                                      layer_spans, span_penalty)
-from ..modules.span_stack import AdaptiveSpanStack
-from .. import compat
 from ..modules.constrained import project_bounded_
+from ..modules.span_stack import AdaptiveSpanStack
+from ..tasks.stream_lm import StreamLanguageModelingTask
 from .registry import apply_base_arch, fill_unset, register_arch, register_base_arch
 
 logger = logging.getLogger(__name__)
@@ -118,8 +126,6 @@ class AdaptiveSpanLMConfig(FairseqDataclass):
 def _common_flag(args, name: str) -> bool:
     """A precision flag of the run: on the argparse Namespace fairseq-train builds models from, or
     (fairseq-hydra-train hands over the ``model`` node of its config) in the config's ``common``."""
-    from omegaconf import OmegaConf
-
     if not OmegaConf.is_config(args):
         return bool(getattr(args, name, False))
     common = args._get_root().get("common", None)
@@ -178,8 +184,6 @@ NOT_STREAM_FLAGS = ("--context-window", "--sample-break-mode", "--task")
 def stream_command(argv, program: str) -> str:
     """``program argv`` with ``--task attnzoo_stream_lm`` instead of its task and without the
     block options that do not apply to streams."""
-    import shlex
-
     out, skip = [], False
     for a in argv:
         if skip:
@@ -198,15 +202,6 @@ def _check_task(task):
     fairseq's language_modeling task every block is scored without that context (enwik8: 2.687
     instead of 2.636 bpc) -- say so, with the command that evaluates it as trained. Under a
     translation task it cannot train at all."""
-    import sys
-
-    from fairseq.tasks import TASK_REGISTRY, FairseqTask
-    from fairseq.tasks.language_modeling import LanguageModelingTask
-
-    from ..messages.cli_hints import program
-    from ..messages.errors import ZooConfigError
-    from ..tasks.stream_lm import StreamLanguageModelingTask
-
     if isinstance(task, StreamLanguageModelingTask) or not isinstance(task, FairseqTask):
         return  # (a script may build the model with any object that has a target_dictionary)
 
@@ -348,8 +343,8 @@ class AdaptiveSpanLanguageModel(FairseqLanguageModel):
         gen_parser_from_dataclass(parser, AdaptiveSpanLMConfig(), delete_default=True)
 
     @classmethod
+    @compat.built_by_fairseq
     def build_model(cls, args, task):
-        compat.apply_all()  # fairseq builds one of our models: it uses the plugin
         apply_base_arch(cls, args)  # (fairseq may build from options no arch function filled)
         _check(args)
         _check_projection(args)

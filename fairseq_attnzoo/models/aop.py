@@ -18,8 +18,8 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from ..modules.aop import (KERNELS, SCALE_AT, AttentionOverParameters, aop_num_params,
                            ffn_matching_slots)
 from ..modules.aop_triton import KernelUnavailable
+from .registry import register_arch
 from .sublayers import FlagErrors, register_sublayer, require
-from .transformer import register_arch
 
 logger = logging.getLogger(__name__)
 

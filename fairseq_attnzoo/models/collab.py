@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.collab import MIXING_INITS, PROJ_INITS, SCALINGS, CollaborativeAttention
+from .registry import register_arch
 from .sublayers import register_sublayer, require
-from .transformer import host_rope_theta, register_arch
+from .transformer import host_rope_theta
 
 
 @dataclass

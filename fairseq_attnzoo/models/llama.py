@@ -5,8 +5,7 @@ no biases, no dropout), the host facebookresearch/memory puts its memory layers 
 SwiGLU's 2/3 rounding). Every method that takes the host options can be put in it by its flags;
 ``transformer_lm_memplus_llama`` (:mod:`.pkm`) is Memory+ there."""
 
-from .registry import Derived
-from .transformer import register_arch
+from .registry import Derived, register_arch
 
 #: the Llama host over attnzoo_lm's defaults (every other option: the user's, else fairseq's)
 LLAMA = dict(norm="rmsnorm", rope=True, proj_bias=False,

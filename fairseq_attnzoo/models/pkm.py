@@ -37,18 +37,17 @@ from typing import List, Optional
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.logging import metrics
+from fairseq.logging import meters, metrics
 from fairseq.logging.meters import Meter
 
 from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_search_triton import SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
-from .pkm_shard import refuse_unsupported, shard_values
-from .registry import Derived
-from .sublayers import FlagErrors, register_sublayer, require, to_bool
 from .llama import LLAMA, llama_post
-from .transformer import register_arch
+from .pkm_shard import refuse_unsupported, shard_values
+from .registry import Derived, register_arch
+from .sublayers import FlagErrors, register_sublayer, require, to_bool
 
 logger = logging.getLogger(__name__)
 
@@ -288,9 +287,8 @@ class SlotUsageMeter(Meter):
 
 
 def _register_meter():
-    from fairseq.logging import meters
-
     setattr(meters, SlotUsageMeter.__name__, SlotUsageMeter)
+    return lambda: delattr(meters, SlotUsageMeter.__name__)
 
 
 # fairseq checkpoints the "valid" aggregator and rebuilds its meters by class name from the
@@ -299,7 +297,7 @@ compat.register(compat.Patch(
     "fairseq_meters_slot_usage", "fairseq.logging.meters (module globals)",
     "fairseq rebuilds checkpointed meters by class name from fairseq.logging.meters' globals; "
     "PKM's SlotUsageMeter must be resolvable there for --restore-file", compat.always,
-    _register_meter), after="fairseq_bf16_without_tpu")
+    _register_meter, "fairseq 0.12.3"), after="fairseq_bf16_without_tpu")
 
 
 class UsageLogger:

@@ -14,14 +14,18 @@ extra flags, fairseq-eval-lm flags, tolerances). The generic tests read them wit
 :func:`arch_tests`; sublayers add their own tiny sizes through ``register_sublayer(tiny=...)``.
 """
 
+import contextvars
 from argparse import Namespace
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY, register_model_architecture
+from fairseq.models import (ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY,
+                            register_model_architecture)
 
 from .. import compat
 from ..messages.errors import ZooConfigError
+from .sublayers import (and_list, family, flag_name, given_options, option_owners, owner_label,
+                        used_sublayers)
 
 
 @dataclass(frozen=True)
@@ -136,10 +140,6 @@ _ARCH_SUBLAYERS: Dict[str, Tuple[str, ...]] = {}
 
 def arch_sublayers(arch: str) -> Tuple[str, ...]:
     """The sublayers ``arch`` builds when the user sets no flag (cached)."""
-    from fairseq.models import ARCH_CONFIG_REGISTRY
-
-    from .sublayers import used_sublayers
-
     if arch not in _ARCH_SUBLAYERS:
         args = Namespace()
         ARCH_CONFIG_REGISTRY[arch](args)
@@ -156,7 +156,9 @@ def _archs_with(sublayers, like: str):
 
 # ---- models built from a checkpoint (compat entry fairseq_model_from_checkpoint) ----------------
 
-_FROM_CHECKPOINT: List[bool] = []
+#: whether the model being built in this thread / task is a checkpoint's
+_CHECKPOINT_BUILD: "contextvars.ContextVar[bool]" = contextvars.ContextVar(
+    "attnzoo_from_checkpoint", default=False)
 
 
 def building_from_checkpoint() -> bool:
@@ -164,7 +166,7 @@ def building_from_checkpoint() -> bool:
     fairseq-generate, -eval-lm, our commands): its config is not the user's command line, so
     checks of the flags a user gave (:func:`check_flag_owners`) do not apply. False when the
     entry ``fairseq_model_from_checkpoint`` is not applied."""
-    return bool(_FROM_CHECKPOINT and _FROM_CHECKPOINT[-1])
+    return _CHECKPOINT_BUILD.get()
 
 
 def noting_origin(build_model):
@@ -172,11 +174,11 @@ def noting_origin(build_model):
     :func:`building_from_checkpoint` while it builds."""
 
     def build_model_noting_origin(cfg, task, from_checkpoint=False):
-        _FROM_CHECKPOINT.append(bool(from_checkpoint))
+        token = _CHECKPOINT_BUILD.set(bool(from_checkpoint))
         try:
             return build_model(cfg, task, from_checkpoint)
         finally:
-            _FROM_CHECKPOINT.pop()
+            _CHECKPOINT_BUILD.reset(token)
 
     return build_model_noting_origin
 
@@ -185,7 +187,8 @@ compat.fix("fairseq_model_from_checkpoint", "fairseq.models:build_model",
            "fairseq knows whether it builds a model from a checkpoint (from_checkpoint) but does "
            "not hand it to the arch function: note it, so that a stored config is never refused "
            "as if the user had typed it (e.g. flags of a sublayer the model does not use)",
-           noting_origin, "616b10d14de9810d", after="fairseq_parser_one_line")
+           noting_origin, "616b10d14de9810d", version="fairseq 0.12.3",
+           after="fairseq_parser_one_line")
 
 
 def check_flag_owners(args, arch: str, given):
@@ -195,8 +198,6 @@ def check_flag_owners(args, arch: str, given):
     (a flag that selects layers, e.g. ``--pkm-decoder-layers none``, keeps its sublayer's flags).
     Stock fairseq flags are not looked at. A model built from a checkpoint is never refused
     (:func:`building_from_checkpoint`)."""
-    from .sublayers import and_list, family, flag_name, option_owners, owner_label, used_sublayers
-
     if not given or building_from_checkpoint():
         return
     used = used_sublayers(args)
@@ -223,8 +224,6 @@ def check_flag_owners(args, arch: str, given):
 def _refusing_unused_flags(arch: str, fn: Callable) -> Callable:
     """The arch function ``fn`` registered for ``arch``: after it has filled the config, the flags
     of sublayers the model does not use are refused (:func:`check_flag_owners`)."""
-    from .sublayers import given_options
-
     def arch_function(args):
         given = given_options(args)
         fn(args)

@@ -4,16 +4,16 @@ Same parameter names as fairseq's MultiheadAttention, so a stock checkpoint's we
 useful as the fast vanilla path and as the reference the generic tests check the base against."""
 
 from ..modules.sdpa import ZooMultiheadAttention
+from .registry import register_arch
 from .sublayers import register_sublayer
-from .transformer import _host, host_rope_theta, register_arch
+from .transformer import host_proj_bias, host_rope_theta
 
 
 @register_sublayer("sdpa", slots=("self_attn", "cross_attn"))
 def build_sdpa(spec):
     """multi-head dot-product attention through F.scaled_dot_product_attention"""
     return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,
-                                 kdim=spec.kdim, vdim=spec.kdim,
-                                 bias=bool(_host(spec.args, "proj_bias")),
+                                 kdim=spec.kdim, vdim=spec.kdim, bias=host_proj_bias(spec),
                                  rope_theta=host_rope_theta(spec))
 
 

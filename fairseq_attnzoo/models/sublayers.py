@@ -32,15 +32,17 @@ models open one per ``build_model``, so each model gets its own), a fresh dict o
 
 import argparse
 import contextlib
+import contextvars
 import enum
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from ..messages.errors import ZooConfigError
-from ..messages.cli_hints import LENGTH_LIMITS, note_length_limit  # noqa: F401  (builders note)
+from ..messages.cli_hints import forget_length_limits, note_length_limit  # noqa: F401 (builders)
 
 SLOTS = ("self_attn", "cross_attn", "ffn")
 STOCK = {"self_attn": "mha", "cross_attn": "mha", "ffn": "ffn"}
@@ -76,22 +78,27 @@ class _ModelScope:
     options: Dict[type, Any] = field(default_factory=dict)  # options class -> built instance
 
 
-_SCOPES: List[_ModelScope] = []
+#: the model being built in this thread / task (:func:`sharing_scope`), None outside a build
+_SCOPE: "contextvars.ContextVar[Optional[_ModelScope]]" = contextvars.ContextVar(
+    "attnzoo_model_scope", default=None)
 
 
 @contextlib.contextmanager
 def sharing_scope():
     """One model's build: the sublayers whose specs are made inside this block share one
-    ``spec.shared`` dict and one options instance per method (built and validated once)."""
-    _SCOPES.append(_ModelScope())
+    ``spec.shared`` dict and one options instance per method (built and validated once). Another
+    thread's build, or a build nested in this one, has its own."""
+    scope = _ModelScope()
+    token = _SCOPE.set(scope)
     try:
-        yield _SCOPES[-1].shared
+        yield scope.shared
     finally:
-        _SCOPES.pop()
+        _SCOPE.reset(token)
 
 
 def current_shared() -> Dict[str, Any]:
-    return _SCOPES[-1].shared if _SCOPES else {}
+    scope = _SCOPE.get()
+    return scope.shared if scope is not None else {}
 
 
 @dataclass
@@ -156,8 +163,6 @@ def add_sublayer_args(parser: argparse.ArgumentParser, decoder_only: bool = Fals
     A ``bool`` option becomes ``--x`` / ``--no-x`` (fairseq's own generator makes it a
     ``store_true`` flag, which cannot undo a preset that sets it); the other fields get fairseq's
     ``gen_parser_from_dataclass`` flags."""
-    from fairseq.dataclass.utils import gen_parser_from_dataclass
-
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):
             continue
@@ -290,9 +295,10 @@ def options_for(name: str, args) -> Any:
     cls = SUBLAYER_REGISTRY[name].options
     if cls is None:
         return None
-    if not _SCOPES:
+    scope = _SCOPE.get()
+    if scope is None:
         return build_options(cls, args)
-    cache = _SCOPES[-1].options
+    cache = scope.options
     if cls not in cache:
         cache[cls] = build_options(cls, args)
     return cache[cls]
@@ -404,7 +410,7 @@ def layer_names(args, attr: str) -> List[str]:
 def validate_sublayer_args(args, decoder_only: bool = False) -> Dict[str, List[str]]:
     """Every slot flag resolved to its per-layer names, and the options of every method used
     built (inside a :func:`sharing_scope`: once for the model) -- all errors before any module."""
-    LENGTH_LIMITS.clear()  # a new model: its builders note their own
+    forget_length_limits()  # a new model: its builders note their own
     out = {}
     for attr, (slot, side, _) in SLOT_FLAGS.items():
         if decoder_only and (side == "encoder" or slot == "cross_attn"):

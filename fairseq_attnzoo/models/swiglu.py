@@ -7,6 +7,7 @@ from fairseq.dataclass import FairseqDataclass
 
 from ..modules.swiglu import SwiGLU
 from .sublayers import register_sublayer, require
+from .transformer import host_proj_bias
 
 
 @dataclass
@@ -24,7 +25,5 @@ class SwiGLUConfig(FairseqDataclass):
 @register_sublayer("swiglu", slots=("ffn",), options=SwiGLUConfig, tiny={"swiglu_multiple_of": 8})
 def build_swiglu(spec):
     """SwiGLU FFN: w2(SiLU(w1 x) * w3 x), hidden 2/3 of the FFN size (biases per --proj-bias)"""
-    from .transformer import _host
-
     return SwiGLU(spec.embed_dim, spec.ffn_dim, spec.options.swiglu_multiple_of,
-                  bias=bool(_host(spec.args, "proj_bias")), dropout=spec.activation_dropout)
+                  bias=host_proj_bias(spec), dropout=spec.activation_dropout)

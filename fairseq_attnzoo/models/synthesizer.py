@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.logging import metrics
+from fairseq.tasks import TASK_DATACLASS_REGISTRY
 
 from ..modules.synthesizer import (
     COMPONENTS,
@@ -34,9 +36,10 @@ from ..modules.synthesizer import (
     SynthesizerAttention,
     factorized_dense_sizes,
 )
+from .registry import register_arch
 from .sublayers import (FlagErrors, SublayerSpec, build_options, note_length_limit,
                         register_sublayer, require)
-from .transformer import host_rope_theta, register_arch
+from .transformer import host_rope_theta
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +128,6 @@ def _check_positions(spec: SublayerSpec, max_len: int):
 
 def _log_mixture(module: SynthesizerAttention, name: str):
     """Training-time forward hook: log alpha of the first component (fairseq metrics)."""
-    from fairseq.logging import metrics
-
     def hook(mod, inputs, output):
         if mod.training:
             metrics.log_scalar(name, mod.mixture_weights()[mod.components[0]], weight=1, round=3)
@@ -199,8 +200,6 @@ def _left_at_task_default(args, name: str) -> bool:
     parser puts the task dataclass's default object itself into ``args``; a value given on the
     command line is a new object parsed from its string (so an explicit ``--tokens-per-sample 1024``
     is not the default 1024). Anything else (e.g. a config file) counts as explicit."""
-    from fairseq.tasks import TASK_DATACLASS_REGISTRY
-
     dc = TASK_DATACLASS_REGISTRY.get(getattr(args, "task", None))
     f = getattr(dc, "__dataclass_fields__", {}).get(name)
     return f is not None and getattr(args, name, None) is f.default

@@ -15,9 +15,12 @@ unchanged): ``--norm rmsnorm``, ``--rope`` / ``--rope-theta``, ``--no-proj-bias`
 import argparse
 import contextlib
 import logging
+import os
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn as nn
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from fairseq.distributed import fsdp_wrap
@@ -37,17 +40,22 @@ from fairseq.models.transformer_lm import (
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.quant_noise import quant_noise
 from fairseq.modules.transformer_layer import (
     TransformerDecoderLayerBase,
     TransformerEncoderLayerBase,
 )
 
 from .. import compat
+from ..messages.cli_hints import _cfg_get, _stored_section, load_stored, model_flag_differences
 from ..messages.errors import ZooConfigError
 from ..modules.attention import mask_scope
 from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm
-from .registry import register_arch, register_base_arch  # noqa: F401  (register_arch: re-export)
+from ..modules.sdpa import ZooMultiheadAttention
+from .registry import register_base_arch
 from .sublayers import (
+    SLOT_FLAGS,
+    STOCK,
     SublayerSpec,
     add_sublayer_args,
     build_sublayer,
@@ -175,14 +183,16 @@ def host_rope_theta(spec, rotated: Optional[int] = None, fix: str = "") -> Optio
     return float(_host(spec.args, "rope_theta"))
 
 
+def host_proj_bias(spec) -> bool:
+    """For a builder: whether its projections have biases (--proj-bias, fairseq's: yes)."""
+    return bool(_host(spec.args, "proj_bias"))
+
+
 def host_attention(spec):
     """The stock slot's attention when a host option changes it: the shared-base multi-head
     attention (same parameter names as fairseq's MultiheadAttention, which has no rotary hook)."""
-    from ..modules.sdpa import ZooMultiheadAttention
-
     return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,
-                                 kdim=spec.kdim, vdim=spec.kdim,
-                                 bias=bool(_host(spec.args, "proj_bias")),
+                                 kdim=spec.kdim, vdim=spec.kdim, bias=host_proj_bias(spec),
                                  rope_theta=host_rope_theta(spec))
 
 
@@ -201,16 +211,12 @@ def _as_namespace(args):
     fairseq's ``TransformerConfig.from_namespace`` copies the keys it does not know through
     ``vars(args)``, which sees none of a DictConfig's keys: every sublayer flag and method option
     would be dropped silently (a stock transformer). A plain Namespace keeps them."""
-    from omegaconf import OmegaConf
-
     if OmegaConf.is_config(args):
         return argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
     return args
 
 
 def _any_replaced(cfg) -> bool:
-    from .sublayers import SLOT_FLAGS, STOCK
-
     return any(set(str(getattr(cfg, a, None) or STOCK[s]).split(",")) - {STOCK[s]}
                for a, (s, _, _) in SLOT_FLAGS.items())
 
@@ -228,9 +234,6 @@ def _spec(cfg, slot: str, side: str, idx: int, causal: bool) -> SublayerSpec:
 
 def _linear_no_bias(input_dim, output_dim, q_noise, qn_block_size):
     """fairseq's fc1/fc2 (``build_fc1``) without the bias (--no-proj-bias)."""
-    import torch.nn as nn
-    from fairseq.modules.quant_noise import quant_noise
-
     return quant_noise(nn.Linear(input_dim, output_dim, bias=False), p=q_noise,
                        block_size=qn_block_size)
 
@@ -417,10 +420,10 @@ def _wrap_layer(layer, cfg):
 
 @contextlib.contextmanager
 def _building(args, decoder_only: bool = False):
-    """What building any zoo model does around fairseq's build: the plugin applied (fairseq builds
-    one of our models: it uses the plugin), the flags checked, one sharing scope for the model
-    (shared state, and each method's options built once); yields the args as a Namespace."""
-    compat.apply_all()
+    """What building any zoo model does around fairseq's build (the table applied first: its
+    ``build_model`` is :func:`~fairseq_attnzoo.compat.built_by_fairseq`): the flags checked, one
+    sharing scope for the model (shared state, and each method's options built once); yields the
+    args as a Namespace."""
     args = _as_namespace(args)
     _check_supported(args)
     with sharing_scope():
@@ -495,6 +498,7 @@ class ZooTransformerModel(_UnsyncedParamsMixin, TransformerModel):
         add_host_args(parser)
 
     @classmethod
+    @compat.built_by_fairseq
     def build_model(cls, args, task):
         with _building(args) as args:
             return super().build_model(args, task)
@@ -522,6 +526,7 @@ class ZooLanguageModel(_UnsyncedParamsMixin, TransformerLanguageModel):
         add_host_args(parser)
 
     @classmethod
+    @compat.built_by_fairseq
     def build_model(cls, args, task):
         with _building(args, decoder_only=True) as args:
             model = super().build_model(args, task)  # fairseq's embeddings (adaptive input etc.)
@@ -546,3 +551,51 @@ def zoo_lm_base(args):
 # the base arch functions of the two models (every other arch: register_arch, a preset over these)
 register_base_arch("attnzoo_transformer", zoo_mt_base)
 register_base_arch("attnzoo_lm", zoo_lm_base)
+
+
+# ---- resuming with other host options (compat entry fairseq_resume_host_flags) -----------------
+
+def resume_mismatch(path: str, current) -> Optional[str]:
+    """The one line refusing to resume the checkpoint ``path`` with host options (--norm, --rope,
+    --rope-theta, --proj-bias: :data:`HOST_FLAGS`) other than it was trained
+    with, naming every model flag that differs; None when they agree, or for another arch (its
+    own line) or a model without host options. --rope and --rope-theta change no parameter shape,
+    so fairseq loads such a checkpoint without a word."""
+    if _cfg_get(current, "rope") is None:  # a model without the host options
+        return None
+    stored = _stored_section(load_stored(path), "model")
+    if stored is None or _cfg_get(stored, "arch") != _cfg_get(current, "arch"):
+        return None
+
+    def host(cfg, attr):
+        value = _cfg_get(cfg, attr)
+        return HOST_FLAGS[attr][0] if value is None else value  # a checkpoint before the flag
+
+    if all(host(stored, attr) == host(current, attr) for attr in HOST_FLAGS):
+        return None
+    differ = model_flag_differences(stored, current, defaults=HOST_FLAGS)
+    return (f"{path} was trained with other model flags than this run's: {', '.join(differ)}: "
+            "resume with the checkpoint's values, or start a new run in another --save-dir "
+            "(--finetune-from-model starts one from its weights)")
+
+
+def checking_resume(load_checkpoint):
+    """``Trainer.load_checkpoint`` that refuses a checkpoint trained with other host options
+    (:func:`resume_mismatch`); a --finetune-from-model start is not a resume."""
+
+    def load_checkpoint_checking_flags(self, filename, *args, **kwargs):
+        finetune = getattr(self.cfg.checkpoint, "finetune_from_model", None)
+        if os.path.isfile(filename) and filename != finetune:
+            line = resume_mismatch(filename, self.cfg.model)
+            if line:
+                raise ZooConfigError(line)
+        return load_checkpoint(self, filename, *args, **kwargs)
+
+    return load_checkpoint_checking_flags
+
+
+compat.fix("fairseq_resume_host_flags", "fairseq.trainer:Trainer.load_checkpoint",
+           "a --rope checkpoint resumed without --rope (or another --rope-theta) loads without a "
+           "word: the parameter shapes are the same, the model is not. Refuse, in one line naming "
+           "every model flag that differs, a resume whose host options differ from the "
+           "checkpoint's", checking_resume, "128800d64185aede", version="fairseq 0.12.3")

@@ -91,8 +91,8 @@ class AdagradClip(torch.optim.Optimizer):
 
 @register_optimizer("adagrad_clip", dataclass=AdagradClipConfig)
 class FairseqAdagradClip(FairseqOptimizer):
+    @compat.built_by_fairseq
     def __init__(self, cfg: AdagradClipConfig, params):
-        compat.apply_all()  # fairseq builds our optimizer: it uses the plugin
         super().__init__(cfg)
         self._optimizer = AdagradClip(params, **self.optimizer_config)
 

@@ -285,8 +285,8 @@ class SparseDenseAdam(torch.optim.Optimizer):
 class PKMAdam(FairseqOptimizer):
     """fairseq optimizer: Adam, plus a separate (and possibly sparse) Adam for PKM values."""
 
+    @compat.built_by_fairseq
     def __init__(self, cfg: PKMAdamConfig, params):
-        compat.apply_all()  # fairseq builds our optimizer: it uses the plugin
         super().__init__(cfg)
         params = list(params)
         if params and isinstance(params[0], dict):  # FP16Optimizer's flat {device: buffer}

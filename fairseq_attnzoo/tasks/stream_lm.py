@@ -139,8 +139,8 @@ class StreamLanguageModelingTask(LanguageModelingTask):
     """Contiguous streams of blocks for cached (Transformer-XL style) LMs; see module docstring."""
 
     @classmethod
+    @compat.built_by_fairseq
     def setup_task(cls, args, **kwargs):
-        compat.apply_all()  # fairseq sets up our task: it uses the plugin
         return super().setup_task(args, **kwargs)
 
     def load_dataset(self, split: str, epoch=1, combine=False, **kwargs):

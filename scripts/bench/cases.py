@@ -8,7 +8,7 @@ import shlex
 import torch
 import torch.nn as nn
 
-from scripts.bench.harness import USER_DIR, Decode, Kernel, Quality, Side, Train, fwd_bwd
+from scripts.bench.rows import USER_DIR, Decode, Kernel, Quality, Side, Train, fwd_bwd
 
 CASES = []
 add = CASES.append

@@ -1,11 +1,9 @@
-"""The benchmark harness: one way to declare a row (scripts/bench/cases.py), four levels:
-``Kernel`` (a module against its baseline or a peer at named shapes, in one process), ``Train``
-(``fairseq-train`` of an arch against its stock baseline, timed on warm shapes), ``Decode``
-(``fairseq-generate`` / ``fairseq-eval-lm`` of their checkpoints) and ``Quality`` (valid loss at
-equal updates and seeds). Each row is appended as a JSON line to ``--records``
-(docs/benchmarks.jsonl); ``python -m scripts.bench.tables`` renders docs/performance.md's tables
-from them. What each level measures, and why so: docs/performance.md.
-"""
+"""The benchmark harness: one way to declare a row (scripts/bench/cases.py, of the kinds in
+scripts/bench/rows.py), four levels: ``Kernel`` (a module against its baseline or a peer at named
+shapes), ``Train`` (``fairseq-train`` of an arch against its stock baseline, timed on warm shapes),
+``Decode`` (``fairseq-generate`` / ``fairseq-eval-lm`` of their checkpoints) and ``Quality`` (valid
+loss at equal updates and seeds). Each row is a JSON line of ``--records`` (docs/benchmarks.jsonl),
+rendered by ``python -m scripts.bench.tables`` in docs/performance.md (what each measures, why)."""
 
 import argparse
 import datetime
@@ -20,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-USER_DIR = os.path.join(REPO, "fairseq_attnzoo")
+from scripts.bench.cases import CASES, FLOORS, own_arch
+from scripts.bench.rows import REPO, USER_DIR, Decode, Kernel, Quality, Side, Train, sized
+
 RECORDS = os.path.join(REPO, "docs", "benchmarks.jsonl")
 PEAKS_TAG = "ATTNZOO_BENCH_PEAKS"  # the training child's last line: per-update CUDA peaks
 PROFILE_TAG = "ATTNZOO_BENCH_PROFILE"
@@ -33,97 +31,6 @@ DECODE_TAG = "ATTNZOO_BENCH_DECODE"  # a decode child's warm pass
 PLUGIN_TAG = "ATTNZOO_BENCH_PLUGIN"  # "off": the training child runs stock fairseq
 MAX_DRIFT = 5.0  # % between a baseline's first and last run: more, and the row is "noisy"
 PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "amp": ["--amp"]}
-Sized = Union[str, Dict[str, str], Callable]  # flags, flags per --size, or a function of it
-
-
-def sized(value, size: str):
-    if callable(value):
-        return value(size)
-    return value.get(size, value.get("paper")) if isinstance(value, dict) else value
-
-
-@dataclass
-class Kernel:
-    """``candidate(p, device, dtype)`` -> a call (one forward + backward); ``baseline`` the same
-    for what it is compared with (None: no ratio). ``shapes[size]``: the parameter dicts ``p``,
-    one row each. ``work(p, dtype)`` -> ("bytes" | "flops", count): the roofline column."""
-    family: str
-    name: str
-    shapes: Dict[str, List[dict]]
-    candidate: Callable
-    baseline: Optional[Callable] = None
-    work: Optional[Callable] = None
-    note: str = ""
-    level: str = "kernel"
-
-
-@dataclass
-class Side:
-    """One side of a train row: flags after the case's ``common``; ``plugin`` False: stock fairseq
-    (no import, no ``--user-dir``); ``env``: more environment (e.g. a kernel switch);
-    ``precision``: this side's, instead of ``--precision``."""
-    flags: Sized
-    plugin: bool = True
-    env: Dict[str, str] = field(default_factory=dict)
-    precision: Optional[str] = None
-
-    @staticmethod
-    def of(spec):
-        return spec if isinstance(spec, Side) else Side(spec)
-
-
-@dataclass
-class Train:
-    """``baseline``, ``candidate``: flags after ``common`` or Sides (several labelled candidates: a
-    row each, against the same baseline runs); ``warm``: "epoch" (time epochs 2+) or "interval"
-    (one shape: after the first log interval); ``floor``: the baseline's key in cases.FLOORS."""
-    family: str
-    name: str
-    data: str  # "mt" | "lm": --data-mt / --data-lm
-    common: Sized
-    baseline: Union[Sized, Side]
-    candidate: Union[Sized, Side, Dict[str, Union[Sized, Side]]]
-    warm: str = "epoch"
-    floor: Optional[str] = None
-    note: str = ""
-    level: str = "train"
-
-    def __post_init__(self):  # flags become Sides, and one candidate the only one, unlabelled
-        several = isinstance(self.candidate, dict) and "paper" not in self.candidate
-        self.baseline, self.candidate = Side.of(self.baseline), (
-            {k: Side.of(v) for k, v in self.candidate.items()} if several
-            else {"": Side.of(self.candidate)})
-
-
-@dataclass
-class Quality:
-    """``runs``: label -> flags after ``common`` (or a callable giving that dict), trained for
-    ``updates[size]`` updates with each seed; one record per run."""
-    family: str
-    name: str
-    data: str
-    common: Sized
-    runs: Union[Dict[str, Sized], Callable]
-    updates: Dict[str, int] = field(default_factory=lambda: {"paper": 1000, "tiny": 4})
-    note: str = ""
-    level: str = "quality"
-
-
-@dataclass
-class Decode:
-    """``fairseq-generate`` ("mt") or ``fairseq-eval-lm`` ("lm") of each candidate's checkpoint
-    (``updates[size]`` updates) against the baseline's; a row per candidate and ``runs`` label
-    (its decode flags), timed warm: a second pass in the process, by fairseq's own timer."""
-    family: str
-    name: str
-    data: str
-    common: Sized
-    baseline: Sized
-    candidate: Dict[str, Sized]
-    runs: Dict[str, Sized]
-    updates: Dict[str, int] = field(default_factory=lambda: {"paper": 1000, "tiny": 4})
-    note: str = ""
-    level: str = "decode"
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -227,15 +134,6 @@ def peak_mib(call, device):
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def fwd_bwd(module, *inputs):
-    """A call: ``module(*inputs)`` (first output) summed and back-propagated, grads cleared."""
-    def call():
-        module.zero_grad(set_to_none=True)
-        out = module(*inputs)
-        (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
-    return call
-
-
 def shape_text(p: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in p.items())
 
@@ -311,18 +209,18 @@ def train_child(argv):
 
 
 def child_setup():
-    """Every child first: torch's loader told about argparse, and the plugin enabled as
-    ``--user-dir`` enables it, before fairseq parses its arguments (importing it only registers
-    names, and fairseq then skips ``--user-dir``); ``PLUGIN_TAG`` "off": never imported."""
+    """Every child first: torch's loader told about argparse, and the plugin loaded as
+    ``--user-dir`` loads it (fairseq's ``import_user_module``, which applies the compat table),
+    before fairseq parses its arguments; ``PLUGIN_TAG`` "off": never imported."""
     import argparse as ap
 
     import torch
 
     torch.serialization.add_safe_globals([ap.Namespace])
     if os.environ.get(PLUGIN_TAG) != "off":
-        import fairseq_attnzoo
+        from fairseq import utils
 
-        fairseq_attnzoo.enable()
+        utils.import_user_module(ap.Namespace(user_dir=USER_DIR))
 
 
 def decode_child(tool: str, argv):
@@ -527,8 +425,6 @@ def timed_run(side: Side, common: List[str], data, a, warm, seed,
 
 def floor_of(case, a, device_name, precision):
     """(tokens/s, source) of the baseline's sanity floor on this device class, or None."""
-    from scripts.bench.cases import FLOORS
-
     half = "fp32" if precision == "fp32" else "half"
     for cls, prec, tokens, source in FLOORS.get(case.floor, ()):
         if cls in device_name and prec == half and a.size == "paper":
@@ -688,8 +584,6 @@ def processes(c, a) -> int:
 
 
 def select(patterns: List[str]):
-    from scripts.bench.cases import CASES
-
     def hit(c, p):
         return fnmatch.fnmatch(f"{c.family}/{c.name}", p) or p == c.family
     chosen = [c for c in CASES if any(hit(c, p) for p in patterns)]
@@ -744,8 +638,6 @@ def main(argv=None):
     p.add_argument("--data-lm", default=os.path.join(REPO, "data/wiki-gensim/bin"))
     p.add_argument("--records", default=RECORDS, help="append the records here ('' = nowhere)")
     a = p.parse_args(argv)
-    from scripts.bench.cases import CASES, own_arch
-
     if a.list:
         for c in CASES:
             print(f"{c.level:8} {c.family}/{c.name}  {c.note}")

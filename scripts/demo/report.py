@@ -27,6 +27,7 @@ import logging
 import os
 from typing import Dict, List, Optional
 
+from fairseq_attnzoo.cli import command
 from scripts.demo import config
 from scripts.demo.config import REPO
 
@@ -173,6 +174,7 @@ def _md(png: str, docs: str, caption: str) -> str:
 
 # ---- the report -------------------------------------------------------------------------------
 
+@command  # it loads our checkpoints through fairseq: the compat table first
 def write_report(rows: List[DemoRow], docs: str, data: str, command: str) -> str:
     """Draw every row's picture into ``docs`` and write ``docs/README.md``; returns its path."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
@@ -228,9 +230,6 @@ def main(argv=None):
     p.add_argument("--data", default=os.path.join(REPO, "data/libreoffice/bin"))
     a = p.parse_args(argv)
     a.docs = os.path.join(a.out, "report") if a.docs is None else a.docs
-    import fairseq_attnzoo
-
-    fairseq_attnzoo.enable()  # this script loads our checkpoints through fairseq (compat table)
     try:
         with open(os.path.join(a.out, "results.json")) as f:
             results = {r["arch"]: r for r in json.load(f)}

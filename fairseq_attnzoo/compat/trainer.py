@@ -1,0 +1,68 @@
+"""The wrappers of the table's rows (:mod:`.fixes`) that change what fairseq's trainer does around
+the model: the parameters it catalogues as shared (none of them absent) and the checkpoint folder
+of a run that saves nothing. Nothing here is applied on import; the rows install them."""
+
+import inspect
+import os
+
+def skipping_absent(catalog_shared_params):
+    """``fairseq.trainer._catalog_shared_params`` without the absent ones (a bias-free Linear holds
+    ``bias = None``): fairseq grouped every None as one parameter shared by all of them."""
+
+    def catalog_present_shared_params(module, memo=None, prefix=""):
+        groups = catalog_shared_params(module, memo, prefix)
+        if groups is None:  # a recursive call: fairseq's memo is filled in place
+            return None
+        return [paths for paths in groups if _get_by_path(module, paths[0]) is not None]
+
+    return catalog_present_shared_params
+
+
+def _get_by_path(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+# ---- --no-save: no checkpoint folder ----------------------------------------------------------
+
+SAVE = "fairseq.checkpoint_utils:save_checkpoint"
+VERIFY_SAVE_DIR = "fairseq.checkpoint_utils:verify_checkpoint_directory"
+
+
+def _caller_cfg():
+    """The ``cfg`` of the function that called the caller of this function, or None."""
+    frame = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    return frame.f_locals.get("cfg") if frame is not None else None
+
+
+def _no_folder_made(fn, save_dir: str, no_save: bool, *args):
+    """``fn(*args)``, then the folder ``save_dir`` removed again when it made it empty for a run
+    that saves nothing."""
+    existed = os.path.exists(save_dir)
+    out = fn(*args)
+    if no_save and not existed and os.path.isdir(save_dir) and not os.listdir(save_dir):
+        os.rmdir(save_dir)
+    return out
+
+
+def verifying(verify):
+    """``checkpoint_utils.verify_checkpoint_directory`` that leaves no folder it made for a run
+    that saves nothing (--no-save)."""
+
+    def verify_checkpoint_directory(save_dir):  # called by fairseq_cli.train.main(cfg)
+        checkpoint = getattr(_caller_cfg(), "checkpoint", None)
+        return _no_folder_made(verify, save_dir, bool(getattr(checkpoint, "no_save", False)),
+                               save_dir)
+
+    return verify_checkpoint_directory
+
+
+def saving(save):
+    """``checkpoint_utils.save_checkpoint`` that leaves no folder it made under --no-save."""
+
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        return _no_folder_made(save, cfg.save_dir, cfg.no_save, cfg, trainer, epoch_itr, val_loss)
+
+    return save_checkpoint
