@@ -184,17 +184,23 @@ STATE_CALL = "fairseq.trainer:Trainer.always_call_state_dict_during_save_checkpo
 compat.fix("fairseq_sharded_value_grads", f"{OPT}.all_reduce_grads",
            "--pkm-shard-values: the DDP wrappers skip the split value tables; after the "
            "all-reduce their gradients become the mean over ranks (sum over the column slice's "
-           "replicas / world size)", reducing, "00c45eb68f370fcb")
+           "replicas / world size)", reducing, "00c45eb68f370fcb", version="fairseq 0.12.3")
 compat.fix("fairseq_sharded_value_norm", "fairseq.utils:clip_grad_norm_",
            "--pkm-shard-values: fairseq leaves expert-tagged gradients out of the norm; a split "
            "table counts with its squares summed over the shard group (the one-process norm)",
-           norm_with_split_tables, "0e9a45d266e19456")
+           norm_with_split_tables, "0e9a45d266e19456", version="fairseq 0.12.3")
+
+
+_CHECKPOINT_HOOKS = {STATE_CALL: _always_call_state_dict, f"{OPT}.state_dict": gathering_state,
+                     f"{OPT}.load_state_dict": splitting_state}
 
 
 def _checkpoint_hooks():
-    compat.replace(STATE_CALL, _always_call_state_dict)
-    compat.replace(f"{OPT}.state_dict", gathering_state)
-    compat.replace(f"{OPT}.load_state_dict", splitting_state)
+    """Install the three hooks; returns their undo (the originals back, the last first). (Not
+    ``compat.fix``: one target is a property, whose source digest is its getter's.)"""
+    for path, wrap in _CHECKPOINT_HOOKS.items():
+        compat.replace(path, wrap)
+    return lambda: [compat.restore(path) for path in reversed(list(_CHECKPOINT_HOOKS))]
 
 
 def _checkpoint_targets_known() -> Optional[str]:
@@ -208,4 +214,4 @@ compat.register(compat.Patch(
     f"{STATE_CALL}, {OPT}.state_dict and load_state_dict",
     "--pkm-shard-values: checkpoints hold whole value tables and their optimizer state "
     "(gathered to rank 0 while every rank calls state_dict; split again on loading), so they "
-    "load at any world size", _checkpoint_targets_known, _checkpoint_hooks))
+    "load at any world size", _checkpoint_targets_known, _checkpoint_hooks, "fairseq 0.12.3"))
