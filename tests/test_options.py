@@ -11,6 +11,7 @@ import pytest
 
 import fairseq_attnzoo  # noqa: F401  (registers the sublayers)
 from fairseq_attnzoo.models import sublayers
+from fairseq_attnzoo.modules.aop import AttentionOverParameters
 from fairseq_attnzoo.models.sublayers import (
     SUBLAYER_REGISTRY,
     SublayerSpec,
@@ -116,7 +117,7 @@ def test_options_are_built_once_per_model(mt_data, monkeypatch):
     monkeypatch.setattr(sublayers, "build_options", lambda cls, args: calls.append(cls) or
                         real(cls, args))
     _, _, model, _ = build("transformer_aop", mt_data)
-    n_aop = sum(type(m).__name__ == "AttentionOverParameters" for m in model.modules())
+    n_aop = sum(isinstance(m, AttentionOverParameters) for m in model.modules())
     assert n_aop >= 2 and calls == [SUBLAYER_REGISTRY["aop"].options]
     with sharing_scope():  # one instance for every sublayer of one model
         assert options_for("collab", Namespace()) is options_for("collab", Namespace())

@@ -17,7 +17,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..modules.aop import (KERNELS, SCALE_AT, AttentionOverParameters, aop_num_params,
                            ffn_matching_slots)
-from ..modules.aop_triton import KernelUnavailable
+from ..modules.pkm_triton import KernelUnavailable
 from .registry import register_arch
 from .sublayers import FlagErrors, register_sublayer, require
 

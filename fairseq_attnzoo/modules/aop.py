@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .feedforward import ZooFeedForward
+from .pkm_triton import KernelUnavailable
 
 
 SCALE_AT = ("use", "init")
@@ -218,7 +219,7 @@ class AttentionOverParameters(ZooFeedForward):
 
         why = aop_triton.why_unavailable(q, self.key_dim, self.value_dim)
         if why is not None:
-            raise aop_triton.KernelUnavailable(why)
+            raise KernelUnavailable(why, "AttentionOverParameters", "kernel", "'sdpa'")
         v, c = ((self._dropped_values(self.value_scale), 1.0) if self._dropping()
                 else (self.values, self.value_scale))
         k, v = self.keys.to(q.dtype), v.to(q.dtype)  # (autocast: q is in the autocast dtype)

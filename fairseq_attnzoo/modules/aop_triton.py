@@ -66,15 +66,6 @@ def why_unavailable(q: Tensor, key_dim: int, value_dim: int) -> Optional[str]:
     return None
 
 
-class KernelUnavailable(ValueError):
-    """``kernel="triton"`` where the kernel cannot run (``why``)."""
-
-    def __init__(self, why: str):
-        self.why = why
-        super().__init__(f"AttentionOverParameters kernel='triton' cannot run: {why}; pass "
-                         "kernel='sdpa'")
-
-
 _KERNELS = []
 triton = tl = _dot = None  # set by _define()
 

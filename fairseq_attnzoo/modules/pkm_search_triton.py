@@ -253,13 +253,12 @@ def why_unavailable(query: Tensor, keys: Tensor, knn: int) -> Optional[str]:
     return None
 
 
-class SearchUnavailable(ValueError):
+class SearchUnavailable(pkm_triton.KernelUnavailable):
     """``search_kernel="triton"`` where the fused search cannot run (``why``)."""
 
     def __init__(self, why: str):
-        self.why = why
-        super().__init__(f"ProductKeyMemory search_kernel='triton' cannot run: {why}; pass "
-                         "search_kernel='torch' (or 'auto': the kernel where it runs)")
+        super().__init__(why, argument="search_kernel",
+                         instead="'torch' (or 'auto': the kernel where it runs)")
 
 
 def use_kernel(kernel: str, query: Tensor, keys: Tensor, knn: int) -> bool:

@@ -377,12 +377,14 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
 
 
 class KernelUnavailable(ValueError):
-    """``kernel="triton"`` where the kernels cannot run (``why``)."""
+    """``argument="triton"`` of ``module`` where its Triton kernels cannot run (``why``): one line
+    in the module's own words (``instead``: the values to pass instead)."""
 
-    def __init__(self, why: str):
+    def __init__(self, why: str, module: str = "ProductKeyMemory", argument: str = "kernel",
+                 instead: str = "'auto' (the kernels where they run) or 'torch'"):
         self.why = why
-        super().__init__(f"ProductKeyMemory kernel='triton' cannot run: {why}; pass kernel='auto' "
-                         "(the kernels where they run) or 'torch'")
+        super().__init__(f"{module} {argument}='triton' cannot run: {why}; pass "
+                         f"{argument}={instead}")
 
 
 def use_kernel(kernel: str, table: Tensor) -> bool:
