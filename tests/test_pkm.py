@@ -14,6 +14,7 @@ from fairseq.logging import metrics
 
 from fairseq_attnzoo.models.pkm import UsageLogger, memory_layers, sparse_values
 from fairseq_attnzoo.models.sublayers import SublayerSpec, build_sublayer
+from fairseq_attnzoo.modules import pkm_triton
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory, product_topk, slot_counts, usage_stats
 from fairseq_attnzoo.optim.pkm_optimizer import PKMAdam, PKMAdamConfig
 
@@ -285,21 +286,27 @@ def _layer_step_inputs(padded):
 
 @pytest.mark.parametrize("layer,expected", [("dense", []), ("padded", []), ("memory+", []),
                                             ("sparse", ["nonzero"])])
-def test_a_training_step_syncs_with_the_device_only_for_sparse_rows(layer, expected, monkeypatch):
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_a_training_step_syncs_with_the_device_only_for_sparse_rows(layer, expected, kernel,
+                                                                     monkeypatch):
     """On CUDA every op that reads a device value back (``bool(t)``, ``.item()``) or sizes its
     output by the data (``nonzero``, ``bincount``) drains the GPU's queue. A memory layer's
     forward and backward need none: pads are masked, not removed; the search's candidate pairs
     are a constant made without ``nonzero``; the value gradient's row ranges are a binary search
     (``pkm_triton.row_ranges``). A sparse value gradient needs one: the number of distinct rows
-    read (and a zeroed loss gives an empty one without reading the loss back). Counted on the
-    CPU with the benchmark's CUDA classification (``tests/syncs_testlib.py``)."""
+    read (and a zeroed loss gives an empty one without reading the loss back), on the PyTorch
+    path and the Triton kernels' alike (before: the kernels' path read the loss back and took
+    the rows in a second op). Counted on the CPU with the benchmark's CUDA classification
+    (``tests/syncs_testlib.py``; the kernels in Triton's interpreter)."""
     from fairseq_attnzoo.modules import pkm
     from syncs_testlib import syncs
 
     pkm._candidate_pairs.cache_clear()  # built again inside the count, as by a layer's first step
     monkeypatch.setattr(pkm, "SKIP_PADS_ON", ())  # pads masked, as on CUDA
     kw, padded = LAYERS[layer]
-    m = _memory(kernel="torch", **kw).train()
+    if kernel == "triton" and not (pkm_triton.HAS_TRITON and pkm_triton.interpreted()):
+        pytest.skip("Triton's interpreter is not available")
+    m = _memory(kernel=kernel, **kw).train()
     x, pad = _layer_step_inputs(padded)
     assert syncs(lambda: m(x, pad).square().sum().backward()) == expected
     assert m.values.weight.grad is not None and x.grad is not None

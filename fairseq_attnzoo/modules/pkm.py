@@ -249,26 +249,19 @@ class _WeightedRowSum(torch.autograd.Function):
         # has fewer batches than the others, an OOM skip) reads no rows of a sparse gradient:
         # the lazy optimizer must not decay their moments, as one process would not
         sparse = ctx.sparse and ctx.needs_input_grad[0]
-        if ctx.fused:  # pkm_triton's sparse rows are all rows read: a pad reads one kept row
-            if sparse and not bool(grad.any()):
-                empty = torch.sparse_coo_tensor(indices.new_zeros(1, 0, dtype=torch.int64),
-                                                grad.new_zeros(0, table.size(1)), table.shape,
-                                                is_coalesced=True, check_invariants=False)
-                grad_weights = torch.zeros_like(weights) if ctx.needs_input_grad[2] else None
-                return empty, None, grad_weights, None, None, None
-            if sparse and keep is not None:  # (adds 0 to it: a pad's output gradient is 0)
-                indices = torch.where(keep.unsqueeze(1), indices,
-                                      indices[keep.to(torch.uint8).argmax(), 0])
+        dead = None
+        if sparse:  # reads that count nowhere (sorted after every row, keyed row + |K|)
+            dead = ~grad.any().expand(n)
+            if keep is not None:
+                dead = dead | ~keep
+        if ctx.fused:  # the Triton kernels (the same rows, the same one sync)
             grad_table, grad_weights = pkm_triton.backward(
                 grad, table, indices, weights, ctx.sparse, ctx.needs_input_grad[0],
-                ctx.needs_input_grad[2])
+                ctx.needs_input_grad[2], dead=dead)
             return grad_table, None, grad_weights, None, None, None
         flat = indices.reshape(-1)
-        if sparse:  # reads that count nowhere sort after every row, keyed row + |K|
-            dead = ~grad.any().expand(n, 1)
-            if keep is not None:
-                dead = dead | ~keep.unsqueeze(1)
-            flat = flat + (dead.to(flat.dtype) * size).expand(n, m).reshape(-1)
+        if sparse:
+            flat = flat + (dead.to(flat.dtype) * size).unsqueeze(1).expand(n, m).reshape(-1)
         keys, order = torch.sort(flat)  # table row of each read, ascending
         rows_read = keys.remainder(size) if sparse else keys
         token = order // m  # the bag (token) of each sorted read

@@ -308,7 +308,7 @@ BACKWARD = "rows"
 
 def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
              need_table: bool, need_weights: bool, launch: Optional[Launch] = None,
-             method: Optional[str] = None):
+             method: Optional[str] = None, dead: Optional[Tensor] = None):
     """The gradients of :func:`read`: ``(grad_table, grad_weights)``, each None when not needed.
 
     ``grad_table`` is dense [|K|, d], or with ``sparse`` a coalesced sparse tensor holding the
@@ -316,7 +316,12 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
     :data:`BACKWARDS` (default :data:`BACKWARD`); ``launch``: :func:`backward_launch` unless
     given. With a row split over several column chunks each chunk writes its partial
     weight-gradient dots in float32, and they are summed in chunk order. Every sum runs in an
-    order fixed by the launch, so the gradients are deterministic (no atomics)."""
+    order fixed by the launch, so the gradients are deterministic (no atomics).
+
+    ``dead`` [N] (bool, optional; sparse ``rows`` method): tokens whose output gradient is 0 and
+    whose reads are no rows of the sparse gradient (pads; every token of a loss multiplied by 0).
+    Their reads sort after every row and are left out by the one op sized by the data (a
+    ``nonzero``: the backward's one host sync on CUDA); their weight gradients are 0."""
     rows_kernel, reads_kernel = _kernels()[1:]
     method = method or BACKWARD
     n, m = indices.shape
@@ -326,13 +331,20 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
     weights = weights.contiguous()
     # reads sorted by table row, ties in read order (stable): the sum order of a row is fixed.
     # Row ids fit 32 bits, and a radix sort of 32-bit keys makes half the passes of 64-bit ones
-    rows_read, order = torch.sort(indices.reshape(-1).to(torch.int32), stable=True)
+    skip = dead is not None and sparse and need_table
+    if skip and method != "rows":
+        raise ValueError(f"PKM backward: dead reads are left out by the rows method, not {method}")
+    keys = indices.reshape(-1).to(torch.int32)
+    if skip:  # a dead token's reads keyed row + |K|: after every live read
+        keys = keys + (dead.to(torch.int32) * size).unsqueeze(1).expand(n, m).reshape(-1)
+    rows_read, order = torch.sort(keys, stable=True)
     launch = launch or backward_launch(d, method)
     chunks = _chunks(d, launch.cols)
     grad_w = weights  # (not written when not needed)
     if need_weights:  # one chunk: the dots themselves; several: float32 partial dots per chunk
-        grad_w = (torch.empty(n * m, dtype=weights.dtype, device=weights.device) if chunks == 1
-                  else torch.empty(chunks, n * m, dtype=torch.float32, device=weights.device))
+        new = torch.zeros if skip else torch.empty  # (skip: the dead reads' dots are 0, unvisited)
+        grad_w = (new(n * m, dtype=weights.dtype, device=weights.device) if chunks == 1
+                  else new(chunks, n * m, dtype=torch.float32, device=weights.device))
     rows = None  # sparse: the distinct rows read, whose gradients ``out_table`` holds
     common = dict(NEED_GT=need_table, NEED_GW=need_weights, BLOCK_R=launch.rows,
                   BLOCK_D=launch.cols, num_warps=launch.warps)
@@ -349,7 +361,14 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
                 rows_read.numel(), m, d, grad.stride(0), table.stride(0), out_table.stride(0),
                 n * m, SPARSE=rows is not None, **common)
     elif method == "rows":
-        if need_table and sparse:  # one program per distinct row read
+        if skip:  # one program per distinct row of the live reads (keys < |K|)
+            live = rows_read < size
+            first = torch.cat([live[:1], rows_read[1:] != rows_read[:-1]]) & live
+            starts = first.nonzero().squeeze(1).to(torch.int32)  # the one op sized by the data
+            counts = torch.cat([starts[1:], live.sum().to(torch.int32).view(1)]) - starts
+            rows = rows_read.index_select(0, starts)
+            out_table = grad.new_empty(rows.numel(), d)
+        elif need_table and sparse:  # one program per distinct row read
             rows, counts = torch.unique_consecutive(rows_read, return_counts=True)
             out_table = grad.new_empty(rows.numel(), d)
             starts = counts.cumsum(0) - counts
