@@ -204,16 +204,20 @@ def test_kernel_choice(monkeypatch):
                                          r"pass kernel='auto'") as e:
         pkm_triton.use_kernel("triton", cpu)
     assert "\n" not in str(e.value) and "--" not in str(e.value)  # the module's own arguments
-    # the fairseq sublayer names the flag
-    from fairseq_attnzoo.models.pkm import FairseqProductKeyMemory
-
-    hosted = FairseqProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="triton")
-    with pytest.raises(ValueError, match=r"--pkm-kernel triton cannot run: .*CUDA.*"
-                                         r"--pkm-kernel auto") as e:
-        hosted(torch.randn(3, 2, 16))
-    assert "\n" not in str(e.value)
+    _hosted_refusal(r"--pkm-kernel triton cannot run: .*CUDA.*--pkm-kernel auto",
+                    kernel="triton")
     with pytest.raises(ValueError, match="PKM kernel must be one of auto, triton, torch"):
         ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="cuda")
+
+
+def _hosted_refusal(match: str, **kernels):
+    """The fairseq sublayer's refusal names the flag (the module's names its argument)."""
+    from fairseq_attnzoo.models.pkm import FairseqProductKeyMemory
+
+    hosted = FairseqProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, **kernels)
+    with pytest.raises(ValueError, match=match) as e:
+        hosted(torch.randn(3, 2, 16))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the kernels run compiled on this device")
@@ -502,14 +506,8 @@ def test_search_kernel_choice(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"cannot run: the queries are on cpu"):
         pkm_search_triton.use_kernel("triton", query, keys, 3)
-    from fairseq_attnzoo.models.pkm import FairseqProductKeyMemory
-
-    hosted = FairseqProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8,
-                                     search_kernel="triton")
-    with pytest.raises(ValueError, match=r"^--pkm-search-kernel triton cannot run: the queries "
-                                         r"are on cpu.*--pkm-search-kernel torch") as e:
-        hosted(torch.randn(4, 2, 16))
-    assert "\n" not in str(e.value)
+    _hosted_refusal(r"^--pkm-search-kernel triton cannot run: the queries are on cpu.*"
+                    r"--pkm-search-kernel torch", search_kernel="triton")
     with pytest.raises(ValueError, match="PKM kernel must be one of auto, triton, torch"):
         ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, search_kernel="cuda")
 
