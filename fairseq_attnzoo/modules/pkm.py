@@ -259,10 +259,8 @@ class _WeightedRowSum(torch.autograd.Function):
                 grad, table, indices, weights, ctx.sparse, ctx.needs_input_grad[0],
                 ctx.needs_input_grad[2], dead=dead)
             return grad_table, None, grad_weights, None, None, None
-        flat = indices.reshape(-1)
-        if sparse:
-            flat = flat + (dead.to(flat.dtype) * size).unsqueeze(1).expand(n, m).reshape(-1)
-        keys, order = torch.sort(flat)  # table row of each read, ascending
+        keys, order = torch.sort(pkm_triton.dead_last(indices, dead, size, indices.dtype))
+        # (keys: the table row of each read, ascending; dead reads last, keyed row + |K|)
         rows_read = keys.remainder(size) if sparse else keys
         token = order // m  # the bag (token) of each sorted read
         grad_table = grad_weights = None
@@ -273,10 +271,7 @@ class _WeightedRowSum(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w = weights.reshape(-1).index_select(0, order)
             if ctx.sparse:  # one bag per distinct row among the reads kept (keys < |K|)
-                live = keys < size
-                first = torch.cat([live[:1], keys[1:] != keys[:-1]]) & live
-                starts = first.nonzero().squeeze(1)  # the one op sized by the data
-                offsets = torch.cat([starts, live.sum().view(1)])
+                starts, offsets = pkm_triton.live_runs(keys, size)
                 rows_grad = F.embedding_bag(token, grad, offsets, mode="sum",
                                             per_sample_weights=w, include_last_offset=True)
                 grad_table = torch.sparse_coo_tensor(

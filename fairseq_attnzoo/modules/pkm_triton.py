@@ -273,6 +273,27 @@ def row_ranges(rows: Tensor, size: int) -> Tuple[Tensor, Tensor]:
     return bounds[:-1], bounds[1:] - bounds[:-1]
 
 
+def dead_last(indices: Tensor, dead: Optional[Tensor], size: int, dtype: torch.dtype) -> Tensor:
+    """The reads of ``indices`` [N, m] as flat sort keys of ``dtype``: each read's table row, plus
+    |K| = ``size`` for the reads of a token marked in ``dead`` [N] (bool; None: none), so that a
+    sort puts them after every live read."""
+    n, m = indices.shape
+    keys = indices.reshape(-1).to(dtype)
+    if dead is None:
+        return keys
+    return keys + (dead.to(dtype) * size).unsqueeze(1).expand(n, m).reshape(-1)
+
+
+def live_runs(keys: Tensor, size: int) -> Tuple[Tensor, Tensor]:
+    """``(starts, offsets)`` of the runs of equal ascending ``keys`` below ``size`` (the live reads
+    of :func:`dead_last`): ``starts`` [U] where each run begins, found by the one op sized by the
+    data (a ``nonzero``: a host sync on CUDA); ``offsets`` [U + 1] those and the live reads' end."""
+    live = keys < size
+    first = torch.cat([live[:1], keys[1:] != keys[:-1]]) & live
+    starts = first.nonzero().squeeze(1)
+    return starts, torch.cat([starts, live.sum().view(1)])
+
+
 @cached_constant
 def _row_ids(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``0 .. n-1`` (an arange kernel per backward otherwise)."""
@@ -334,9 +355,7 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
     skip = dead is not None and sparse and need_table
     if skip and method != "rows":
         raise ValueError(f"PKM backward: dead reads are left out by the rows method, not {method}")
-    keys = indices.reshape(-1).to(torch.int32)
-    if skip:  # a dead token's reads keyed row + |K|: after every live read
-        keys = keys + (dead.to(torch.int32) * size).unsqueeze(1).expand(n, m).reshape(-1)
+    keys = dead_last(indices, dead if skip else None, size, torch.int32)
     rows_read, order = torch.sort(keys, stable=True)
     launch = launch or backward_launch(d, method)
     chunks = _chunks(d, launch.cols)
@@ -362,10 +381,8 @@ def backward(grad: Tensor, table: Tensor, indices: Tensor, weights: Tensor, spar
                 n * m, SPARSE=rows is not None, **common)
     elif method == "rows":
         if skip:  # one program per distinct row of the live reads (keys < |K|)
-            live = rows_read < size
-            first = torch.cat([live[:1], rows_read[1:] != rows_read[:-1]]) & live
-            starts = first.nonzero().squeeze(1).to(torch.int32)  # the one op sized by the data
-            counts = torch.cat([starts[1:], live.sum().to(torch.int32).view(1)]) - starts
+            starts, offsets = live_runs(rows_read, size)
+            starts, counts = starts.to(torch.int32), (offsets[1:] - starts).to(torch.int32)
             rows = rows_read.index_select(0, starts)
             out_table = grad.new_empty(rows.numel(), d)
         elif need_table and sparse:  # one program per distinct row read
