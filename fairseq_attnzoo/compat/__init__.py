@@ -9,10 +9,13 @@ Where the entries live: the machinery (:class:`Patch`, :func:`fix`, :func:`apply
 :func:`undo_all`, ...) is :mod:`.machinery`, re-exported here; the rows are :mod:`.fixes`, the
 table, one row per change: its target named once, the library version it fixes, why; the code a
 row installs lives with what it serves (:mod:`.mixed_precision` for fairseq's optimizers,
-:mod:`.data` for its data and checkpoints, :mod:`fairseq_attnzoo.messages` for what it prints).
-The two hooks of our own features are registered by their owners (``fairseq_meters_slot_usage`` in
-``models/pkm.py``, ``fairseq_model_from_checkpoint`` in ``models/registry.py``). Every row can be
-undone (:func:`undo_all`) but where the change itself was nothing.
+:mod:`.data` for its data and checkpoints, :mod:`.trainer` for its trainer's shared-parameter
+catalogue and ``--no-save`` folder, :mod:`fairseq_attnzoo.messages` for what it prints). The hooks
+of our own features are registered by their owners (``fairseq_meters_slot_usage`` in
+``models/pkm.py``, the ``fairseq_sharded_value_*`` entries in ``models/pkm_shard.py``,
+``fairseq_resume_host_flags`` in ``models/transformer.py``, ``fairseq_model_from_checkpoint`` in
+``models/registry.py``). Every row can be undone (:func:`undo_all`) but where the change itself
+was nothing.
 
 Nothing is applied when the package or its plain PyTorch modules are imported. The table is
 applied where fairseq uses the plugin: when fairseq imports it as a user dir (``--user-dir``,

@@ -1,10 +1,11 @@
 """The table: every change to torch, NumPy, hydra and fairseq, one row each, in the order they are
 applied and listed. A row names its target once, the library version it fixes and why; the code it
-installs lives with what it serves (:mod:`.mixed_precision`, :mod:`.data`, :mod:`..messages`).
+installs lives with what it serves (:mod:`.mixed_precision`, :mod:`.data`, :mod:`.trainer`,
+:mod:`..messages`).
 :func:`~.machinery.fix` replaces a ``"module:Class.attribute"`` when its source has a known digest
 and restores it on :func:`~.machinery.undo_all`; :class:`~.machinery.Patch` rows change other state
-and return their own undo. The two hooks of our own features are rows of their owners
-(``models/pkm.py``, ``models/registry.py``)."""
+and return their own undo. The hooks of our own features are rows of their owners
+(``models/pkm.py``, ``models/pkm_shard.py``, ``models/transformer.py``, ``models/registry.py``)."""
 
 from typing import Optional
 

@@ -5,6 +5,9 @@ of a run that saves nothing. Nothing here is applied on import; the rows install
 import inspect
 import os
 
+
+# ---- shared parameters: none of them absent ------------------------------------------------------
+
 def skipping_absent(catalog_shared_params):
     """``fairseq.trainer._catalog_shared_params`` without the absent ones (a bias-free Linear holds
     ``bias = None``): fairseq grouped every None as one parameter shared by all of them."""

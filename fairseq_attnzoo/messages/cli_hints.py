@@ -144,7 +144,7 @@ def dictionary_mismatch(text: str):
     return int(m.group(2)), int(m.group(3))
 
 
-def _cfg_get(cfg, key):
+def cfg_get(cfg, key):
     return cfg.get(key, None) if hasattr(cfg, "get") else getattr(cfg, key, None)
 
 
@@ -155,7 +155,7 @@ def model_flag_differences(stored, current, defaults: Optional[Dict[str, tuple]]
     ``{dest: (default, ...)}`` of options an older checkpoint may lack (read as the default)."""
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    model_cls = ARCH_MODEL_REGISTRY.get(_cfg_get(current, "arch") or _cfg_get(current, "_name"))
+    model_cls = ARCH_MODEL_REGISTRY.get(cfg_get(current, "arch") or cfg_get(current, "_name"))
     if model_cls is None or stored is None:
         return []
     parser = argparse.ArgumentParser(add_help=False)
@@ -167,7 +167,7 @@ def model_flag_differences(stored, current, defaults: Optional[Dict[str, tuple]]
     for action in parser._actions:
         if not action.option_strings:
             continue
-        before, now = _cfg_get(stored, action.dest), _cfg_get(current, action.dest)
+        before, now = cfg_get(stored, action.dest), cfg_get(current, action.dest)
         if before is None and action.dest in (defaults or {}):
             before = defaults[action.dest][0]
         if before != now:
@@ -198,7 +198,7 @@ def load_stored(path: str):
         return None
 
 
-def _stored_section(state, section: str):
+def stored_section(state, section: str):
     """The ``model`` or ``task`` config of a loaded checkpoint (``cfg``, or the ``args`` of an
     older one), or None."""
     if not isinstance(state, dict):
@@ -210,10 +210,10 @@ def _stored_section(state, section: str):
 
 def stored_arch(path: str):
     """The ``--arch`` a fairseq checkpoint was trained with, or None."""
-    model = _stored_section(load_stored(path), "model")
+    model = stored_section(load_stored(path), "model")
     if model is None:
         return None
-    return _cfg_get(model, "arch") or _cfg_get(model, "_name")
+    return cfg_get(model, "arch") or cfg_get(model, "_name")
 
 
 def stored_update(state) -> Optional[int]:
@@ -377,7 +377,7 @@ def hint_checkpoint_of_another_model(exc, text, ctx) -> Optional[str]:
         return dictionary_mismatch_line(rows, ctx.data, path)
     state, trainer = (_frame_local(exc, "load_checkpoint", n) for n in ("state", "self"))
     try:
-        differ = model_flag_differences(_cfg_get(_cfg_get(state, "cfg"), "model"),
+        differ = model_flag_differences(cfg_get(cfg_get(state, "cfg"), "model"),
                                         trainer.cfg.model)
     except Exception:  # no readable configs: the general line below
         differ = []
@@ -506,8 +506,8 @@ def hint_checkpoint_of_another_task(exc, text, ctx) -> Optional[str]:
     if dictionary_mismatch(text) is None:
         return None
     path = _argv_value("--path")
-    stored = _stored_section(load_stored(path), "task") if path else None
-    trained = _cfg_get(stored, "_name") or _cfg_get(stored, "task") if stored is not None else None
+    stored = stored_section(load_stored(path), "task") if path else None
+    trained = cfg_get(stored, "_name") or cfg_get(stored, "task") if stored is not None else None
     now = _argv_value("--task") or "translation"
     if not trained or (trained in LM_TASKS) == (now in LM_TASKS):
         return None
@@ -662,10 +662,10 @@ def interrupted_line(exc: BaseException) -> Optional[str]:
     last checkpoint in the save dir and its update), or that nothing was saved; None elsewhere."""
     if program() not in ("fairseq-train", "fairseq-hydra-train"):
         return None
-    cfg = _cfg_get(_frame_local(exc, "main", "cfg"), "checkpoint")
-    save_dir = _cfg_get(cfg, "save_dir") or _argv_value("--save-dir") or "checkpoints"
-    restore = _cfg_get(cfg, "restore_file") or _argv_value("--restore-file") or "checkpoint_last.pt"
-    no_save = _cfg_get(cfg, "no_save") if cfg is not None else "--no-save" in sys.argv
+    cfg = cfg_get(_frame_local(exc, "main", "cfg"), "checkpoint")
+    save_dir = cfg_get(cfg, "save_dir") or _argv_value("--save-dir") or "checkpoints"
+    restore = cfg_get(cfg, "restore_file") or _argv_value("--restore-file") or "checkpoint_last.pt"
+    no_save = cfg_get(cfg, "no_save") if cfg is not None else "--no-save" in sys.argv
     if no_save:
         return ("interrupted: nothing was saved (--no-save); the same command starts again at "
                 "update 0")

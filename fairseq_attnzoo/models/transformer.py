@@ -47,7 +47,7 @@ from fairseq.modules.transformer_layer import (
 )
 
 from .. import compat
-from ..messages.cli_hints import _cfg_get, _stored_section, load_stored, model_flag_differences
+from ..messages.cli_hints import cfg_get, load_stored, model_flag_differences, stored_section
 from ..messages.errors import ZooConfigError
 from ..modules.attention import mask_scope
 from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm
@@ -136,7 +136,9 @@ def fill_host_defaults(args):
 
 
 def _host(cfg, attr):
-    value = getattr(cfg, attr, None)
+    """Host option ``attr`` of ``cfg`` (a Namespace, a DictConfig or a checkpoint's dict), its
+    default where ``cfg`` predates it."""
+    value = cfg_get(cfg, attr)
     return HOST_FLAGS[attr][0] if value is None else value
 
 
@@ -557,21 +559,16 @@ register_base_arch("attnzoo_lm", zoo_lm_base)
 
 def resume_mismatch(path: str, current) -> Optional[str]:
     """The one line refusing to resume the checkpoint ``path`` with host options (--norm, --rope,
-    --rope-theta, --proj-bias: :data:`HOST_FLAGS`) other than it was trained
-    with, naming every model flag that differs; None when they agree, or for another arch (its
-    own line) or a model without host options. --rope and --rope-theta change no parameter shape,
-    so fairseq loads such a checkpoint without a word."""
-    if _cfg_get(current, "rope") is None:  # a model without the host options
+    --rope-theta, --proj-bias: :data:`HOST_FLAGS`) other than it was trained with, naming every
+    model flag that differs; None when they agree, or for another arch (its own line) or a model
+    without host options. --rope and --rope-theta change no parameter shape, so fairseq loads such
+    a checkpoint without a word."""
+    if cfg_get(current, "rope") is None:  # a model without the host options
         return None
-    stored = _stored_section(load_stored(path), "model")
-    if stored is None or _cfg_get(stored, "arch") != _cfg_get(current, "arch"):
+    stored = stored_section(load_stored(path), "model")
+    if stored is None or cfg_get(stored, "arch") != cfg_get(current, "arch"):
         return None
-
-    def host(cfg, attr):
-        value = _cfg_get(cfg, attr)
-        return HOST_FLAGS[attr][0] if value is None else value  # a checkpoint before the flag
-
-    if all(host(stored, attr) == host(current, attr) for attr in HOST_FLAGS):
+    if all(_host(stored, attr) == _host(current, attr) for attr in HOST_FLAGS):
         return None
     differ = model_flag_differences(stored, current, defaults=HOST_FLAGS)
     return (f"{path} was trained with other model flags than this run's: {', '.join(differ)}: "
