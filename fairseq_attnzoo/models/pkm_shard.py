@@ -20,11 +20,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from fairseq.distributed import utils as distributed_utils
 
 from .. import compat
 from ..modules.pkm_shard import (SHARD_TAG, ShardedValueTable, ShardLayout, finish_gradients,
                                  gather_columns, sharded_params, sharded_state, split_columns,
                                  squared_norm)
+from ..optim.pkm_optimizer import all_reduce_sparse_rows
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +37,6 @@ def shard_layout(group_size: int) -> Optional[ShardLayout]:
     """This rank's :class:`ShardLayout` for --pkm-shard-group-size ``group_size`` (0 = every
     data-parallel rank); None with one process (the tables stay whole). Every rank must call it
     (subgroups are created collectively, once per process)."""
-    from fairseq.distributed import utils as distributed_utils
-
     if group_size < 0:
         raise ValueError(f"--pkm-shard-group-size must be >= 0 (0 = all processes), got "
                          f"{group_size}")
@@ -101,8 +101,6 @@ def refuse_unsupported(args):
 # ---- the compat entries ---------------------------------------------------------------------
 
 def _sparse_mean(grad, group, size):
-    from ..optim.pkm_optimizer import all_reduce_sparse_rows
-
     return all_reduce_sparse_rows(grad, group, size, "gather")[0]
 
 

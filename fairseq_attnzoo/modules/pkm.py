@@ -608,7 +608,7 @@ class ProductKeyMemory(ZooFeedForward):
             # the real tokens, time-major like ``flat``: pads are masked, not removed (removing
             # them is a ``nonzero``, a host sync on CUDA and a graph break under torch.compile),
             # except on the CPU (SKIP_PADS_ON)
-            keep = ~padding_mask.transpose(0, 1).reshape(-1).bool()
+            keep = ~padding_mask.transpose(0, 1).reshape(-1)
         if flat.size(0) == 0:
             return x.new_zeros(t, b, self.output_dim, dtype=compute_dtype(x))
         if keep is not None:

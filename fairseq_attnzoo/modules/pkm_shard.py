@@ -113,7 +113,7 @@ class ShardedValueTable(nn.Module):
         a collective: every rank of the group reads once per call. ``keep`` [N] (bool): the
         real tokens (masked padding), whose reads alone a sparse gradient holds."""
         g, group = self.layout.size, self.layout.group
-        n, m = indices.shape
+        n = indices.size(0)
         weights = weights.to(self.weight.dtype)
         # token counts differ between ranks (padding removed): gather them, pad to the longest
         counts = torch.tensor([n], dtype=torch.int64, device=indices.device)
@@ -121,15 +121,16 @@ class ShardedValueTable(nn.Module):
         longest = max(counts)
         if longest == 0:
             return weights.new_zeros(0, self.embedding_dim)
-        all_idx = _all_gather(_pad(indices, longest), 0, group).view(g, longest, m)
-        all_w = _all_gather(_pad(weights, longest), 0, group).view(g, longest, m)
-        # the real tokens of every rank, in rank order (pads would read, and in a sparse
-        # gradient touch, row 0)
-        all_idx = torch.cat([all_idx[r, :c] for r, c in enumerate(counts)])
-        all_w = torch.cat([all_w[r, :c] for r, c in enumerate(counts)])
+
+        def gathered(t: Tensor) -> Tensor:
+            """The rows of ``t`` of every rank, in rank order, without the rows that padded each
+            rank's to ``longest`` (they would read, and in a sparse gradient touch, row 0)."""
+            every = _all_gather(_pad(t, longest), 0, group).view(g, longest, *t.shape[1:])
+            return torch.cat([every[r, :c] for r, c in enumerate(counts)])
+
+        all_idx, all_w = gathered(indices), gathered(weights)
         if keep is not None:  # (uint8 on the wire: gloo gathers no bool)
-            all_keep = _all_gather(_pad(keep.to(torch.uint8), longest), 0, group).view(g, longest)
-            keep = torch.cat([all_keep[r, :c] for r, c in enumerate(counts)]).bool()
+            keep = gathered(keep.to(torch.uint8)).bool()
         local = ValueTable.read(self, all_idx, all_w, fused, keep)  # [Σ counts, d/G]
         # rank r's tokens go back to rank r; this rank receives its n tokens from every rank
         back = fc.all_to_all_single_autograd(local, [n] * g, counts, group)
