@@ -15,7 +15,7 @@ if [ "${1:-}" = --download ]; then
       tensorboardX
   # the benchmark's peer for the PKM layer (docs/performance.md), pure Python
   "${DL[@]}" --only-binary=:all: product-key-memory==0.3.0 einops einx colt5-attention \
-      local-attention hyper-connections frozendict
+      local-attention hyper-connections torch-einops-utils frozendict
   # (the sdists' metadata is built here: PYBIN needs setuptools and wheel, e.g. the .venv's python)
   "${DL[@]}" --no-binary :all: --no-build-isolation antlr4-python3-runtime==4.9.3 \
       fairseq-fixed==0.12.3.1

@@ -30,7 +30,8 @@ fi
 # a stage: harness calls separated by ";" (the memory layer's kernels first: issue 54; then the
 # GPU issue's stages 1-5, then the rest); on an H100 a transformer-base run of this corpus takes
 # 60-90 s (its first epoch builds cuDNN plans). memory: kernel rows only (about 50 rows at
-# 10-40 ms a sample plus the Triton compiles: minutes, not a visit's 8)
+# 10-40 ms a sample plus the Triton compiles: minutes, not a visit's 8), in four processes, each
+# with its own rooflines: a kernel that faults on its first device takes only its own call's rows)
 ORDER=(memory baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest lm span kernels
        decode attention sweep memory-lm precision)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
@@ -39,7 +40,7 @@ ORDER=(memory baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp
 # at 4x the tokens per update, against the baseline at 8,192 (a host-bound step runs faster per
 # token with a larger batch)
 declare -A STAGES=(
-    [memory]="device pkm/search-forward pkm/search-backward pkm/value-read pkm/layer-vs-ffn aop/sublayer-vs-ffn"
+    [memory]="device pkm/value-read ; device pkm/search-forward pkm/search-backward ; device pkm/layer-vs-ffn ; device aop/sublayer-vs-ffn"
     [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; --arch transformer --precision bf16 --repeats 1"
     [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0"
     [mt-bf16-rest]="translation/train --only aop collab pkm --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0 --profile 10"
