@@ -1082,7 +1082,7 @@ def test_stored_configs_without_the_residual_flag_keep_the_dropout():
     assert args.pkm_residual_dropout is False
 
 
-def _notices(caplog, arch, data, extra):
+def _notices(caplog, arch, data, extra, word="pkm_adam"):
     from zoo_testlib import build
 
     _, _, model, _ = build(arch, data, extra)
@@ -1094,7 +1094,7 @@ def _notices(caplog, arch, data, extra):
         model.train()
         model(tokens)
         model(tokens)
-    return [r.getMessage() for r in caplog.records if "pkm_adam" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if word in r.getMessage()]
 
 
 def test_one_warning_when_memory_values_train_without_their_own_rate(lm_data, caplog):
@@ -1109,6 +1109,42 @@ def test_one_warning_when_memory_values_train_without_their_own_rate(lm_data, ca
     assert _notices(caplog, "transformer_lm_pkm", lm_data, ["--optimizer", "adagrad"])
     assert _notices(caplog, "transformer_lm_pkm", lm_data, ["--optimizer", "pkm_adam"]) == []
     assert _notices(caplog, "attnzoo_lm", lm_data, ["--optimizer", "adam"]) == []
+
+
+def test_one_warning_when_memplus_llama_values_depart_from_the_reference_lr_ratio(lm_data, caplog):
+    """transformer_lm_memplus_llama trained by pkm_adam at a value-lr ratio other than the
+    reference's 10 (pkplus_373m_1024k.yaml: 1e-3 against 1e-4) warns once, naming the ratio it
+    runs at and --pkm-values-lr-ratio 10; at 10 (as a ratio, or as --pkm-values-lr 10 × --lr) and
+    under the other presets it stays quiet."""
+    opt = ["--optimizer", "pkm_adam", "--lr", "2e-3"]
+    lines = _notices(caplog, "transformer_lm_memplus_llama", lm_data, opt, word="ratio")
+    assert len(lines) == 1 and "\n" not in lines[0], lines  # three memories, one line
+    assert "0.5x --lr" in lines[0] and "--pkm-values-lr-ratio 10" in lines[0], lines
+    for ten in (["--pkm-values-lr-ratio", "10"], ["--pkm-values-lr", "2e-2"]):
+        assert _notices(caplog, "transformer_lm_memplus_llama", lm_data, opt + ten,
+                        word="ratio") == []
+    assert _notices(caplog, "transformer_lm_memplus", lm_data, opt, word="ratio") == []
+
+
+def test_value_lr_ratio_scales_with_the_model_lr():
+    """--pkm-values-lr-ratio R: the values peak at R × --lr (whatever --pkm-values-lr says),
+    follow the schedule, and survive a state dict round trip; a negative ratio is one line."""
+    m = _memory()
+    cfg = dict(lr=[3e-4], pkm_values_lr=1e-3, pkm_values_lr_ratio=10.0)
+    opt = PKMAdam(PKMAdamConfig(**cfg), list(m.parameters()))
+    assert [g["lr"] for g in opt.param_groups] == [3e-4, pytest.approx(3e-3)]
+    opt.set_lr(1e-4)  # e.g. warmup
+    assert [g["lr"] for g in opt.param_groups] == [1e-4, pytest.approx(1e-3)]
+    const = PKMAdam(PKMAdamConfig(**cfg, pkm_values_lr_schedule="constant"), list(m.parameters()))
+    const.set_lr(1e-4)
+    assert [g["lr"] for g in const.param_groups] == [1e-4, pytest.approx(3e-3)]
+    again = PKMAdam(PKMAdamConfig(**cfg), list(m.parameters()))
+    again.load_state_dict(opt.state_dict())
+    again.set_lr(2e-4)
+    assert [g["lr"] for g in again.param_groups] == [2e-4, pytest.approx(2e-3)]
+    with pytest.raises(ValueError, match="--pkm-values-lr-ratio") as e:
+        PKMAdam(PKMAdamConfig(lr=[1e-3], pkm_values_lr_ratio=-1.0), list(m.parameters()))
+    assert "\n" not in str(e.value)
 
 
 # ---- reduced precision: fp16 against bf16 -------------------------------------------------------

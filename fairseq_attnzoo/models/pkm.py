@@ -32,8 +32,9 @@ uniform) appear in fairseq-train's valid log line.
 """
 
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -379,36 +380,59 @@ def build_pkm(spec):
         spec.shared[POOL] = memory.values
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,
                                         POOL if o.pkm_shared_values else None)
-    optimizer = _optimizer_name(spec.args)
-    if optimizer is not None and optimizer not in OWN_VALUE_RATE:
-        # one line per model, at its first training step (not when a checkpoint is loaded to
-        # evaluate: that model never trains)
-        notice = spec.shared.setdefault("pkm_optimizer_notice", OptimizerNotice(optimizer))
-        memory.register_forward_pre_hook(notice)
+    # one line per model, at its first training step (not when a checkpoint is loaded to
+    # evaluate: that model never trains)
+    for key, text in optimizer_notices(spec.args):
+        memory.register_forward_pre_hook(spec.shared.setdefault(key, TrainingNotice(text)))
     return memory
 
 
 #: optimizers that give the memory values a rate of their own: pkm_adam (--pkm-values-lr), and
 #: fairseq's composite, whose groups are the parameters' ``param_group`` tags ("pkm_values")
 OWN_VALUE_RATE = ("pkm_adam", "composite")
+#: a preset's reference ratio of the values' peak lr to the model's: pkplus_373m_1024k.yaml
+#: gives the values value_fixed_lr 0.001 against optim.lr 1e-4, and one LambdaLR scales both
+REFERENCE_VALUES_LR_RATIO = {"transformer_lm_memplus_llama": 10.0}
 
 
-class OptimizerNotice:
-    """Forward pre-hook of a model's memories: at the first forward in training mode, one
-    warning line that ``--optimizer NAME`` trains the values at the model's learning rate."""
+def optimizer_notices(args) -> List[Tuple[str, str]]:
+    """``(key, line)`` of what the optimizer's flags leave different from the references: an
+    optimizer without a value rate of its own; under a preset with a reference value-lr ratio
+    (:data:`REFERENCE_VALUES_LR_RATIO`), pkm_adam at another ratio."""
+    optimizer = _optimizer_name(args)
+    if optimizer is None:
+        return []
+    if optimizer not in OWN_VALUE_RATE:
+        return [("pkm_optimizer_notice", (
+            f"PKM: --optimizer {optimizer} trains the memory values at the model's --lr; XLM "
+            "and the memory code give them their own rate (1e-3): use --optimizer pkm_adam with "
+            "--pkm-values-lr (and --pkm-values-lr-schedule, --pkm-values-betas, "
+            "--pkm-values-weight-decay, --pkm-values-clip-norm)"))]
+    want = REFERENCE_VALUES_LR_RATIO.get(getattr(args, "arch", None))
+    lr = getattr(args, "lr", None)
+    lr = lr[0] if hasattr(lr, "__getitem__") else lr  # (fairseq's --lr is a list)
+    if optimizer != "pkm_adam" or want is None or not lr:
+        return []
+    ratio = getattr(args, "pkm_values_lr_ratio", 0) or getattr(args, "pkm_values_lr", 1e-3) / lr
+    if math.isclose(ratio, want, rel_tol=1e-6):
+        return []
+    return [("pkm_ratio_notice", (
+        f"PKM: {args.arch}: the values' lr is {ratio:g}x --lr; the reference's is {want:g}x "
+        f"(pkplus_373m_1024k.yaml: 1e-3 against 1e-4): --pkm-values-lr-ratio {want:g}"))]
 
-    def __init__(self, optimizer: str):
-        self.optimizer, self.done = optimizer, False
+
+class TrainingNotice:
+    """Forward pre-hook of a model's memories: one warning line at the first forward in
+    training mode."""
+
+    def __init__(self, text: str):
+        self.text, self.done = text, False
 
     def __call__(self, module, inputs):
         if self.done or not module.training:
             return
         self.done = True
-        logger.warning(
-            f"PKM: --optimizer {self.optimizer} trains the memory values at the model's --lr; "
-            "XLM and the memory code give them their own rate (1e-3): use --optimizer pkm_adam "
-            "with --pkm-values-lr (and --pkm-values-lr-schedule, --pkm-values-betas, "
-            "--pkm-values-weight-decay, --pkm-values-clip-norm)")
+        logger.warning(self.text)
 
 
 # ---- archs: memory in the selected layers -------------------------------------------------------

@@ -12,7 +12,8 @@ two parameter groups:
   (``--pkm-values-betas``) and gradient clip (``--pkm-values-clip-norm``). The lr either follows
   the scheduler, scaled by ``--pkm-values-lr / --lr`` (``--pkm-values-lr-schedule follow``: the
   values warm up and decay with the model and peak at ``--pkm-values-lr``), or stays at
-  ``--pkm-values-lr`` (``constant``). A sparse gradient updates only the rows it touches (moments
+  ``--pkm-values-lr`` (``constant``). ``--pkm-values-lr-ratio R`` gives the peak as R × ``--lr``
+  instead, the form that carries over to another ``--lr``. A sparse gradient updates only the rows it touches (moments
   and parameters, SparseAdam-style); a dense one is a normal Adam step.
 
 The two published recipes (read in their code; docs/pkm.md cites the lines):
@@ -26,7 +27,9 @@ The two published recipes (read in their code; docs/pkm.md cites the lines):
   too) whose value group starts from ``value_fixed_lr`` 1e-3; its LambdaLR scales every group by
   the same schedule factor, so that lr follows the warmup/decay; values are clipped separately
   from the rest to the same ``clip``. Here: ``--pkm-values-lr-schedule follow
-  --pkm-values-weight-decay 0.1`` with ``--adam-betas "(0.9, 0.95)" --weight-decay 0.1``.
+  --pkm-values-weight-decay 0.1`` with ``--adam-betas "(0.9, 0.95)" --weight-decay 0.1``; its
+  pkplus_373m_1024k.yaml sets the values' 1e-3 against ``optim.lr`` 1e-4, a ratio of 10:
+  ``--pkm-values-lr-ratio 10``.
 
 Clipping: with ``--pkm-values-clip-norm`` -1 (default) the value gradients are clipped
 separately to ``--clip-norm`` (both references clip the two parameter sets separately); a
@@ -204,6 +207,13 @@ class PKMAdamConfig(FairseqDataclass):
         default=1e-3,
         metadata={"help": "learning rate of the product-key memory values (XLM and "
                   "facebookresearch/memory: 1e-3); see --pkm-values-lr-schedule"})
+    pkm_values_lr_ratio: float = field(
+        default=0.0,
+        metadata={"help": "the values' learning rate as a multiple of --lr (the peak), instead of "
+                  "--pkm-values-lr: a ratio carries over to another --lr, an absolute rate does "
+                  "not (facebookresearch/memory's pkplus_373m_1024k.yaml: value_fixed_lr 0.001 "
+                  "at optim.lr 1e-4, one LambdaLR scaling both: 10); 0 = use --pkm-values-lr "
+                  "(default 0)"})
     pkm_values_lr_schedule: str = field(
         default="follow",
         metadata={"help": "values lr: 'follow' = the --lr-scheduler shape scaled by "
@@ -297,6 +307,9 @@ class PKMAdam(FairseqOptimizer):
                              f"{cfg.pkm_exchange!r}")
         if cfg.pkm_values_lr <= 0:
             raise ValueError(f"--pkm-values-lr must be positive, got {cfg.pkm_values_lr}")
+        if cfg.pkm_values_lr_ratio < 0:
+            raise ValueError(f"--pkm-values-lr-ratio must be positive (or 0: use "
+                             f"--pkm-values-lr), got {cfg.pkm_values_lr_ratio}")
         if cfg.pkm_values_lr_schedule not in VALUE_SCHEDULES:
             raise ValueError(f"--pkm-values-lr-schedule must be one of "
                              f"{', '.join(VALUE_SCHEDULES)}, got {cfg.pkm_values_lr_schedule!r}")
@@ -315,7 +328,7 @@ class PKMAdam(FairseqOptimizer):
         groups = [{"params": others}]
         if values:
             groups.append(dict(self._values_group_settings(), params=values,
-                               lr=cfg.pkm_values_lr))
+                               lr=self.values_lr))
         self._optimizer = SparseDenseAdam(groups, **self.optimizer_config)
 
     @property
@@ -329,6 +342,13 @@ class PKMAdam(FairseqOptimizer):
             "weight_decay": self.cfg.weight_decay,
         }
 
+    @property
+    def values_lr(self) -> float:
+        """The values' peak rate: --pkm-values-lr-ratio × --lr when a ratio is given, else
+        --pkm-values-lr."""
+        ratio = self.cfg.pkm_values_lr_ratio
+        return ratio * self.optimizer_config["lr"] if ratio > 0 else self.cfg.pkm_values_lr
+
     def _values_group_settings(self):
         """The value group's settings (set at build and again after loading a checkpoint)."""
         cfg = self.cfg
@@ -336,8 +356,8 @@ class PKMAdam(FairseqOptimizer):
                  if cfg.pkm_values_betas else self.optimizer_config["betas"])
         constant = cfg.pkm_values_lr_schedule == "constant"
         return {"weight_decay": float(cfg.pkm_values_weight_decay), "betas": betas,
-                "lr_scale": cfg.pkm_values_lr / self.optimizer_config["lr"],
-                "lr_constant": cfg.pkm_values_lr if constant else None, VALUES_GROUP: True}
+                "lr_scale": self.values_lr / self.optimizer_config["lr"],
+                "lr_constant": self.values_lr if constant else None, VALUES_GROUP: True}
 
     def set_lr(self, lr):
         for group in self.param_groups:

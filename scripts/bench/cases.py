@@ -246,25 +246,21 @@ def _sort_search(q, k, knn):
     return torch.softmax(s[..., :knn], -1), i1.gather(-1, a) * n_keys + i2.gather(-1, b)
 
 
-def _same_search(q, k, slots, ref_slots):
-    """The fused search's slots against the reference's on this device: equal, or where they
-    differ (the kernel sums each score in another order than cuBLAS, so a near-tie may rank the
-    other way) the same scores: each row's chosen scores, recomputed in float64, within 1e-5 of
-    the largest score of the reference's. Prints how many rows differ and by how much."""
-    def exact(s):  # slots [N, H, knn] -> their scores in float64, sorted, largest first
-        a, b = (s.long() // k.size(2)).transpose(0, 1), (s.long() % k.size(2)).transpose(0, 1)
-        q64, k64, h = q.double(), k.double(), torch.arange(k.size(0), device=k.device)[:, None, None]
-        half = k.size(-1)
-        one = (q64[:, :, None, :half] * k64[h, 0, a]).sum(-1)  # [H, N, knn]
-        return (one + (q64[:, :, None, half:] * k64[h, 1, b]).sum(-1)).sort(-1, True).values
-
-    rows = (slots.long() != ref_slots.long()).any(-1)
-    got, want = exact(slots), exact(ref_slots)
-    gap = (got - want).abs().max().item() / want.abs().max().item()
-    text = (f"{rows.sum().item()} of {rows.numel()} (token, head) rows chose other slots than "
-            f"the reference; largest score gap {gap:.2e} of the largest score")
+def _same_search(q, k, slots, ref):
+    """The fused search against the reference here: where the slots differ (the kernel sums in
+    another order than cuBLAS, so a near-tie may rank the other way), each row's chosen scores,
+    recomputed in float64, are within 1e-5 of the largest; prints how many rows differ."""
+    def exact(s):  # slots [N, H, knn] -> their float64 scores [H, N, knn], largest first
+        a, b, h = (s.long() // k.size(2)).mT, (s % k.size(2)).mT, k.size(3)
+        q64, k64, i = q.double()[:, :, None], k.double(), torch.arange(k.size(0), device=k.device)
+        i = i[:, None, None]
+        return ((q64[..., :h] * k64[i, 0, a]).sum(-1) + (q64[..., h:] * k64[i, 1, b]).sum(-1)
+                ).sort(-1, True).values
+    rows, (got, want) = (slots.long() != ref.long()).any(-1), map(exact, (slots, ref))
+    text = (f"{rows.sum()} of {rows.numel()} (token, head) rows chose other slots than the "
+            f"reference; largest score gap {(got - want).abs().max() / want.abs().max():.2e}")
     print(f"search check: {text}", flush=True)
-    if gap > 1e-5:
+    if (got - want).abs().max() > 1e-5 * want.abs().max():
         raise RuntimeError(f"the fused search differs from the reference here: {text}")
 
 
@@ -539,20 +535,32 @@ MEMPLUS = ("--optimizer pkm_adam --pkm-sparse false --pkm-values-lr 1e-3 "
 _LLAMA = {"paper": "--decoder-ffn-embed-dim 516 --swiglu-multiple-of 8",
           "tiny": "--decoder-ffn-embed-dim 72 --swiglu-multiple-of 8"}
 _PKM_LLAMA_FFN = {"paper": "swiglu,swiglu,swiglu,pkm,swiglu,swiglu", "tiny": "swiglu,pkm"}
+_PKM3_LLAMA_FFN = {"paper": "swiglu,pkm,swiglu,pkm,swiglu,pkm", "tiny": "swiglu,pkm"}
+_RATIO, _ONE = "--pkm-values-lr-ratio 10", {"paper": "--pkm-decoder-layers 3", "tiny": ""}
+_MEMPLUS_SPLITS = {"value-lr ratio 10 (the reference's)": dict.fromkeys(_ONE, _RATIO),
+                   "one memory layer (the middle)": _ONE,
+                   "value-lr ratio 10 and one memory layer": {s: f"{_RATIO} {_ONE[s]}" for s in _ONE}}
 _PKM = {s: f"{_MEM[s]} {XLM}" + (" --pkm-k-dim 64" if s == "paper" else "") for s in _MEM}
+_PKM_LLAMA = {s: f"--arch transformer_lm_pkm --norm rmsnorm --rope --rope-theta 500000 "  # (the
+               f"--no-proj-bias --no-token-positional-embeddings --decoder-ffn "  # host's flags)
+               f"{_PKM_LLAMA_FFN[s]} {_LLAMA[s]} {_PKM[s]}" for s in _MEM}
 add(Quality("pkm", "memory-lm", "lm", MEMORY_LM, {
     "dense (attnzoo_lm)": "--arch attnzoo_lm --optimizer adam",
     "dense, Llama host (attnzoo_lm_llama, equal parameters)": {
         s: f"--arch attnzoo_lm_llama {_LLAMA[s]} --optimizer adam" for s in _MEM},
     "transformer_lm_pkm, XLM recipe": {s: f"--arch transformer_lm_pkm {_PKM[s]}" for s in _MEM},
-    "transformer_lm_pkm, Llama host, XLM recipe": {  # (the host flags on the pkm arch)
-        s: f"--arch transformer_lm_pkm --norm rmsnorm --rope --rope-theta 500000 --no-proj-bias "
-           f"--no-token-positional-embeddings --decoder-ffn {_PKM_LLAMA_FFN[s]} {_LLAMA[s]} "
-           f"{_PKM[s]}" for s in _MEM},
+    "transformer_lm_pkm, Llama host, XLM recipe": _PKM_LLAMA,
     "transformer_lm_memplus, memory-code recipe (dense values)": {
         s: f"--arch transformer_lm_memplus {_MEM[s]} {MEMPLUS}" for s in _MEM},
     "transformer_lm_memplus_llama, memory-code recipe": {
-        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} {MEMPLUS}" for s in _MEM}},
+        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} {MEMPLUS}" for s in _MEM},
+    # what separates Memory+ from PKM: the value-lr ratio (MEMPLUS: 0.5x --lr, the reference's
+    # 10x) and the memory count (3 of 6 layers, Memory+'s "spread"; the reference 3 of 24)
+    **{f"transformer_lm_memplus_llama, memory-code recipe, {what}": {
+        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} {MEMPLUS} {flags[s]}"
+        for s in _MEM} for what, flags in _MEMPLUS_SPLITS.items()},
+    "transformer_lm_pkm, Llama host, XLM recipe, three memory layers (as Memory+)": {
+        s: _PKM_LLAMA[s].replace(_PKM_LLAMA_FFN[s], _PKM3_LLAMA_FFN[s]) for s in _MEM}},
     updates={"paper": 1000, "tiny": 4},
     note="dense vs PKM vs Memory+ character LM on data/wiki-gensim, in fairseq's host and the "
     "Llama host (RMSNorm, SwiGLU, RoPE, no biases): valid bits per byte"))
