@@ -153,12 +153,12 @@ def test_row_ranges(dtype):
 
 def test_default_launches():
     """A row of up to READ_COLS columns is one read program; a wider one is split into chunks of
-    READ_COLS. The backward keeps a whole row per program."""
+    READ_COLS, in the read and both backwards alike."""
     assert pkm_triton.read_launch(512, 128) == pkm_triton.Launch(512, 16, 2)
     assert pkm_triton.read_launch(1024, 128) == pkm_triton.Launch(512, 16, 2)
     assert pkm_triton.read_launch(37, 1) == pkm_triton.Launch(64, 1, 2)
     assert pkm_triton.backward_launch(512) == pkm_triton.Launch(512, 4, 2)
-    assert pkm_triton.backward_launch(1024) == pkm_triton.Launch(1024, 2, 8)
+    assert pkm_triton.backward_launch(1024) == pkm_triton.Launch(512, 4, 2)
     assert pkm_triton.backward_launch(1024, "reads") == pkm_triton.Launch(512, 8, 2)
 
 

@@ -46,11 +46,12 @@ MAX_DIM = 8192
 #: elements of the [reads, columns] tile a program holds at once
 _TILE = 8192
 #: elements of the rows backward's [reads, columns] tile: at d 512 on an H100, 4 reads a step
-#: (1.06 ms) beat 8 (1.46 ms) and 16 (2.60 ms) (pkm/launch-sweep; d 1024 is not yet timed)
+#: (1.06 ms) beat 8 (1.46 ms) and 16 (2.60 ms) (pkm/launch-sweep; a wider row is split in chunks)
 _BACKWARD_TILE = 2048
-#: widest column chunk of one read program: a wider row is read by several programs, each like a
-#: d-512 program (on an H100 a whole d-512 row per program came much closer to the copy bandwidth
-#: than a whole d-1024 row: docs/performance.md, ``pkm/value-read``; CHANGELOG)
+#: widest column chunk of one read or backward program: a wider row is split over several
+#: programs, each like a d-512 program (a whole d-1024 row per program read further from the copy
+#: bandwidth on an H100 and took 11x the backward time of d 512 on an H200: docs/performance.md,
+#: ``pkm/value-read``; CHANGELOG)
 READ_COLS = 512
 
 
@@ -234,30 +235,28 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _warps(block_d: int) -> int:
-    # 2 warps for a chunk of at most 512 columns: on an H100 (bf16, d 512; docs/performance.md,
-    # pkm/launch-sweep) 2 beat 4 and 8 for the read and both backwards at every chunk and row count
-    return 2 if block_d <= 512 else 8
+#: warps of a program (of at most READ_COLS columns): on an H100 (bf16, d 512; docs/performance.md,
+#: pkm/launch-sweep) 2 beat 4 and 8 for the read and both backwards at every chunk and row count
+_WARPS = 2
 
 
 def read_launch(d: int, m: int) -> Launch:
     """The read's launch: column chunks of at most :data:`READ_COLS`, rows filling the tile."""
     cols = min(_pow2(d), READ_COLS)
-    return Launch(cols, max(1, min(_pow2(m), _TILE // cols)), _warps(cols))
+    return Launch(cols, max(1, min(_pow2(m), _TILE // cols)), _WARPS)
 
 
 def backward_launch(d: int, method: str = "rows") -> Launch:
-    """The backward's launch. ``rows``: the whole row in one program (measured on a GPU by the
-    benchmark case ``pkm/value-read``, docs/performance.md), rows filling a tile of
-    :data:`_BACKWARD_TILE`;
-    ``reads``: column chunks of at most :data:`READ_COLS` and blocks of 8 reads (its segmented
-    scan needs about twice the registers of a plain tile: 16 reads of 512 columns take 230 a
-    thread on sm_90, 8 take 128)."""
-    if method == "rows":
-        cols = _pow2(d)
-        return Launch(cols, max(1, _BACKWARD_TILE // cols), _warps(cols))
+    """The backward's launch, in column chunks of at most :data:`READ_COLS` (like the read; an
+    H200 took 12.2 ms for the dense backward of d 1024 as one 1024-column program a row, against
+    1.08 ms for d 512: docs/performance.md, ``pkm/value-read``). ``rows``: rows filling a tile
+    of :data:`_BACKWARD_TILE`; ``reads``: blocks of 8 reads (its segmented scan needs about
+    twice the registers of a plain tile: 16 reads of 512 columns take 230 a thread on sm_90, 8
+    take 128)."""
     cols = min(_pow2(d), READ_COLS)
-    return Launch(cols, 8, _warps(cols))
+    if method == "rows":
+        return Launch(cols, max(1, _BACKWARD_TILE // cols), _WARPS)
+    return Launch(cols, 8, _WARPS)
 
 
 def _chunks(d: int, cols: int) -> int:
