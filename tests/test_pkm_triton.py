@@ -362,10 +362,14 @@ def test_search_equals_the_reference(dtype):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
-def test_search_merges_blocks_of_sub_keys():
-    """Sub-keys scored a block at a time (blocks of 16 of 40, the last cut short; knn 4) give the
+@pytest.mark.parametrize("k_dim", [16, 96], ids=["half 8", "half 48"])
+def test_search_merges_blocks_of_sub_keys(k_dim):
+    """Sub-keys scored a block at a time (blocks of 16 of 40, the last cut short; knn 4), and a
+    half-query wider than a tl.dot step (48 dims: steps of 32, the last cut short) give the
     one-block answer and the reference's."""
-    query, keys = _search_problem(torch.float32, heads=1, n=16, n_keys=40)
+    assert pkm_search_triton.search_launch(k_dim // 2, 4, 40)[:3] == (
+        (16, 16, 64) if k_dim == 16 else (64, 32, 64))
+    query, keys = _search_problem(torch.float32, heads=1, n=16, k_dim=k_dim, n_keys=40)
     ref_w, ref_slots = _reference_search(query, keys, 4)
     for block in (16, None):
         weights, slots, _ = pkm_search_triton._search(query, keys, 4, key_block=block)
@@ -540,7 +544,7 @@ def test_memory_with_search_kernel_equals_memory_without(dtype):
 def test_search_kernels_compile_for_an_h100():
     """The search (float32 and bfloat16 inputs) and both backward kernels compile for sm_90 at the
     paper's shape (k_dim 256, knn 32; n_keys is not compiled in) -- no GPU needed: a codegen error
-    that the interpreter cannot see (tl.dot, tl.topk of int64, atomics) fails here -- and none
+    that the interpreter cannot see (tl.dot, int64 reductions, atomics) fails here -- and none
     spills registers to local memory."""
     _compile_without_spills("compile_search_for_sm90", 5, timeout=600)
 
@@ -560,15 +564,15 @@ def compile_search_for_sm90():
         return _local_bytes(compiled)
 
     half, knn = 128, 32
-    block_d, key_block, knn_p = S.search_launch(half, knn, 512)
+    block_d, dot_d, key_block, knn_p, pairs = S.search_launch(half, knn, 512)
     for dt in ("fp32", "bf16"):
-        sig = dict(q=f"*{dt}", keys=f"*{dt}", w_out="*fp32", slot_out="*i32", sub_out="*i32",
-                   n="i32", heads="i32", n_keys="i32", knn="i32", stride_qh="i32",
-                   stride_qn="i32", HALF="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr",
-                   KEY_BLOCK="constexpr", KNN="constexpr", ROWS="constexpr",
-                   PRECISION="constexpr", UPCAST="constexpr")
-        local = build(search, sig, HALF=half, BLOCK_N=S.BLOCK_N, BLOCK_D=block_d,
-                      KEY_BLOCK=key_block, KNN=knn_p, ROWS=S.CANDIDATES // knn_p,
+        sig = dict(q=f"*{dt}", keys=f"*{dt}", scratch="*i64", w_out="*fp32", slot_out="*i32",
+                   sub_out="*i32", n="i32", heads="i32", n_keys="i32", knn="i32",
+                   stride_qh="i32", stride_qn="i32", HALF="constexpr", BLOCK_N="constexpr",
+                   BLOCK_D="constexpr", DOT_D="constexpr", KEY_BLOCK="constexpr",
+                   KNN="constexpr", PAIRS="constexpr", PRECISION="constexpr", UPCAST="constexpr")
+        local = build(search, sig, HALF=half, BLOCK_N=S.BLOCK_N, BLOCK_D=block_d, DOT_D=dot_d,
+                      KEY_BLOCK=key_block, KNN=knn_p, PAIRS=pairs,
                       PRECISION=S._precision({"fp32": torch.float32}.get(dt, torch.bfloat16)),
                       UPCAST=False)
         print(f"search {dt} local {local}")

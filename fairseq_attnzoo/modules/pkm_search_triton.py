@@ -5,23 +5,27 @@ The reference is :class:`~fairseq_attnzoo.modules.pkm._ProductTopk` (and the sof
 ``BLOCK_N`` tokens and one head, one program computes:
 
 * both halves' scores ``q^i · C_i`` by ``tl.dot`` (bf16/fp16 in with float32 accumulation; float32
-  in as IEEE float32, no TF32), one block of ``KEY_BLOCK`` sub-keys at a time, each block's
-  top-knn merged into a running top-knn kept in registers -- no score block in global memory;
-* all knn × knn candidate pairs (a, b) of the two lists, scored ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32
-  (the reference's arithmetic), a few rows a at a time (:data:`CANDIDATES` pairs), each step's
-  top-knn merged into the final top-knn (the reference skips the pairs that cannot win, those
-  with (a+1)(b+1) > knn; here every pair competes, so the tie rule below holds over all of them);
+  in as IEEE float32, no TF32), one block of ``KEY_BLOCK`` sub-keys at a time, each block merged
+  into a running top-knn kept in registers -- no score block in global memory;
+* the candidate pairs (a, b) of the two sorted lists that can win, (a+1)(b+1) <= knn (the
+  reference's set, 119 of 1024 at knn 32), gathered from a per-program scratch of the two lists
+  and scored ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32 (the reference's arithmetic), and their top-knn;
 * the softmax of the knn final scores (float32).
 
 It writes only the answer: the softmax weights ``[N, H, knn]`` (float32), the slots a·n_keys + b
 (int32) and the chosen sub-key ids ``[N, H, 2, knn]`` (int32).
 
-A top-k carries its indices by sorting one integer per element: the score's float32 bits mapped
-to an integer of the same order (negative floats' magnitude bits flipped; -0 counted as +0) in
-the high 32 bits, and ``MAX - index`` in the low 31 bits, so ``tl.topk`` on the packed int64 is
-the top-k by score with **ties going to the lower index** (the sub-key id within a half; the slot
-among the candidates) -- the tie rule of this kernel. On random inputs the slots equal the
-reference's (whose ties go wherever ``torch.topk`` puts them: undocumented).
+A top-k carries its indices in one integer per element: the score's float32 bits mapped to an
+integer of the same order (negative floats' magnitude bits flipped; -0 counted as +0) in the high
+32 bits, and ``MAX - index`` in the low 31 bits, so the packed int64 keys of a row are distinct and
+ordered by score with **ties going to the lower index** (the sub-key id within a half; the slot
+among the candidate pairs) -- the tie rule of this kernel. A top-knn is knn rounds of taking each
+row's largest key out of the tile (a compare-and-select over it): no sort; the first H200 visit
+measured a bitonic ``tl.topk`` merge of 64-key blocks at 1.4x torch.topk's time
+(docs/performance.md, ``pkm/search-forward``). On random inputs the slots equal the reference's
+but for near-ties that the two summation orders round apart (11-25 of 65,536 rows at the paper
+shape on an H200, each within 5e-8 of the top score); the reference's own ties go wherever
+``torch.topk`` puts them (undocumented).
 
 Backward (``g`` = ∂L/∂score = w ⊙ (∂L/∂w − Σ w ∂L/∂w), the softmax's backward, in float32):
 
@@ -57,9 +61,10 @@ MAX_KNN = 128
 MAX_KEYS = 1 << 15
 #: tokens a program searches (tl.dot needs at least 16 rows)
 BLOCK_N = 16
-#: candidate pairs scored a step: ROWS rows a of the knn x knn pairs (a, b), whose top-knn is
-#: merged into the final top-knn (knn 32: 8 rows, 4 steps)
-CANDIDATES = 256
+#: the most sub-keys a program scores at once ([BLOCK_N, KEY_BLOCK] scores, packed to int64)
+KEY_BLOCK = 128
+#: the dims of a half-query a tl.dot step takes (a [DOT_D, KEY_BLOCK] key tile)
+DOT_D = 32
 #: elements of the key-gradient program's [reads, k_dim/2] tile (32 reads of a 128-wide half)
 KEY_ROWS = 4096
 #: the key-gradient methods; :data:`KEY_BACKWARD` is the default (deterministic)
@@ -68,7 +73,7 @@ KEY_BACKWARD = "segment"
 
 _KERNELS = []
 triton = tl = None  # set by _define()
-_pack = _unpack_score = _half_topk = None
+_pack = _unpack_score = _take_top = _half_topk = None
 
 
 def _kernels():
@@ -78,7 +83,7 @@ def _kernels():
 
 
 def _define():
-    global triton, tl, _pack, _unpack_score, _half_topk  # (found by the kernels here)
+    global triton, tl, _pack, _unpack_score, _take_top, _half_topk  # (found by the kernels here)
     import triton
     import triton.language as tl
 
@@ -95,62 +100,92 @@ def _define():
         return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _take_top(block, top, knn, KNN: tl.constexpr, EMPTY: tl.constexpr):
+        """The knn largest packed keys of ``block`` [BLOCK_N, B] and ``top`` [BLOCK_N, KNN] (keys
+        distinct within a row; EMPTY: none), largest first: knn rounds of taking each row's
+        maximum out of both (a round is a compare-and-select over the tiles; no sort)."""
+        col = tl.arange(0, KNN)[None, :]
+        out = tl.full([block.shape[0], KNN], EMPTY, tl.int64)
+        for r in range(0, knn):
+            m = tl.maximum(tl.max(block, 1), tl.max(top, 1))[:, None]
+            out = tl.where(col == r, m, out)
+            block = tl.where(block == m, EMPTY, block)
+            top = tl.where(top == m, EMPTY, top)
+        return out
+
+    @triton.jit
     def _half_topk(q, keys, h, i, rows, row_ok, n_keys, knn, stride_qh, stride_qn,
                    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   KEY_BLOCK: tl.constexpr, KNN: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, EMPTY: tl.constexpr):
-        """Half i's top-knn sub-keys of each token, packed (score, 2^31-1 - id), sorted; the
-        entries past knn are EMPTY."""
-        d = tl.arange(0, BLOCK_D)
+                   DOT_D: tl.constexpr, KEY_BLOCK: tl.constexpr, KNN: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMPTY: tl.constexpr):
+        """Half i's top-knn sub-keys of each token, packed (score, 2^31-1 - id), largest first;
+        the entries past knn are EMPTY. A block of KEY_BLOCK sub-keys is scored DOT_D dims at a
+        time (a [DOT_D, KEY_BLOCK] key tile, not the whole [k_dim/2, KEY_BLOCK] block)."""
         kb = tl.arange(0, KEY_BLOCK)
-        qi = tl.load(q + h.to(tl.int64) * stride_qh + rows.to(tl.int64)[:, None] * stride_qn
-                     + i * HALF + d[None, :], mask=row_ok[:, None] & (d[None, :] < HALF), other=0)
+        dd = tl.arange(0, DOT_D)
+        q_rows = q + h.to(tl.int64) * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + i * HALF
         base = keys + (h * 2 + i).to(tl.int64) * n_keys * HALF
         top = tl.full([BLOCK_N, KNN], EMPTY, tl.int64)
-        for s in range(0, n_keys, KEY_BLOCK):  # a block of sub-keys, its top-knn merged in
+        for s in range(0, n_keys, KEY_BLOCK):  # a block of sub-keys, merged into the top-knn
             k_ok = s + kb < n_keys
-            kt = tl.load(base + (s + kb)[None, :] * HALF + d[:, None],
-                         mask=k_ok[None, :] & (d[:, None] < HALF), other=0)
-            if UPCAST:  # the interpreter's bf16 tl.dot reads the bits wrong (Triton 3.9)
-                scores = tl.dot(qi.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-            else:  # [BLOCK_N, KEY_BLOCK] float32
-                scores = tl.dot(qi, kt, input_precision=PRECISION)
+            scores = tl.zeros([BLOCK_N, KEY_BLOCK], dtype=tl.float32)
+            for c in tl.static_range(0, BLOCK_D, DOT_D):
+                d = c + dd
+                qi = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & (d[None, :] < HALF),
+                             other=0)
+                kt = tl.load(base + (s + kb)[None, :] * HALF + d[:, None],
+                             mask=k_ok[None, :] & (d[:, None] < HALF), other=0)
+                if UPCAST:  # the interpreter's bf16 tl.dot reads the bits wrong (Triton 3.9)
+                    scores = tl.dot(qi.to(tl.float32), kt.to(tl.float32), scores,
+                                    input_precision="ieee")
+                else:  # float32 accumulation
+                    scores = tl.dot(qi, kt, scores, input_precision=PRECISION)
             packed = tl.where(k_ok[None, :], _pack(scores, 0x7FFFFFFF - (s + kb)[None, :]), EMPTY)
-            both = tl.reshape(tl.join(top, tl.topk(packed, KNN, dim=1)), [BLOCK_N, 2 * KNN])
-            top = tl.topk(both, KNN, dim=1)
-        return tl.where((tl.arange(0, KNN) < knn)[None, :], top, EMPTY)
+            top = _take_top(packed, top, knn, KNN, EMPTY)
+        return top
 
-    def _search_kernel(q, keys, w_out, slot_out, sub_out, n, heads, n_keys, knn,
+    def _search_kernel(q, keys, scratch, w_out, slot_out, sub_out, n, heads, n_keys, knn,
                        stride_qh, stride_qn, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, KEY_BLOCK: tl.constexpr, KNN: tl.constexpr,
-                       ROWS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_D: tl.constexpr, DOT_D: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                       KNN: tl.constexpr, PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr):
         EMPTY: tl.constexpr = -9223372036854775807 - 1  # below every packed key
         h = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         pos = tl.arange(0, KNN)
         keep = pos < knn
-        top1 = _half_topk(q, keys, h, 0, rows, row_ok, n_keys, knn, stride_qh, stride_qn, HALF,
-                          BLOCK_N, BLOCK_D, KEY_BLOCK, KNN, PRECISION, UPCAST, EMPTY)
-        top2 = _half_topk(q, keys, h, 1, rows, row_ok, n_keys, knn, stride_qh, stride_qn, HALF,
-                          BLOCK_N, BLOCK_D, KEY_BLOCK, KNN, PRECISION, UPCAST, EMPTY)
-        ids2 = 0x7FFFFFFF - (top2 & 0x7FFFFFFF).to(tl.int32)
-        s2 = _unpack_score(top2)
-        ok2 = top2 != EMPTY
+        # the two half lists go through this program's scratch [2, BLOCK_N, KNN], from which the
+        # candidate pairs are gathered
+        mine = scratch + (tl.program_id(0) * heads + h).to(tl.int64) * (2 * BLOCK_N * KNN)
+        local = tl.arange(0, BLOCK_N)[:, None] * KNN
+        for i in tl.static_range(2):
+            top = _half_topk(q, keys, h, i, rows, row_ok, n_keys, knn, stride_qh, stride_qn,
+                             HALF, BLOCK_N, BLOCK_D, DOT_D, KEY_BLOCK, KNN, PRECISION, UPCAST,
+                             EMPTY)
+            tl.store(mine + i * BLOCK_N * KNN + local + pos[None, :], top)
+        tl.debug_barrier()
+        # candidate pair j: (a, b) of the two sorted lists with (a+1)(b+1) <= knn, row-major
+        # (row a holds knn // (a+1) pairs), as the reference scores them
+        j = tl.arange(0, PAIRS)
+        a = tl.zeros([PAIRS], dtype=tl.int32)
+        start = tl.zeros([PAIRS], dtype=tl.int32)
+        end = tl.full([], 0, tl.int32)
+        for r in range(0, knn):
+            end += knn // (r + 1)
+            past = j >= end
+            a += past.to(tl.int32)
+            start = tl.where(past, end, start)
+        ok = (j < end)[None, :]
+        p1 = tl.load(mine + local + a[None, :], mask=ok, other=EMPTY)
+        p2 = tl.load(mine + BLOCK_N * KNN + local + (j - start)[None, :], mask=ok, other=EMPTY)
+        id1 = 0x7FFFFFFF - (p1 & 0x7FFFFFFF).to(tl.int32)
+        id2 = 0x7FFFFFFF - (p2 & 0x7FFFFFFF).to(tl.int32)
         max_slot = n_keys * n_keys - 1
-        final = tl.full([BLOCK_N, KNN], EMPTY, tl.int64)
-        group = tl.arange(0, KNN // ROWS)
-        top1 = tl.reshape(top1, [BLOCK_N, KNN // ROWS, ROWS])
-        for g in range(0, tl.cdiv(knn, ROWS)):  # candidate rows a = g·ROWS.., (a, b) for every b
-            p1 = tl.max(tl.where(group[None, :, None] == g, top1, EMPTY), axis=1)  # [N, ROWS]
-            id1 = 0x7FFFFFFF - (p1 & 0x7FFFFFFF).to(tl.int32)
-            slot = id1[:, :, None] * n_keys + ids2[:, None, :]
-            # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32, as the reference adds them
-            cand = tl.where((p1 != EMPTY)[:, :, None] & ok2[:, None, :],
-                            _pack(_unpack_score(p1)[:, :, None] + s2[:, None, :],
-                                  max_slot - slot), EMPTY)
-            best = tl.topk(tl.reshape(cand, [BLOCK_N, ROWS * KNN]), KNN, dim=1)
-            final = tl.topk(tl.reshape(tl.join(final, best), [BLOCK_N, 2 * KNN]), KNN, dim=1)
+        # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32, as the reference adds them; ties: the lower slot
+        cand = tl.where(ok, _pack(_unpack_score(p1) + _unpack_score(p2),
+                                  max_slot - (id1 * n_keys + id2)), EMPTY)
+        final = _take_top(cand, tl.full([BLOCK_N, KNN], EMPTY, tl.int64), knn, KNN, EMPTY)
         slot = max_slot - (final & 0x7FFFFFFF).to(tl.int32)
         score = tl.where(keep[None, :], _unpack_score(final), float("-inf"))
         e = tl.exp(score - tl.max(score, 1)[:, None])  # (the first is the largest)
@@ -231,13 +266,13 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def search_launch(half: int, knn: int, n_keys: int) -> Tuple[int, int, int]:
-    """``(BLOCK_D, KEY_BLOCK, KNN)``: the padded half width; the sub-keys scored a step (at least
-    the padded knn, as a step's top-knn is taken among them, and 16, tl.dot's least; at most 64:
-    a [k_dim/2, 64] float32 key block is 32 KiB at the paper's k_dim 256); the padded knn."""
-    knn_p = pkm_triton._pow2(knn)
-    return (max(16, pkm_triton._pow2(half)), max(knn_p, 16, min(64, pkm_triton._pow2(n_keys))),
-            knn_p)
+def search_launch(half: int, knn: int, n_keys: int) -> Tuple[int, int, int, int, int]:
+    """``(BLOCK_D, DOT_D, KEY_BLOCK, KNN, PAIRS)``: the padded half width; the dims a tl.dot step
+    takes (16 at least); the sub-keys scored a step (16 at least, tl.dot's least; at most
+    :data:`KEY_BLOCK`); the padded knn; the padded number of candidate pairs."""
+    block_d = max(16, pkm_triton._pow2(half))
+    return (block_d, min(block_d, DOT_D), max(16, min(KEY_BLOCK, pkm_triton._pow2(n_keys))),
+            pkm_triton._pow2(knn), pkm_triton._pow2(sum(knn // (a + 1) for a in range(knn))))
 
 
 def why_unavailable(query: Tensor, keys: Tensor, knn: int) -> Optional[str]:
@@ -294,12 +329,15 @@ def _search(query: Tensor, keys: Tensor, knn: int, key_block: Optional[int] = No
     slots = torch.empty(n, h, knn, dtype=torch.int32, device=query.device)
     sub = torch.empty(n, h, 2, knn, dtype=torch.int32, device=query.device)
     if n:
-        block_d, default_block, knn_p = search_launch(half, knn, n_keys)
-        key_block = key_block or default_block
-        search_kernel[(-(-n // BLOCK_N), h)](
-            query, keys, w, slots, sub, n, h, n_keys, knn, query.stride(0), query.stride(1),
-            HALF=half, BLOCK_N=BLOCK_N, BLOCK_D=block_d, KEY_BLOCK=key_block, KNN=knn_p,
-            ROWS=min(knn_p, max(1, CANDIDATES // knn_p)), PRECISION=_precision(query.dtype),
+        block_d, dot_d, default_block, knn_p, pairs = search_launch(half, knn, n_keys)
+        grid = (-(-n // BLOCK_N), h)
+        scratch = torch.empty(grid[0] * h * 2 * BLOCK_N * knn_p, dtype=torch.int64,
+                              device=query.device)
+        search_kernel[grid](
+            query, keys, scratch, w, slots, sub, n, h, n_keys, knn, query.stride(0),
+            query.stride(1), HALF=half, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DOT_D=dot_d,
+            KEY_BLOCK=key_block or default_block, KNN=knn_p, PAIRS=pairs,
+            PRECISION=_precision(query.dtype),
             UPCAST=query.dtype == torch.bfloat16 and pkm_triton.interpreted(), num_warps=4)
     return w, slots, sub
 
@@ -321,7 +359,7 @@ def _backward(grad_w: Tensor, weights: Tensor, sub: Tensor, query: Tensor, keys:
     grad_keys = torch.zeros(h, 2, n_keys, half, dtype=torch.float32, device=query.device) \
         if atomic else torch.empty(h, 2, n_keys, half, dtype=torch.float32, device=query.device)
     grad_s = torch.empty(n, h, knn, dtype=torch.float32, device=query.device)
-    block_d, _, knn_p = search_launch(half, knn, n_keys)
+    block_d, _, _, knn_p, _ = search_launch(half, knn, n_keys)
     if n:
         query_kernel[(-(-n // BLOCK_N), h)](
             grad_w.contiguous(), weights, sub, query, keys_q, grad_q, grad_s, grad_keys, n, h,

@@ -236,22 +236,13 @@ add(Kernel("pkm", "layer-vs-ffn", {
          "replaces"))
 
 
-def _sort_search(q, k, knn):
-    """Today's search with full sorts for its top-ks: weights, slots."""
-    half, n_keys = k.size(-1), k.size(2)
-    (s1, i1), (s2, i2) = (torch.bmm(q[..., h * half:(h + 1) * half], k[:, h].transpose(1, 2))
-                          .sort(-1, descending=True) for h in range(2))
-    s, best = (s1[..., :knn, None] + s2[..., None, :knn]).flatten(-2).sort(-1, descending=True)
-    a, b = best[..., :knn].div(knn, rounding_mode="floor"), best[..., :knn] % knn
-    return torch.softmax(s[..., :knn], -1), i1.gather(-1, a) * n_keys + i2.gather(-1, b)
-
-
 def _same_search(q, k, slots, ref):
     """The fused search against the reference here: where the slots differ (the kernel sums in
     another order than cuBLAS, so a near-tie may rank the other way), each row's chosen scores,
     recomputed in float64, are within 1e-5 of the largest; prints how many rows differ."""
     def exact(s):  # slots [N, H, knn] -> their float64 scores [H, N, knn], largest first
-        a, b, h = (s.long() // k.size(2)).mT, (s % k.size(2)).mT, k.size(3)
+        a, b = (x.transpose(0, 1) for x in (s.long() // k.size(2), s.long() % k.size(2)))
+        h = k.size(3)
         q64, k64, i = q.double()[:, :, None], k.double(), torch.arange(k.size(0), device=k.device)
         i = i[:, None, None]
         return ((q64[..., :h] * k64[i, 0, a]).sum(-1) + (q64[..., h:] * k64[i, 1, b]).sum(-1)
@@ -265,8 +256,8 @@ def _same_search(q, k, slots, ref):
 
 
 def _search(p, device, dtype):
-    """The search alone, or its backward: today's (torch.topk), sorts, the fused kernel (which
-    first checks that it finds the reference's slots on this device); queries [H, N, k_dim] as a
+    """The search alone, or its backward: today's (torch.topk) or the fused kernel (checked
+    against it here first; forward: in blocks of ``block`` sub-keys); queries [H, N, k_dim] as a
     view of [N, H·k_dim], as the layer hands them over."""
     from fairseq_attnzoo.modules import pkm_search_triton as fused
     from fairseq_attnzoo.modules.pkm import _ProductTopk
@@ -276,16 +267,15 @@ def _search(p, device, dtype):
     q = q.detach().requires_grad_(grad)
     k = randn(p["heads"], 2, p["n_keys"], p["k_dim"] // 2, device=device, dtype=dt, grad=grad)
     ref = _ProductTopk.apply(q.float(), k.float(), p["knn"])
-    if p["impl"] != "fused" and p["pass"] == "forward" or p["impl"] == "sort":
-        return lambda: (_sort_search if p["impl"] == "sort" else _ProductTopk.apply)(q, k, p["knn"])
     if p["impl"] == "topk":
-        return lambda: torch.autograd.grad(ref[0].softmax(-1), (q, k), ref[0], retain_graph=True)
+        return (lambda: _ProductTopk.apply(q, k, p["knn"])) if p["pass"] == "forward" else (
+            lambda: torch.autograd.grad(ref[0].softmax(-1), (q, k), ref[0], retain_graph=True))
     if "triton" not in _kernels(device):
         raise RuntimeError("no Triton on this device")
-    w, slots, sub = fused.search_op(q, k, p["knn"])
+    w, slots, sub = fused._search(q, k, p["knn"], p.get("block"))
     _same_search(q, k, slots, ref[1])
     if p["pass"] == "forward":
-        return lambda: fused.search_op(q, k, p["knn"])
+        return lambda: fused._search(q, k, p["knn"], p["block"])
     return lambda: fused.search_backward_op(w, w, sub, q, k, p["impl"])
 
 
@@ -296,16 +286,17 @@ def _search_work(p, dtype):  # forward: the score GEMMs; backward: the rows gath
     return "bytes", (2 * n * p["knn"] * p["k_dim"] + 2 * n * p["k_dim"]) * e
 
 
-for _pass, _impls in (("forward", [("sort", "float32"), ("fused", "float32"), ("fused", "dtype")]),
-                      ("backward", [(m, i) for m in ("segment", "atomic")
+for _pass, _impls in (("forward", [dict(impl="fused", inputs=i, block=b)
+                                   for i in ("float32", "dtype") for b in (64, 128, 256)]),
+                      ("backward", [dict(impl=m, inputs=i) for m in ("segment", "atomic")
                                     for i in ("float32", "dtype")])):
     add(Kernel("pkm", f"search-{_pass}", {s: [
-        dict(base, n_keys=n, impl=m, inputs=i, **{"pass": _pass}) for n in keys for m, i in _impls]
+        dict(base, n_keys=n, **m, **{"pass": _pass}) for n in keys for m in _impls]
         for s, base, keys in (("paper", PKM_PAPER, (512, 1024)), ("tiny", PKM_TINY, (8,)))},
         _search, lambda p, dev, dt: _search(dict(p, impl="topk", inputs="float32"), dev, dt),
         work=_search_work, note=f"the product-key search's {_pass} vs today's (torch.topk, "
-        "float32): sorts; the fused Triton kernel (key gradient by segment sum or atomics) on "
-        "float32 or --dtype inputs"))
+        "float32): the fused Triton kernel (forward: blocks of 64-256 sub-keys; key gradient by "
+        "segment sum or atomics) on float32 or --dtype inputs"))
 
 
 # ---- Synthesizer ----------------------------------------------------------------------------
