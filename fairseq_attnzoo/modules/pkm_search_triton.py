@@ -61,8 +61,10 @@ MAX_KNN = 128
 MAX_KEYS = 1 << 15
 #: tokens a program searches (tl.dot needs at least 16 rows)
 BLOCK_N = 16
-#: the most sub-keys a program scores at once ([BLOCK_N, KEY_BLOCK] scores, packed to int64)
-KEY_BLOCK = 128
+#: the most sub-keys a program scores at once ([BLOCK_N, KEY_BLOCK] scores, packed to int64): on
+#: an H200 with bf16 inputs 256 beat 128 and 64 (2.12, 2.56, 3.77 ms at n_keys 512;
+#: docs/performance.md, pkm/search-forward)
+KEY_BLOCK = 256
 #: the dims of a half-query a tl.dot step takes (a [DOT_D, KEY_BLOCK] key tile)
 DOT_D = 32
 #: elements of the key-gradient program's [reads, k_dim/2] tile (32 reads of a 128-wide half)
@@ -316,8 +318,11 @@ def _check(query: Tensor, keys: Tensor, knn: int):
         raise ValueError(f"PKM search: knn must be in 1..n_keys ({keys.size(2)}), got {knn}")
 
 
-def _search(query: Tensor, keys: Tensor, knn: int, key_block: Optional[int] = None
+def _search(query: Tensor, keys: Tensor, knn: int, key_block: Optional[int] = None,
+            dot_d: Optional[int] = None, precision: Optional[str] = None
             ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`search_op`; ``key_block``, ``dot_d`` (of :func:`search_launch`) and the tl.dot
+    ``precision`` (:func:`_precision`) may be given (the benchmark's launch rows)."""
     search_kernel = _kernels()[0]
     _check(query, keys, knn)
     h, n, k_dim = query.shape
@@ -329,15 +334,15 @@ def _search(query: Tensor, keys: Tensor, knn: int, key_block: Optional[int] = No
     slots = torch.empty(n, h, knn, dtype=torch.int32, device=query.device)
     sub = torch.empty(n, h, 2, knn, dtype=torch.int32, device=query.device)
     if n:
-        block_d, dot_d, default_block, knn_p, pairs = search_launch(half, knn, n_keys)
+        block_d, default_dot, default_block, knn_p, pairs = search_launch(half, knn, n_keys)
         grid = (-(-n // BLOCK_N), h)
         scratch = torch.empty(grid[0] * h * 2 * BLOCK_N * knn_p, dtype=torch.int64,
                               device=query.device)
         search_kernel[grid](
             query, keys, scratch, w, slots, sub, n, h, n_keys, knn, query.stride(0),
-            query.stride(1), HALF=half, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DOT_D=dot_d,
-            KEY_BLOCK=key_block or default_block, KNN=knn_p, PAIRS=pairs,
-            PRECISION=_precision(query.dtype),
+            query.stride(1), HALF=half, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+            DOT_D=dot_d or default_dot, KEY_BLOCK=key_block or default_block, KNN=knn_p,
+            PAIRS=pairs, PRECISION=precision or _precision(query.dtype),
             UPCAST=query.dtype == torch.bfloat16 and pkm_triton.interpreted(), num_warps=4)
     return w, slots, sub
 

@@ -242,9 +242,8 @@ def _same_search(q, k, slots, ref):
     recomputed in float64, are within 1e-5 of the largest; prints how many rows differ."""
     def exact(s):  # slots [N, H, knn] -> their float64 scores [H, N, knn], largest first
         a, b = (x.transpose(0, 1) for x in (s.long() // k.size(2), s.long() % k.size(2)))
-        h = k.size(3)
-        q64, k64, i = q.double()[:, :, None], k.double(), torch.arange(k.size(0), device=k.device)
-        i = i[:, None, None]
+        q64, k64, h = q.double()[:, :, None], k.double(), k.size(3)
+        i = torch.arange(k.size(0), device=k.device)[:, None, None]
         return ((q64[..., :h] * k64[i, 0, a]).sum(-1) + (q64[..., h:] * k64[i, 1, b]).sum(-1)
                 ).sort(-1, True).values
     rows, (got, want) = (slots.long() != ref.long()).any(-1), map(exact, (slots, ref))
@@ -272,10 +271,10 @@ def _search(p, device, dtype):
             lambda: torch.autograd.grad(ref[0].softmax(-1), (q, k), ref[0], retain_graph=True))
     if "triton" not in _kernels(device):
         raise RuntimeError("no Triton on this device")
-    w, slots, sub = fused._search(q, k, p["knn"], p.get("block"))
+    w, slots, sub = fused._search(q, k, p["knn"], p.get("block"), precision=p.get("dot"))
     _same_search(q, k, slots, ref[1])
     if p["pass"] == "forward":
-        return lambda: fused._search(q, k, p["knn"], p["block"])
+        return lambda: fused._search(q, k, p["knn"], p["block"], precision=p.get("dot"))
     return lambda: fused.search_backward_op(w, w, sub, q, k, p["impl"])
 
 
@@ -286,8 +285,10 @@ def _search_work(p, dtype):  # forward: the score GEMMs; backward: the rows gath
     return "bytes", (2 * n * p["knn"] * p["k_dim"] + 2 * n * p["k_dim"]) * e
 
 
-for _pass, _impls in (("forward", [dict(impl="fused", inputs=i, block=b)
-                                   for i in ("float32", "dtype") for b in (64, 128, 256)]),
+for _pass, _impls in (("forward", [dict(impl="fused", inputs="dtype", block=b)
+                                   for b in (64, 128, 256)]
+                       + [dict(impl="fused", inputs="float32", block=b, dot=p)
+                          for p in ("ieee", "tf32x3") for b in (64, 256)]),
                       ("backward", [dict(impl=m, inputs=i) for m in ("segment", "atomic")
                                     for i in ("float32", "dtype")])):
     add(Kernel("pkm", f"search-{_pass}", {s: [
@@ -295,8 +296,9 @@ for _pass, _impls in (("forward", [dict(impl="fused", inputs=i, block=b)
         for s, base, keys in (("paper", PKM_PAPER, (512, 1024)), ("tiny", PKM_TINY, (8,)))},
         _search, lambda p, dev, dt: _search(dict(p, impl="topk", inputs="float32"), dev, dt),
         work=_search_work, note=f"the product-key search's {_pass} vs today's (torch.topk, "
-        "float32): the fused Triton kernel (forward: blocks of 64-256 sub-keys; key gradient by "
-        "segment sum or atomics) on float32 or --dtype inputs"))
+        "float32): the fused Triton kernel (forward: blocks of 64-256 sub-keys, float32 inputs "
+        "by IEEE or 3xTF32 tl.dot; key gradient by segment sum or atomics) on float32 or --dtype "
+        "inputs"))
 
 
 # ---- Synthesizer ----------------------------------------------------------------------------
