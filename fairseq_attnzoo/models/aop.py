@@ -62,7 +62,7 @@ class AOPConfig(FairseqDataclass):
         "help": "how the attention over the memory runs: 'sdpa' = torch's "
                 "scaled_dot_product_attention (the reference), 'triton' = the Triton kernel of "
                 "modules/aop_triton.py (CUDA only; its backward sums the shared keys' and values' "
-                "gradients over token chunks in fp32, no atomics); not yet timed on a GPU "
+                "gradients over token chunks in fp32, no atomics); slower than sdpa on an H200 "
                 "(benchmark case aop/sublayer-vs-ffn), so the default stays sdpa (default sdpa)"})
 
     def validate(self):

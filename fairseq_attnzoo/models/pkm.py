@@ -126,8 +126,9 @@ class PKMConfig(FairseqDataclass):
         metadata={"help": "PKM product-key search (top-k of both halves, the candidate pairs, "
                   "the softmax) and its backward: auto = one fused Triton kernel on CUDA when "
                   "Triton is importable, the PyTorch reference otherwise; triton / torch force "
-                  "one (same slots; ties go to the lower index); default torch until the "
-                  "fused kernel has been measured on a GPU (stage memory)"})
+                  "one (same slots; ties go to the lower index); default torch: with the "
+                  "layer's float32 queries the fused kernel measured slower on an H200 "
+                  "(docs/pkm.md, 'On the GPU')"})
     pkm_shard_values: bool = field(
         default=False,
         metadata={"help": "split every PKM value table (a shared pool included) by columns over "

@@ -216,17 +216,17 @@ def _pkm_layer(p, device, dtype):
         # batch-first; sequences of dim_head tokens (its BatchNorm takes time for channels)
         x = tokens(p, device, dtype, length=p["k_dim"] // 2).transpose(0, 1).contiguous()
         return fwd_bwd(on(m, device, dtype), x.detach().requires_grad_(True))
-    sparse, kernel = p["impl"].split()
+    sparse, kernel = p["impl"].split()[:2]  # "... fused search": --pkm-search-kernel triton
     if kernel not in _kernels(device):
         raise RuntimeError(f"{kernel} kernel not available on {device}")
     m = ProductKeyMemory(p["d"], p["d"], n_keys=p["n_keys"], heads=p["heads"], knn=p["knn"],
                          k_dim=p["k_dim"], sparse=sparse == "sparse", kernel=kernel,
-                         search_kernel=kernel)
+                         search_kernel="triton" if "fused" in p["impl"] else "torch")
     return fwd_bwd(on(m, device, dtype), tokens(p, device, dtype))
 
 
-_IMPLS = ("dense triton", "sparse triton", "dense torch", "sparse torch", "peer LayerNorm",
-          "peer BatchNorm", "peer LayerNorm sparse")
+_IMPLS = ("dense triton", "sparse triton", "dense triton fused search", "dense torch",
+          "sparse torch", "peer LayerNorm", "peer BatchNorm", "peer LayerNorm sparse")
 add(Kernel("pkm", "layer-vs-ffn", {
     "paper": _grid(dict(PKM_PAPER, ffn=0), d=(512, 1024), impl=_IMPLS),
     "tiny": _grid(dict(PKM_TINY, ffn=0), d=(32,), impl=_IMPLS)},
