@@ -32,14 +32,19 @@ fi
 # 60-90 s (its first epoch builds cuDNN plans). memory: kernel rows only (about 50 rows at
 # 10-40 ms a sample plus the Triton compiles: minutes, not a visit's 8), in four processes, each
 # with its own rooflines: a kernel that faults on its first device takes only its own call's rows)
-ORDER=(memory baseline mt-bf16-synth mt-bf16-rest host-bound mt-fp16-synth mt-fp16-rest lm span kernels
-       decode attention sweep memory-lm precision)
+ORDER=(memory gpu-bound-bf16 gpu-bound-fp16 baseline mt-bf16-synth mt-bf16-rest host-bound
+       mt-fp16-synth mt-fp16-rest lm span kernels decode attention sweep memory-lm precision)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
 # calls of it skip that extra run. mt-bf16-rest profiles 10 warm updates of every run (AOP's
 # sublayer missed its kernel target: where its time goes end to end). host-bound: the same model
 # at 4x the tokens per update, against the baseline at 8,192 (a host-bound step runs faster per
 # token with a larger batch)
+# gpu-bound-*: the stock transformer-base at 16k, 32k and 64k tokens an update, each run's warm
+# updates profiled (the GPU's busy share): the size where the GPU, not the host, is the limit
+# (the GPU issue's stage 2; at 8,192 the GPU was busy 13 % of an update)
 declare -A STAGES=(
+    [gpu-bound-bf16]="--arch transformer --precision bf16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=16384 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=32768 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=65536"
+    [gpu-bound-fp16]="--arch transformer --precision fp16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=16384 ; --arch transformer --precision fp16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=32768 ; --arch transformer --precision fp16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=65536"
     [memory]="device pkm/value-read ; device pkm/search-forward pkm/search-backward ; device pkm/layer-vs-ffn ; device aop/sublayer-vs-ffn"
     [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; --arch transformer --precision bf16 --repeats 1"
     [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0"
