@@ -94,8 +94,9 @@ train)
         # Memory+ preset (shared pool, swilu output, 1024² slots, d_q = d/2, 3 spread layers)
         # with the memory code's optimiser (lingua/optim.py, apps/main/configs/
         # pkplus_373m_1024k.yaml): one AdamW, betas (0.9, 0.95), weight decay 0.1 on every
-        # parameter, the values dense at lr 1e-3 following the schedule, clip 1.0 (values apart)
-        OPTIM=(--optimizer pkm_adam --weight-decay 0.1 --pkm-sparse false --pkm-values-lr 1e-3
+        # parameter, the values dense at 10x the model's lr (value_fixed_lr 1e-3 against
+        # optim.lr 1e-4) following the schedule, clip 1.0 (values apart)
+        OPTIM=(--optimizer pkm_adam --weight-decay 0.1 --pkm-sparse false --pkm-values-lr-ratio 10
                --pkm-values-lr-schedule follow --pkm-values-weight-decay 0.1)
         BETAS="(0.9, 0.95)"
         CLIP=1.0 ;;
