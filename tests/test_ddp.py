@@ -128,3 +128,43 @@ def test_sparse_values_match_single_process_after_every_update(arch, setup, spar
     # the exchange is logged per update (MB this rank received), next to fairseq's own stats
     assert all(float(r["pkm_xchg_mb"]) > 0 for r in ddp["train_inner"])
     assert all("pkm_xchg_mb" not in r for r in single["train_inner"])
+
+
+#: a stock fairseq LM, tiny, on the CPU
+STOCK_LM = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "1",
+            "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+            "--decoder-attention-heads", "2", "--tokens-per-sample", "16", "--max-tokens", "256",
+            "--optimizer", "adam", "--lr", "1e-3", "--num-workers", "0", "--seed", "1", "--cpu",
+            "--disable-validation", "--log-format", "simple", "--log-interval", "1"]
+
+
+def test_stock_lm_resumes_on_two_processes_from_rank_0s_copy(lm_data, tmp_path):
+    """A one-process checkpoint of stock transformer_lm resumed on 2 processes: fairseq loads it
+    on rank 0 and broadcasts it. With the plugin loaded it trains on (the compat row
+    fairseq_resume_broadcast); with that row off, rank 1 dies unpickling the broadcast with
+    torch's weights-only loader, as stock fairseq does under torch >= 2.6."""
+    from zoo_testlib import USER_DIR
+
+    train = [os.path.join(os.path.dirname(sys.executable), "fairseq-train"), lm_data,
+             "--user-dir", USER_DIR] + STOCK_LM
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.run(train + ["--max-update", "2", "--save-dir", str(tmp_path / "one")],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ranks = tmp_path / "rank.sh"  # (fairseq takes a process's rank from its flags)
+    ranks.write_text('#!/bin/bash\nexec "$@" --distributed-rank "$RANK" --device-id "$LOCAL_RANK"\n')
+    for off in ("", "fairseq_resume_broadcast"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "--no-python", "bash", str(ranks)] + train + [
+            "--distributed-backend", "gloo", "--distributed-init-method", "env://",
+            "--distributed-no-spawn", "--distributed-world-size", "2", "--ddp-backend",
+            "legacy_ddp", "--max-update", "4", "--save-dir", str(tmp_path / f"two{off}"),
+            "--restore-file", str(tmp_path / "one" / "checkpoint_last.pt")]
+        run = subprocess.run(cmd, env=dict(env, ATTNZOO_COMPAT_DISABLE=off), capture_output=True,
+                             text=True, timeout=300)
+        log = run.stdout + run.stderr
+        if off:
+            assert run.returncode != 0 and "Weights only load failed" in log, log[-3000:]
+        else:
+            assert run.returncode == 0, log[-3000:]
+            assert "Loaded checkpoint" in log and "num_updates 4" in log, log[-3000:]

@@ -22,11 +22,10 @@ pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 UPDATES = 3
 ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus", "transformer_pkm"]
 SPARSE = "--optimizer pkm_adam --pkm-sparse true --pkm-values-lr 0.01"
-#: a resumed run: the one-process "dense" run's checkpoint (3 updates), 3 more updates. Every rank
-#: reads the file (fairseq's broadcast of rank 0's copy unpickles it weights-only on the others,
-#: which refuses the omegaconf config inside: a resume on several processes needs this flag)
+#: a resumed run: the one-process "dense" run's checkpoint (3 updates), 3 more updates; rank 0
+#: reads the file and broadcasts it (the compat row fairseq_resume_broadcast)
 RESUME = ("--clip-norm 0.05 --restore-file {root}/single2-dense-{arch}/checkpoint_last.pt "
-          f"--reset-dataloader --max-update {2 * UPDATES} --load-checkpoint-on-all-dp-ranks")
+          f"--reset-dataloader --max-update {2 * UPDATES}")
 #: (setup, --ddp-backend, flags of both modes, flags of the multi-process run only, processes).
 #: Every setup: Adam's eps at 1e-4, because a parameter whose gradient is zero but for rounding
 #: (the key biases of attention, a bias in front of a batch norm) moves by ±lr under Adam's

@@ -171,3 +171,9 @@ fix("fairseq_no_save_no_folder", {trainer.SAVE: trainer.saving,
     "fairseq-train --no-save created an empty ./checkpoints/ (the default --save-dir): both "
     "functions make the folder before they look at --no-save; a run that saves nothing leaves "
     "no folder it made", None, "61513534b9b33e6a", "413f93d9a158f8d4", version="fairseq 0.12.3")
+fix("fairseq_resume_broadcast", trainer.BROADCAST,
+    "a run resumed on several processes died on every rank but 0 (UnpicklingError: "
+    "omegaconf DictConfig not allowed): fairseq broadcasts rank 0's loaded checkpoint and the "
+    "others unpickle it with torch>=2.6's weights-only loader; they load this job's own object "
+    "in full (before, only --load-checkpoint-on-all-dp-ranks resumed)",
+    trainer.trusting_broadcast, "9fc3ef1939a94874", version="fairseq 0.12.3, torch >= 2.6")

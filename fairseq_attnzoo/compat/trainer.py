@@ -1,6 +1,7 @@
 """The wrappers of the table's rows (:mod:`.fixes`) that change what fairseq's trainer does around
-the model: the parameters it catalogues as shared (none of them absent) and the checkpoint folder
-of a run that saves nothing. Nothing here is applied on import; the rows install them."""
+the model: the parameters it catalogues as shared (none of them absent), the checkpoint folder
+of a run that saves nothing, and the checkpoint rank 0 broadcasts when a run resumes on several
+processes. Nothing here is applied on import; the rows install them."""
 
 import inspect
 import os
@@ -69,3 +70,33 @@ def saving(save):
         return _no_folder_made(save, cfg.save_dir, cfg.no_save, cfg, trainer, epoch_itr, val_loss)
 
     return save_checkpoint
+
+
+# ---- a resume on several processes: rank 0's checkpoint, received -------------------------------
+
+BROADCAST = "fairseq.distributed.utils:_broadcast_object_slow"
+
+
+def trusting_broadcast(broadcast_object_slow):
+    """``fairseq.distributed.utils._broadcast_object_slow`` whose receiving ranks unpickle the
+    object without torch's weights-only loader. fairseq resumes a multi-process run by loading the
+    checkpoint on rank 0 and broadcasting it (unless --load-checkpoint-on-all-dp-ranks): the
+    object is this job's own, sent by its rank 0 over its own process group, and it holds the
+    omegaconf config fairseq made from the file, which the weights-only loader refuses. The
+    sending rank runs fairseq's code unchanged."""
+    import io
+
+    import torch
+    from fairseq.distributed import utils
+
+    def _broadcast_object_slow(obj, src_rank, group, dist_device):
+        if utils.get_rank(group) == src_rank:
+            return broadcast_object_slow(obj, src_rank, group, dist_device)
+        length = torch.zeros(1, dtype=torch.long, device=dist_device)
+        utils.broadcast(length, src=src_rank, group=group)
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=dist_device)
+        utils.broadcast(data, src=src_rank, group=group)
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu",
+                          weights_only=False)
+
+    return _broadcast_object_slow
