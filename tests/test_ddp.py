@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from test_stock_differential import LM_FAMILIES
 from zoo_testlib import wirings, zoo_archs
 
 ARCHS = list(wirings(zoo_archs()))
@@ -130,12 +131,11 @@ def test_sparse_values_match_single_process_after_every_update(arch, setup, spar
     assert all("pkm_xchg_mb" not in r for r in single["train_inner"])
 
 
-#: a stock fairseq LM, tiny, on the CPU
-STOCK_LM = ["--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "1",
-            "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
-            "--decoder-attention-heads", "2", "--tokens-per-sample", "16", "--max-tokens", "256",
-            "--optimizer", "adam", "--lr", "1e-3", "--num-workers", "0", "--seed", "1", "--cpu",
-            "--disable-validation", "--log-format", "simple", "--log-interval", "1"]
+#: a stock fairseq LM, tiny (the differential tests' transformer_lm), on the CPU
+STOCK_LM = LM_FAMILIES["transformer_lm"] + [
+    "--task", "language_modeling", "--tokens-per-sample", "16", "--max-tokens", "256",
+    "--optimizer", "adam", "--lr", "1e-3", "--num-workers", "0", "--seed", "1", "--cpu",
+    "--disable-validation", "--log-format", "simple", "--log-interval", "1"]
 
 
 def test_stock_lm_resumes_on_two_processes_from_rank_0s_copy(lm_data, tmp_path):

@@ -45,6 +45,7 @@ from .. import compat
 from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_search_triton import SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
+from ..optim.pkm_optimizer import values_lr
 from .llama import LLAMA, llama_post
 from .pkm_shard import refuse_unsupported, shard_values
 from .registry import Derived, register_arch
@@ -414,7 +415,7 @@ def optimizer_notices(args) -> List[Tuple[str, str]]:
     lr = lr[0] if hasattr(lr, "__getitem__") else lr  # (fairseq's --lr is a list)
     if optimizer != "pkm_adam" or want is None or not lr:
         return []
-    ratio = getattr(args, "pkm_values_lr_ratio", 0) or getattr(args, "pkm_values_lr", 1e-3) / lr
+    ratio = values_lr(args, lr) / lr
     if math.isclose(ratio, want, rel_tol=1e-6):
         return []
     return [("pkm_ratio_notice", (

@@ -192,6 +192,14 @@ def all_reduce_sparse_rows(grad: torch.Tensor, group=None, world_size: Optional[
     return out, received
 
 
+def values_lr(cfg, lr: float) -> float:
+    """The values' peak rate under pkm_adam's flags ``cfg`` (its config, or fairseq's args) and
+    the model's peak ``lr``: --pkm-values-lr-ratio × lr when a ratio is given, else
+    --pkm-values-lr."""
+    ratio = getattr(cfg, "pkm_values_lr_ratio", 0)
+    return ratio * lr if ratio > 0 else cfg.pkm_values_lr
+
+
 @dataclass
 class PKMAdamConfig(FairseqDataclass):
     adam_betas: Any = field(default=(0.9, 0.999), metadata={"help": "betas for Adam"})
@@ -344,10 +352,7 @@ class PKMAdam(FairseqOptimizer):
 
     @property
     def values_lr(self) -> float:
-        """The values' peak rate: --pkm-values-lr-ratio × --lr when a ratio is given, else
-        --pkm-values-lr."""
-        ratio = self.cfg.pkm_values_lr_ratio
-        return ratio * self.optimizer_config["lr"] if ratio > 0 else self.cfg.pkm_values_lr
+        return values_lr(self.cfg, self.optimizer_config["lr"])
 
     def _values_group_settings(self):
         """The value group's settings (set at build and again after loading a checkpoint)."""
