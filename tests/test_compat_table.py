@@ -34,15 +34,17 @@ fairseq_attnzoo.enable()  # this process uses the plugin with fairseq (the table
 def _python(code: str, argv=(), **env) -> dict:
     """Run ``code`` in a fresh interpreter (this checkout first on the path; ``argv`` its
     arguments); it prints one JSON object on its last line, returned here."""
-    full_env = {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
-    full_env.update(env)
-    return _python_env(code, full_env, argv)
+    return _python_env(code, dict(_environ(), **env), argv)
+
+
+def _environ() -> dict:
+    """This process's environment without the table's opt-out."""
+    return {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
 
 
 def _python_env(code: str, env: dict, argv=()) -> dict:
     """:func:`_python` with exactly the environment ``env`` (and this checkout on the path)."""
     env = dict(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    env.pop(compat.ENV_DISABLE, None)
     out = subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -211,10 +213,10 @@ def test_undo_all_gives_back_the_process_environment(program, user_value):
     """os.environ equal before ``apply_all`` and after ``undo_all``: fairseq-hydra-train's
     HYDRA_FULL_ERROR=1 (beside the one-line hook, so that hydra re-raises its job's errors) is
     unset again; a value the user set is left as it is."""
-    env = {} if user_value is None else {"HYDRA_FULL_ERROR": user_value}
-    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    full_env.update(env)
-    got = _python_env(_UNDO_ENV.format(program=program), full_env)
+    env = {k: v for k, v in _environ().items() if k != "HYDRA_FULL_ERROR"}
+    if user_value is not None:
+        env["HYDRA_FULL_ERROR"] = user_value
+    got = _python_env(_UNDO_ENV.format(program=program), env)
     during = got["during"]
     assert during["hook"] and during["status"]["fairseq_cli_hints"] == compat.APPLIED
     hydra = os.path.basename(program) == "fairseq-hydra-train"
@@ -227,7 +229,7 @@ def test_undo_all_gives_back_the_process_environment(program, user_value):
 def test_rows_that_change_nothing_say_so_and_are_not_undone():
     """In a program that is not a console script the console-only rows change nothing: status and
     table say ``unchanged``, and undo_all has nothing of theirs to undo."""
-    got = _python_env(_UNDO_ENV.format(program="probe.py"), dict(os.environ))
+    got = _python_env(_UNDO_ENV.format(program="probe.py"), _environ())
     assert {n: got["during"]["status"][n] for n in CONSOLE_ONLY} == dict.fromkeys(
         CONSOLE_ONLY, compat.UNCHANGED)
     table = {line.split()[0]: line.split()[1] for line in got["during"]["table"].splitlines()
