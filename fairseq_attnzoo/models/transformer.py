@@ -170,12 +170,13 @@ def _check_host(args, names: Dict[str, List[str]]):
             fix = SUBLAYER_REGISTRY[name].rope_fix(options_for(name, args))
             if fix is None:
                 continue
-            others = [n for n in rotating() if n != name]
+            others = [n for n in rotating() if n != name]  # (the stock attention at least)
+            choices = " or ".join(filter(None, [", ".join(others[:-1]), others[-1]]))
             raise ZooConfigError(
                 f"--rope is not implemented for the {name} self-attention"
                 f"{' with these options' if fix else ''} (no q.k product to rotate): "
                 f"{fix + ', ' if fix else ''}drop --rope or use --{attr.replace('_', '-')} "
-                f"{', '.join(others[:-1])} or {others[-1]}")
+                f"{choices}")
 
 
 def host_rope_theta(spec, rotated: Optional[int] = None, fix: str = "") -> Optional[float]:
