@@ -4,6 +4,9 @@
 * an entry whose target is not the version it was written for is skipped with a warning and leaves
   the target alone; ``ATTNZOO_COMPAT_DISABLE=NAME`` / ``=all`` leave the targets unchanged (these
   run in a fresh interpreter, since patches are applied once per process);
+* one undo contract: every row returns its undo or NOTHING_CHANGED (shown as ``unchanged``);
+  ``fix()`` patches properties and environment variables; ``undo_all()`` gives back ``os.environ``
+  and leaves torch's op registry as it was (importing and enabling register no op either);
 * ``fairseq_attnzoo.modules`` changes nothing at import time;
 * the eval-lm block check: silent where nothing is skipped (unbounded, tuple or fitting
   positions), one warning line where some blocks are skipped, one-line refusal where all are.
@@ -28,18 +31,32 @@ from preptest_util import REPO
 fairseq_attnzoo.enable()  # this process uses the plugin with fairseq (the table applied)
 
 
-def _python(code: str, **env) -> dict:
-    """Run ``code`` in a fresh interpreter (this checkout first on the path); it prints one JSON
-    object on its last line, returned here."""
-    full_env = {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
-    full_env.update(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], env=full_env, cwd=REPO,
+def _python(code: str, argv=(), **env) -> dict:
+    """Run ``code`` in a fresh interpreter (this checkout first on the path; ``argv`` its
+    arguments); it prints one JSON object on its last line, returned here."""
+    return _python_env(code, dict(_environ(), **env), argv)
+
+
+def _environ() -> dict:
+    """This process's environment without the table's opt-out."""
+    return {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
+
+
+def _python_env(code: str, env: dict, argv=()) -> dict:
+    """:func:`_python` with exactly the environment ``env`` (and this checkout on the path)."""
+    env = dict(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return {"stderr": out.stderr, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
 # ---- the table -----------------------------------------------------------------------------------
+
+#: the rows that change something only in a console script (fairseq-*, attnzoo-*): in this
+#: process, and in a ``python -c`` one, they change nothing
+CONSOLE_ONLY = {"fairseq_cli_hints", "fairseq_mmap_dataset_del", "fairseq_root_log_level"}
+
 
 def test_every_entry_is_applied_on_the_pinned_stack():
     import argparse
@@ -54,7 +71,8 @@ def test_every_entry_is_applied_on_the_pinned_stack():
 
     names = [p.name for p in compat.PATCHES]
     assert len(names) == len(set(names))
-    assert compat.status() == {n: compat.APPLIED for n in names}
+    assert compat.status() == {n: compat.UNCHANGED if n in CONSOLE_ONLY else compat.APPLIED
+                               for n in names}
     # ... and each did what its entry says
     assert argparse.Namespace in torch.serialization.get_safe_globals()
     assert not torch_optimizer._global_optimizer_post_hooks  # spans: projected by their model
@@ -72,7 +90,8 @@ def test_describe_lists_every_entry_with_its_status_and_target():
     text = compat.describe()
     for p in compat.PATCHES:
         line = next(line for line in text.splitlines() if line.startswith(p.name + " "))
-        assert compat.APPLIED in line and p.target in line
+        state = compat.UNCHANGED if p.name in CONSOLE_ONLY else compat.APPLIED
+        assert line.split()[1] == state and p.target in line
         assert p.why in text
 
 
@@ -167,6 +186,173 @@ def test_replace_keeps_the_original_and_restore_puts_it_back(monkeypatch):
     assert Child.build(1) == ("Child", 1) and "step" not in vars(Child)
 
 
+# ---- one undo contract: an undo or NOTHING_CHANGED, the environment and op registry given back -----
+
+#: a fresh interpreter that calls itself ``program``: the environment and what the table shows
+#: before ``enable()``, after it and after ``undo_all()``
+_UNDO_ENV = """
+import json, os, sys
+sys.argv[0] = {program!r}
+before = dict(os.environ)
+hook = sys.excepthook
+import fairseq_attnzoo
+from fairseq_attnzoo import compat
+status = fairseq_attnzoo.enable()
+during = dict(hydra=os.environ.get("HYDRA_FULL_ERROR"), changed=dict(os.environ) != before,
+              hook=sys.excepthook is not hook, status=status, table=compat.describe())
+undone = compat.undo_all()
+print(json.dumps(dict(during=during, same=dict(os.environ) == before, hook=sys.excepthook is hook,
+                      left=compat.status(), undone=undone)))
+"""
+
+
+@pytest.mark.parametrize("program,user_value", [("/usr/bin/fairseq-hydra-train", None),
+                                                ("/usr/bin/fairseq-hydra-train", "0"),
+                                                ("/usr/bin/fairseq-train", None)])
+def test_undo_all_gives_back_the_process_environment(program, user_value):
+    """os.environ equal before ``apply_all`` and after ``undo_all``: fairseq-hydra-train's
+    HYDRA_FULL_ERROR=1 (beside the one-line hook, so that hydra re-raises its job's errors) is
+    unset again; a value the user set is left as it is."""
+    env = {k: v for k, v in _environ().items() if k != "HYDRA_FULL_ERROR"}
+    if user_value is not None:
+        env["HYDRA_FULL_ERROR"] = user_value
+    got = _python_env(_UNDO_ENV.format(program=program), env)
+    during = got["during"]
+    assert during["hook"] and during["status"]["fairseq_cli_hints"] == compat.APPLIED
+    hydra = os.path.basename(program) == "fairseq-hydra-train"
+    assert during["hydra"] == (user_value or ("1" if hydra else None))
+    assert during["changed"] == (hydra and user_value is None)
+    assert got["same"] and got["hook"]
+    assert got["left"] == {} and "fairseq_cli_hints" in got["undone"]
+
+
+def test_rows_that_change_nothing_say_so_and_are_not_undone():
+    """In a program that is not a console script the console-only rows change nothing: status and
+    table say ``unchanged``, and undo_all has nothing of theirs to undo."""
+    got = _python_env(_UNDO_ENV.format(program="probe.py"), _environ())
+    assert {n: got["during"]["status"][n] for n in CONSOLE_ONLY} == dict.fromkeys(
+        CONSOLE_ONLY, compat.UNCHANGED)
+    table = {line.split()[0]: line.split()[1] for line in got["during"]["table"].splitlines()
+             if line and not line.startswith(" ")}
+    assert {table[n] for n in CONSOLE_ONLY} == {compat.UNCHANGED}
+    assert not CONSOLE_ONLY & set(got["undone"]) and got["same"] and got["left"] == {}
+
+
+#: a module of ours to patch, written to a file (fix() reads its sources' digests)
+_PROBE = """
+class Probe:
+    def __init__(self):
+        self.calls = 0
+
+    @property
+    def ready(self):
+        return False
+
+    def save(self):
+        return "saved"
+
+    def load(self):
+        return "loaded"
+"""
+
+_FIX_ROWS = """
+import json, os, sys
+sys.path.insert(0, {folder!r})
+import fairseq_attnzoo
+from fairseq_attnzoo import compat
+import attnzoo_probe
+P = "attnzoo_probe:Probe."
+get = compat.source_digest(attnzoo_probe.Probe.ready)
+save, load = (compat.source_digest(getattr(attnzoo_probe.Probe, n)) for n in ("save", "load"))
+before = dict(os.environ)
+# a property and two methods in one row (the shape of fairseq_sharded_value_checkpoints), and an
+# environment variable
+compat.fix("probe_property_and_methods", {{
+    P + "ready": lambda prop: property(lambda self: True, doc=prop.__doc__),
+    P + "save": lambda f: lambda self: f(self) + "!",
+    P + "load": lambda f: lambda self: f(self) + "?",
+    "env:ATTNZOO_PROBE": lambda value: "on"}}, "probe", None, get, save, load)
+compat.fix("probe_keeps", "env:ATTNZOO_PROBE_KEPT", "probe", lambda value: value)
+status = fairseq_attnzoo.enable()
+p = attnzoo_probe.Probe()
+during = [p.ready, p.save(), p.load(), os.environ.get("ATTNZOO_PROBE")]
+undone = compat.undo_all()
+p = attnzoo_probe.Probe()
+after = [p.ready, p.save(), p.load(), os.environ.get("ATTNZOO_PROBE")]
+compat.register(compat.Patch("probe_none", "nothing", "probe", compat.always, lambda: None))
+try:
+    compat.apply_all()
+    refused = None
+except TypeError as e:
+    refused = str(e)
+compat.PATCHES.pop()
+compat.undo_all()
+print(json.dumps(dict(status={{n: status[n] for n in ("probe_property_and_methods",
+                                                       "probe_keeps")}},
+                      during=during, after=after, undone=undone[:2], refused=refused,
+                      same=dict(os.environ) == before)))
+"""
+
+
+def test_fix_patches_a_property_methods_and_an_environment_variable(tmp_path):
+    """One ``fix()`` row over a property (its digest is its getter's) and two methods, and an
+    environment variable; a row whose wraps return what they were given is ``unchanged``; undo
+    gives everything back; a row whose apply returns None (neither an undo nor NOTHING_CHANGED) is
+    refused."""
+    (tmp_path / "attnzoo_probe.py").write_text(_PROBE)
+    got = _python(_FIX_ROWS.format(folder=str(tmp_path)))
+    assert got["status"] == {"probe_property_and_methods": compat.APPLIED,
+                             "probe_keeps": compat.UNCHANGED}
+    assert got["during"] == [True, "saved!", "loaded?", "on"]
+    assert got["after"] == [False, "saved", "loaded", None] and got["same"]
+    assert got["undone"][0] == "probe_property_and_methods"
+    assert got["refused"] == ("compat entry probe_none returned None: a row's apply returns its "
+                              "undo or compat.NOTHING_CHANGED")
+
+
+#: the op registry before and after: everything the plugin's import loads of other libraries is
+#: imported first (listed by a first interpreter), so what differs is the plugin's doing
+_OPS_IMPORTS = """
+import json, sys
+before = set(sys.modules)
+import fairseq_attnzoo
+from fairseq_attnzoo import compat
+fairseq_attnzoo.enable()
+compat.undo_all()
+print(json.dumps(dict(modules=[m for m in sys.modules if m not in before
+                               and m.split(".")[0] != "fairseq_attnzoo"])))
+"""
+_OPS = """
+import importlib, json, sys
+import torch
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+ops = lambda: set(torch._C._dispatch_get_all_op_names())
+before = ops()
+import fairseq_attnzoo
+imported = ops()
+from fairseq_attnzoo import compat
+fairseq_attnzoo.enable()
+enabled = ops()
+compat.undo_all()
+undone = ops()
+print(json.dumps({k: sorted(v - before) for k, v in
+                  dict(imported=imported, enabled=enabled, undone=undone).items()}))
+"""
+
+
+def test_import_enable_and_undo_leave_torchs_op_registry_as_it_was():
+    """Importing the package and enabling the table register no op with torch's dispatcher, and
+    undo_all leaves none behind (the search kernel's custom ops are registered on first use)."""
+    modules = _python(_OPS_IMPORTS)["modules"]
+    got = _python(_OPS, argv=[json.dumps(modules)])
+    got.pop("stderr")
+    assert got == {"imported": [], "enabled": [], "undone": []}
+
+
 def _missing_attribute():
     raise AttributeError("no such function")
 
@@ -208,7 +394,7 @@ def test_a_changed_target_is_skipped_with_a_warning_and_left_unchanged():
     assert "fairseq_amp_single_unscale not applied" in got["stderr"]
     assert "left unchanged" in got["stderr"]
     others = {k: v for k, v in got["status"].items() if k != "fairseq_amp_single_unscale"}
-    assert set(others.values()) == {compat.APPLIED}
+    assert others == {k: compat.UNCHANGED if k in CONSOLE_ONLY else compat.APPLIED for k in others}
 
 
 def test_disable_one_entry_by_name():

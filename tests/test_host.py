@@ -262,7 +262,12 @@ def test_methods_with_a_qk_product_rotate_it(arch, flags, data_for, monkeypatch)
 
 @pytest.mark.parametrize("arch,flags,fix", [
     ("attnzoo_lm", ["--decoder-self-attn", "synth_random", "--rope"], "drop --rope"),
-    ("attnzoo_lm", ["--decoder-self-attn", "synth_dense", "--rope"], "add the vanilla component"),
+    # the methods that rotate come from their registrations
+    ("attnzoo_lm", ["--decoder-self-attn", "synth_dense", "--rope"],
+     "drop --rope or use --decoder-self-attn mha, collab, sdpa, synth_dense_vanilla, "
+     "synth_random_vanilla or synth"),
+    ("attnzoo_lm", ["--decoder-self-attn", "synth", "--synth-mix", "dense,random", "--rope"],
+     "add vanilla to --synth-mix dense,random, drop --rope"),
     ("attnzoo_lm", ["--rope", "--rope-theta", "0"], "--rope-theta must be positive"),
     ("attnzoo_lm", ["--rope-theta", "500"], "add --rope or drop --rope-theta"),
     # the rotary module says dim / embed_dim / num_heads; the host names the flags

@@ -19,7 +19,6 @@ from typing import Dict, List, Optional
 
 from fairseq_attnzoo.cli import command
 
-STOCK_NAMES = ("mha", "ffn")  # fairseq's own modules: not a method
 TASKS = ("translation", "language_modeling", "attnzoo_stream_lm")
 
 
@@ -62,7 +61,9 @@ def methods(arch: str) -> List[str]:
     if not plan:
         name = model_name(arch)
         return [name[len("attnzoo_"):].replace("_lm", "") if name.startswith("attnzoo_") else name]
-    return sorted({n for names in plan.values() for n in names} - set(STOCK_NAMES))
+    from fairseq_attnzoo.models.sublayers import is_stock
+
+    return sorted({n for names in plan.values() for n in names if not is_stock(n)})
 
 
 def zoo_archs(task: Optional[str] = None, method: Optional[str] = None) -> List[str]:
@@ -139,29 +140,29 @@ def _setting(dest: str, value, action: Optional[argparse.Action] = None) -> str:
 def _description(name: str, args: argparse.Namespace) -> str:
     """What sublayer ``name`` builds under the arch's settings ``args``: fairseq's stock attention
     and FFN change under the host options (``models/transformer.py``)."""
-    from fairseq_attnzoo.models.sublayers import SUBLAYER_REGISTRY
+    from fairseq_attnzoo.models.sublayers import STOCK, SUBLAYER_REGISTRY
     from fairseq_attnzoo.models.transformer import _host, stock_host
 
-    if name == "mha" and not stock_host(args):
+    if name == STOCK["self_attn"] and not stock_host(args):
         changed = " and ".join(what for what, on in (
             ("rotary positions (--rope)", _host(args, "rope")),
             ("no biases (--no-proj-bias)", not _host(args, "proj_bias"))) if on)
         return (f"ZooMultiheadAttention (fairseq MultiheadAttention's parameters, with {changed}; "
                 "fairseq's own has no rotary hook)")
-    if name == "ffn" and not _host(args, "proj_bias"):
+    if name == STOCK["ffn"] and not _host(args, "proj_bias"):
         return "fairseq position-wise FFN fc1-act-fc2 without biases (--no-proj-bias)"
     return SUBLAYER_REGISTRY[name].description
 
 
 def summary() -> str:
-    from fairseq_attnzoo.models.sublayers import SLOT_FLAGS
+    from fairseq_attnzoo.models.sublayers import SLOT_FLAGS, STOCK
 
     lines = []
     for arch in zoo_archs():
         plan = slot_plan(arch)
         if plan:
             slots = "; ".join(f"{attr}: {_runs(n)}" for attr, n in plan.items()
-                              if set(n) != {SLOT_DEFAULT[SLOT_FLAGS[attr][0]]})
+                              if set(n) != {STOCK[SLOT_FLAGS[attr][0]]})
             slots = slots or "stock sublayers"
         else:
             slots = "its own layer stack (no slot flags)"
@@ -173,9 +174,6 @@ def summary() -> str:
                      f"    sublayers: {slots}" + (f"\n    preset: {pre_text}" if pre_text else ""))
     lines.append("\n`attnzoo-archs ARCH` shows one arch with every flag, its default and help.")
     return "\n".join(lines)
-
-
-SLOT_DEFAULT = {"self_attn": "mha", "cross_attn": "mha", "ffn": "ffn"}
 
 
 def _method_dests(arch: str) -> List[str]:

@@ -1,9 +1,9 @@
 """Every change this plugin makes to another library (fairseq, torch, numpy), in one table.
 
 Each entry is a named :class:`Patch`: what it changes, why, and a check that the target is the
-version it was written for. :func:`apply_all` applies each entry whose check passes and logs one
-line per entry: ``applied``, ``skipped`` (the target is not the version we know, so we leave it
-alone and say so) or ``disabled``.
+version it was written for. :func:`apply_all` applies each entry whose check passes; each is then
+``applied``, ``unchanged`` (nothing needed changing in this process), ``skipped`` (the target is
+not the version we know, so we leave it alone and say so in a warning) or ``disabled``.
 
 Where the entries live: the machinery (:class:`Patch`, :func:`fix`, :func:`apply_all`,
 :func:`undo_all`, ...) is :mod:`.machinery`, re-exported here; the rows are :mod:`.fixes`, the
@@ -14,8 +14,9 @@ catalogue and ``--no-save`` folder, :mod:`fairseq_attnzoo.messages` for what it 
 of our own features are registered by their owners (``fairseq_meters_slot_usage`` in
 ``models/pkm.py``, the ``fairseq_sharded_value_*`` entries in ``models/pkm_shard.py``,
 ``fairseq_resume_host_flags`` in ``models/transformer.py``, ``fairseq_model_from_checkpoint`` in
-``models/registry.py``). Every row can be undone (:func:`undo_all`) but where the change itself
-was nothing.
+``models/registry.py``). Every row returns its undo, or :data:`NOTHING_CHANGED` where it found
+nothing to change in this process (status ``unchanged``); :func:`undo_all` undoes them all, the
+process environment included.
 
 Nothing is applied when the package or its plain PyTorch modules are imported. The table is
 applied where fairseq uses the plugin: when fairseq imports it as a user dir (``--user-dir``,
@@ -37,10 +38,10 @@ patch and a warning, rather than a fix written for other code.
 
 # the machinery, then the table (registers its rows, in order), and what its rows compute, for
 # scripts and tests
-from .machinery import (APPLIED, DISABLED, ENV_DISABLE, PATCHES, SKIPPED, Patch,  # noqa: F401
-                        always, apply_all, built_by_fairseq, describe, disabled_names, fix,
-                        known_source, lookup, register, replace, require, restore, source_digest,
-                        status, undo_all)
+from .machinery import (APPLIED, DISABLED, ENV, ENV_DISABLE, NOTHING_CHANGED,  # noqa: F401
+                        PATCHES, SKIPPED, UNCHANGED, Patch, always, apply_all, built_by_fairseq,
+                        describe, disabled_names, fix, known_source, lookup, register, replace,
+                        require, restore, source_digest, status, together, undo_all)
 from . import fixes  # noqa: F401,E402  (registers the rows)
 from .data import (bpe_name, check_block_length, padding_batches_first,  # noqa: F401,E402
                    remove_bpe_mismatch, segmentation_counts, sentencepiece_without_bpe)

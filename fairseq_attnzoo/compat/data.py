@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional
 
 from ..messages.cli_hints import length_flags, position_numbers
 from ..messages.errors import ZooConfigError
+from .machinery import NOTHING_CHANGED
 
 logger = logging.getLogger("fairseq_attnzoo.compat")  # the name its log lines have always had
 
@@ -27,11 +28,14 @@ def torch_has_safe_globals() -> Optional[str]:
     return None if ok else "torch has no serialization.add_safe_globals (torch < 2.4: not needed)"
 
 
-def allow_namespace() -> Callable[[], None]:
-    """Allow-list ``argparse.Namespace`` for torch's weights-only loader; returns the undo."""
+def allow_namespace():
+    """Allow-list ``argparse.Namespace`` for torch's weights-only loader; returns the undo, or
+    NOTHING_CHANGED when it is allow-listed already."""
     import torch
 
     before = torch.serialization.get_safe_globals()
+    if argparse.Namespace in before:
+        return NOTHING_CHANGED
     torch.serialization.add_safe_globals([argparse.Namespace])
 
     def undo():

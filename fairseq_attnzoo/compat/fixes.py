@@ -3,18 +3,19 @@ applied and listed. A row names its target once, the library version it fixes an
 installs lives with what it serves (:mod:`.mixed_precision`, :mod:`.data`, :mod:`.trainer`,
 :mod:`..messages`).
 :func:`~.machinery.fix` replaces a ``"module:Class.attribute"`` when its source has a known digest
-and restores it on :func:`~.machinery.undo_all`; :class:`~.machinery.Patch` rows change other state
-and return their own undo. The hooks of our own features are rows of their owners
+(a method, classmethod, property or environment variable ``"env:NAME"``) and restores it on
+:func:`~.machinery.undo_all`; :class:`~.machinery.Patch` rows change other state. Every row's apply
+returns its undo or ``NOTHING_CHANGED``. The hooks of our own features are rows of their owners
 (``models/pkm.py``, ``models/pkm_shard.py``, ``models/transformer.py``, ``models/registry.py``)."""
 
-from typing import Optional
+from typing import Callable, Optional
 
 from ..messages import cli_hints
 from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
 from . import data
 from . import mixed_precision as mp
 from . import trainer
-from .machinery import Patch, always, fix, register
+from .machinery import ENV, NOTHING_CHANGED, Patch, always, fix, register, replace, together
 
 FP16 = "fairseq.optim.fp16_optimizer:"
 GRADS_SYNC, PARAMS_SYNC = (FP16 + "_FP16OptimizerMixin._sync_fp16_grads_to_fp32",
@@ -27,6 +28,27 @@ def _foreach_copy() -> Optional[str]:
     import torch
 
     return None if hasattr(torch, "_foreach_copy_") else "torch has no _foreach_copy_ (torch < 2.1)"
+
+
+def installed(install: Callable[[], Optional[Callable[[], None]]]):
+    """A row's apply from an installer of :mod:`..messages`, which stands below this table and
+    returns its undo or None where it installed nothing (documented on each): None is
+    NOTHING_CHANGED."""
+
+    def apply():
+        undo = install()
+        return NOTHING_CHANGED if undo is None else undo
+
+    return apply
+
+
+def console_hints():
+    """The one-line excepthook, and HYDRA_FULL_ERROR beside it for fairseq-hydra-train (a value
+    the user set stays; undone with the hook)."""
+    hook = installed(cli_hints.install)()
+    if hook is NOTHING_CHANGED:
+        return NOTHING_CHANGED
+    return together(hook, replace(ENV + "HYDRA_FULL_ERROR", cli_hints.hydra_full_error))
 
 
 # ---- torch and NumPy (code: data.py) ------------------------------------------------------------
@@ -71,22 +93,22 @@ fix("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
 
 # ---- what fairseq's commands print (code: messages/) ---------------------------------------------
 register(Patch(
-    "fairseq_cli_hints", f"sys.excepthook {CONSOLE}",
+    "fairseq_cli_hints", f"sys.excepthook {CONSOLE}, HYDRA_FULL_ERROR (fairseq-hydra-train)",
     "errors a user can cause end in one line naming the problem and the fix, without the "
     "traceback (ATTNZOO_TRACEBACK=1 shows it); fairseq-hydra-train gets HYDRA_FULL_ERROR=1 so "
-    "that its job's errors reach the hook", always, cli_hints.install, "fairseq 0.12.3"))
+    "that its job's errors reach the hook", always, console_hints, "fairseq 0.12.3"))
 register(Patch(
     "fairseq_mmap_dataset_del", f"sys.unraisablehook {CONSOLE}",
     "fairseq's MMapIndexedDataset whose np.memmap failed (an empty split) raises again in "
     "__del__: that one error is not printed after the hint's line; every other one is",
-    always, cli_hints.ignore_half_built_mmap_dataset, "fairseq 0.12.3"))
+    always, installed(cli_hints.ignore_half_built_mmap_dataset), "fairseq 0.12.3"))
 register(Patch(
     "fairseq_root_log_level", f"the root logger's level {OURS_TOO}",
     "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
     "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
     "$LOGLEVEL (INFO), the level the command asks for",
-    cli_hints.debug_root_logger, cli_hints.root_log_level, "fairseq 0.12.3"))
+    cli_hints.debug_root_logger, installed(cli_hints.root_log_level), "fairseq 0.12.3"))
 
 # ---- fairseq's data (code: data.py) --------------------------------------------------------------
 fix("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",

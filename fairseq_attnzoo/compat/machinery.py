@@ -2,8 +2,15 @@
 entry), :func:`register` and :func:`fix` (add one), :func:`replace` / :func:`restore` (install a
 wrapper, put the original back), the checks (:func:`known_source`, :func:`always`) and
 :func:`apply_all` (and :func:`built_by_fairseq`, the hook that applies it before fairseq builds
-one of ours), :func:`status`, :func:`require`, :func:`describe`. The rows are in
-:mod:`.fixes`; the package re-exports both."""
+one of ours), :func:`undo_all`, :func:`status`, :func:`require`, :func:`describe`. The rows are in
+:mod:`.fixes`; the package re-exports both.
+
+One undo contract for every row: applying it returns how to undo what it changed, or
+:data:`NOTHING_CHANGED` when it found nothing to change in this process (a hook for console
+scripts in a program that is not one, an allow-list that already holds the class); the row is then
+``applied`` or ``unchanged`` (:func:`describe` shows which), and :func:`undo_all` gives back
+everything the table changed, the process environment included. Anything else is a bug of the
+row, refused when it is applied."""
 
 import functools
 import hashlib
@@ -20,7 +27,25 @@ logger = logging.getLogger("fairseq_attnzoo.compat")  # the name its log lines h
 
 ENV_DISABLE = "ATTNZOO_COMPAT_DISABLE"
 
-APPLIED, SKIPPED, DISABLED = "applied", "skipped", "disabled"
+APPLIED, UNCHANGED, SKIPPED, DISABLED = "applied", "unchanged", "skipped", "disabled"
+
+#: a target naming an environment variable: ``"env:HYDRA_FULL_ERROR"`` (its value a str, or None
+#: when it is not set)
+ENV = "env:"
+
+
+class NothingChanged:
+    """The type of :data:`NOTHING_CHANGED`."""
+
+    def __repr__(self):
+        return "NOTHING_CHANGED"
+
+
+#: what a row's apply returns when it found nothing to change in this process (not an undo: there
+#: is nothing to undo; the row's status is ``unchanged``)
+NOTHING_CHANGED = NothingChanged()
+
+Undo = Callable[[], None]
 
 
 @dataclass
@@ -30,8 +55,8 @@ class Patch:
     why: str  # one line
     #: None when the target is the version this patch knows; otherwise why it is not applied
     check: Callable[[], Optional[str]]
-    #: makes the change; returns how to undo it (None: it cannot be undone)
-    apply: Callable[[], Optional[Callable[[], None]]]
+    #: makes the change; returns how to undo it, or NOTHING_CHANGED
+    apply: Callable[[], Union[Undo, NothingChanged]]
     #: the library and version whose behaviour the entry changes ("fairseq 0.12.3", "NumPy 2")
     version: str = ""
 
@@ -40,8 +65,9 @@ PATCHES: List[Patch] = []
 _STATUS: Dict[str, str] = {}
 _REASONS: Dict[str, str] = {}  # why an entry was skipped
 #: "module:attribute" -> [(owner, attribute, what it held)] before each replace, the last last
+#: (an environment variable: (os.environ, name, its value or None))
 _ORIGINALS: Dict[str, List[tuple]] = {}
-_UNDO: Dict[str, Callable[[], None]] = {}  # applied entry -> how to undo it
+_UNDO: Dict[str, Undo] = {}  # applied entry -> how to undo it
 
 
 def register(entry: Patch, after: Optional[str] = None) -> Patch:
@@ -65,38 +91,83 @@ def _owner(path: str):
 
 
 def lookup(path: str):
-    """What ``"module:Class.attribute"`` holds now (a class's method as ``Class.method`` gives)."""
+    """What ``"module:Class.attribute"`` holds now (a class's method as ``Class.method`` gives, a
+    property as the property); ``"env:NAME"``: the variable's value, None when it is not set."""
+    if path.startswith(ENV):
+        return os.environ.get(path[len(ENV):])
     owner, attr = _owner(path)
     return getattr(owner, attr)
 
 
-def replace(path: str, wrap: Callable) -> None:
+def replace(path: str, wrap: Callable) -> Union[Undo, NothingChanged]:
     """Install ``wrap(original)`` at ``"module:Class.attribute"``, keeping the original for
-    :func:`restore`. A classmethod's function is wrapped and stays a classmethod; the replacement
-    gets the original's docstring where it has none of its own."""
+    :func:`restore`; returns that undo, or :data:`NOTHING_CHANGED` when ``wrap`` returned the
+    original itself (nothing to change here). A classmethod's function is wrapped and stays a
+    classmethod; a property is handed over and returned as one (``property(...)``); the
+    replacement gets the original's docstring where it has none of its own. ``"env:NAME"``:
+    ``wrap(value or None)`` is the variable's new value (None: unset)."""
+    if path.startswith(ENV):
+        name = path[len(ENV):]
+        original = os.environ.get(name)
+        new = wrap(original)
+        if new == original:
+            return NOTHING_CHANGED
+        _ORIGINALS.setdefault(path, []).append((os.environ, name, original))
+        _set_env(name, new)
+        return lambda: restore(path)
     owner, attr = _owner(path)
     held = inspect.getattr_static(owner, attr)
     original = held.__func__ if isinstance(held, classmethod) else getattr(owner, attr)
     new = wrap(original)
-    if new.__doc__ is None:
+    if new is original:
+        return NOTHING_CHANGED
+    if new.__doc__ is None and not isinstance(new, property):
         new.__doc__ = original.__doc__
     _ORIGINALS.setdefault(path, []).append((owner, attr, held if attr in vars(owner) else None))
     setattr(owner, attr, classmethod(new) if isinstance(held, classmethod) else new)
+    return lambda: restore(path)
+
+
+def _set_env(name: str, value: Optional[str]):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def restore(path: str) -> None:
     """Put back what ``"module:Class.attribute"`` held before the last :func:`replace` of it (an
-    inherited attribute is inherited again)."""
+    inherited attribute is inherited again; an environment variable gets its value back, or is
+    unset again)."""
     owner, attr, held = _ORIGINALS[path].pop()
     if not _ORIGINALS[path]:
         del _ORIGINALS[path]
-    if held is None:
+    if owner is os.environ:
+        _set_env(attr, held)
+    elif held is None:
         delattr(owner, attr)
     else:
         setattr(owner, attr, held)
 
 
+def together(*changes: Union[Undo, NothingChanged]) -> Union[Undo, NothingChanged]:
+    """One row's result of several changes (each an undo or :data:`NOTHING_CHANGED`): the undo of
+    those that changed something, the last first; NOTHING_CHANGED when none did."""
+    undos = [c for c in changes if c is not NOTHING_CHANGED]
+    if not undos:
+        return NOTHING_CHANGED
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
 def source_digest(fn) -> Optional[str]:
+    """SHA-256 (16 hex digits) of a function's source; a property's is its getter's."""
+    if isinstance(fn, property):
+        fn = fn.fget
     try:
         return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
     except (OSError, TypeError):
@@ -128,24 +199,20 @@ def fix(name: str, target: Union[str, Dict[str, Callable]], why: str,
         wrap: Optional[Callable] = None, *digests: str, version: str = "",
         check: Optional[Callable[[], Optional[str]]] = None, after: Optional[str] = None) -> Patch:
     """Register the entry that replaces ``target``'s ``"module:Class.attribute"`` (its first
-    word) with ``wrap(original)`` -- or each path of a ``{path: wrap}`` dict with its wrap --
-    applied when each path's source has one of ``digests`` (none given: not checked) and
-    ``check`` (if given) passes; undone by :func:`restore` of each path."""
+    word; a method, classmethod or property) or ``"env:NAME"`` (an environment variable) with
+    ``wrap(original)`` -- or each path of a ``{path: wrap}`` dict with its wrap (:func:`replace`:
+    a wrap that returns the original changes nothing there) -- applied when each path's source
+    has one of ``digests`` (none given: not checked; a property's source is its getter's) and
+    ``check`` (if given) passes; undone by :func:`restore` of each path it changed."""
     wraps = dict(target) if isinstance(target, dict) else {target.split()[0]: wrap}
     checks = ([check] if check else []) + [known_source(lambda p=p: lookup(p), *digests)
-                                           for p in wraps if digests]
+                                           for p in wraps if digests and not p.startswith(ENV)]
 
     def checked() -> Optional[str]:
         return next((reason for reason in (c() for c in checks) if reason is not None), None)
 
     def apply():
-        for path, w in wraps.items():
-            replace(path, w)
-        return undo
-
-    def undo():
-        for path in reversed(list(wraps)):
-            restore(path)
+        return together(*(replace(path, w) for path, w in wraps.items()))
 
     label = " and ".join(wraps) if isinstance(target, dict) else target
     return register(Patch(name, label, why, checked, apply, version), after)
@@ -182,13 +249,20 @@ def apply_all() -> Dict[str, str]:
                            f"({p.why})")
             continue
         undo = p.apply()
-        if undo is not None:
-            _UNDO[p.name] = undo
+        if undo is NOTHING_CHANGED:
+            _STATUS[p.name] = UNCHANGED
+            new.append(f"{p.name} (unchanged)")
+            continue
+        if not callable(undo):  # pragma: no cover - a row of our own that breaks the contract
+            raise TypeError(f"compat entry {p.name} returned {undo!r}: a row's apply returns its "
+                            "undo or compat.NOTHING_CHANGED")
+        _UNDO[p.name] = undo
         _STATUS[p.name] = APPLIED
         new.append(p.name)
     if new:  # one short line per process; the names at DEBUG (attnzoo-archs --compat: the table)
         off = [n for n in new if n.endswith(" (disabled)")]
-        logger.info(f"compat: {len(new) - len(off)} patches of fairseq/torch applied"
+        same = [n for n in new if n.endswith(" (unchanged)")]
+        logger.info(f"compat: {len(new) - len(off) - len(same)} patches of fairseq/torch applied"
                     + (f", disabled: {', '.join(n.split()[0] for n in off)}" if off else "")
                     + f" (attnzoo-archs --compat lists them; {ENV_DISABLE}=NAME,... opts out)")
         logger.debug(f"compat patches: {', '.join(new)}")
@@ -209,18 +283,21 @@ def built_by_fairseq(build: Callable) -> Callable:
 
 
 def undo_all() -> List[str]:
-    """Undo every applied entry that can be undone, the last applied first, and forget it (a later
-    :func:`apply_all` applies it again); returns their names."""
+    """Undo every applied entry, the last applied first, and forget what happened to each (a
+    later :func:`apply_all` handles the table again): fairseq, torch, NumPy and the process
+    environment are as before the first :func:`apply_all`. Returns the names undone."""
     names = [p.name for p in reversed(PATCHES) if p.name in _UNDO]
     for name in names:
         _UNDO.pop(name)()
-        del _STATUS[name]
+    _STATUS.clear()
+    _REASONS.clear()
     return names
 
 
 def status() -> Dict[str, str]:
-    """``{entry: applied | skipped | disabled}`` of the entries handled so far in this process
-    (empty until fairseq uses the plugin or a program calls :func:`fairseq_attnzoo.enable`)."""
+    """``{entry: applied | unchanged | skipped | disabled}`` of the entries handled so far in this
+    process (empty until fairseq uses the plugin or a program calls
+    :func:`fairseq_attnzoo.enable`, and again after :func:`undo_all`)."""
     return dict(_STATUS)
 
 
@@ -231,7 +308,7 @@ def require(name: str, needed_by: str, alternative: str = "") -> None:
     if name not in {p.name for p in PATCHES}:  # pragma: no cover - a typo in our own code
         raise KeyError(name)
     state = apply_all().get(name)
-    if state == APPLIED:
+    if state in (APPLIED, UNCHANGED):  # (unchanged: this process needed no change)
         return
     if state == DISABLED:
         raw = os.environ.get(ENV_DISABLE, "")
@@ -245,7 +322,8 @@ def require(name: str, needed_by: str, alternative: str = "") -> None:
 
 
 def describe() -> str:
-    """A table of the entries, their targets, reasons and what happened to each."""
+    """A table of the entries, their targets, reasons and what happened to each (``unchanged``:
+    applied, and nothing needed changing in this process)."""
     rows = [f"{p.name:34s} {_STATUS.get(p.name, 'not run'):9s} {p.target}\n{'':45s}{p.why}"
             + (f" [{p.version}]" if p.version else "") for p in PATCHES]
     return "\n".join(rows)

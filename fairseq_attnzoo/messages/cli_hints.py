@@ -701,15 +701,11 @@ def one_line(exc: BaseException):
 
 def install():
     """In a console script, ``sys.excepthook`` prints :func:`one_line` for the errors it knows
-    (compat entry ``fairseq_cli_hints``); returns the undo (None: nothing installed)."""
-    prog = program()
+    (compat entry ``fairseq_cli_hints``, with :func:`hydra_full_error`); returns the undo (None:
+    nothing installed)."""
     if not in_console_script() or getattr(sys.excepthook, "_attnzoo", False):
         return None
     previous = sys.excepthook
-    if prog == "fairseq-hydra-train":
-        # hydra prints errors raised inside the job itself and exits 1, so no excepthook ever sees
-        # them; with HYDRA_FULL_ERROR it re-raises them to the hook below (read when it happens)
-        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
     def hook(exc_type, exc, tb):
         line = one_line(exc)
@@ -721,6 +717,14 @@ def install():
     hook._attnzoo = True
     sys.excepthook = hook
     return lambda: setattr(sys, "excepthook", previous)
+
+
+def hydra_full_error(value: Optional[str]) -> Optional[str]:
+    """``HYDRA_FULL_ERROR`` beside :func:`install`'s hook (``value``: the variable's, None when
+    unset): hydra prints errors raised inside fairseq-hydra-train's job itself and exits 1, so no
+    excepthook ever sees them; with HYDRA_FULL_ERROR=1 it re-raises them to the hook (read when it
+    happens). A value the user set stays."""
+    return "1" if value is None and program() == "fairseq-hydra-train" else value
 
 
 def ignore_half_built_mmap_dataset():

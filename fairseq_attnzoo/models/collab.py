@@ -52,7 +52,7 @@ def resolve_key_dim(key_dim: int, embed_dim: int) -> int:
 
 
 @register_sublayer("collab", slots=("self_attn", "cross_attn"), options=CollabConfig,
-                   tiny={"collab_key_dim": 16})
+                   tiny={"collab_key_dim": 16}, rope=True)
 def build_collab(spec):
     """collaborative multi-head attention: shared W̃Q, W̃K (D̃k) with per-head mixing"""
     o = spec.options

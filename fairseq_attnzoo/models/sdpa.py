@@ -9,7 +9,7 @@ from .sublayers import register_sublayer
 from .transformer import host_proj_bias, host_rope_theta
 
 
-@register_sublayer("sdpa", slots=("self_attn", "cross_attn"))
+@register_sublayer("sdpa", slots=("self_attn", "cross_attn"), rope=True)
 def build_sdpa(spec):
     """multi-head dot-product attention through F.scaled_dot_product_attention"""
     return ZooMultiheadAttention(spec.embed_dim, spec.num_heads, spec.attention_dropout,

@@ -12,8 +12,14 @@ ffn            --encoder-ffn / --decoder-ffn        fairseq's fc1-ReLU-fc2 (``ff
 
 A method adds a variant with one decorated builder::
 
-    @register_sublayer("aop", slots=("ffn",), options=AOPConfig, tiny={"aop_heads": 2, ...})
-    def build_aop(spec: SublayerSpec) -> nn.Module: ...
+    @register_sublayer("mine", slots=("self_attn",), options=MyConfig, tiny={"my_size": 8},
+                       rope=True)
+    def build_mine(spec: SublayerSpec) -> nn.Module: ...
+
+What the host needs to know of a method it declares here too, never by its name in the host:
+``slots`` (a self-attention-only method lists ``("self_attn",)``), ``rope`` (whether it rotates
+queries and keys under the host's ``--rope``: :class:`SublayerEntry`) and ``incremental``
+(whether it decodes token by token with fairseq's incremental state).
 
 ``options`` is a dataclass of the method's flags (help strings name the paper's symbols), the one
 place their types, defaults and choices live; its fields become command-line flags of every zoo
@@ -36,7 +42,7 @@ import contextvars
 import enum
 import typing
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch.nn as nn
 from fairseq.dataclass.utils import gen_parser_from_dataclass
@@ -101,10 +107,18 @@ def current_shared() -> Dict[str, Any]:
     return scope.shared if scope is not None else {}
 
 
+#: a ``rope`` declaration: whether a self-attention rotates its queries and keys under --rope
+#: (False: it forms no q.k product; True: its builder passes ``host_rope_theta(spec)``; a function
+#: of the method's options: None where they rotate, else the change of options that would)
+RopeDeclaration = Union[bool, Callable[[Any], Optional[str]]]
+
+
 @dataclass
 class SublayerEntry:
+    """A registered method (or fairseq's stock module) and what it declares to the host."""
+
     name: str
-    slots: Tuple[str, ...]
+    slots: Tuple[str, ...]  # the slots it may fill; ("self_attn",): self-attention only
     builder: Optional[Callable[[SublayerSpec], nn.Module]]  # None: fairseq's stock module
     options: Optional[type]
     tiny: Dict[str, Any]
@@ -112,6 +126,23 @@ class SublayerEntry:
     #: looser bounds for named checks of the generic tests, where the method is exact but a
     #: documented discrete effect moves the number (e.g. ``reduced_precision_step``: top-k reads)
     tolerances: Dict[str, float] = field(default_factory=dict)
+    #: the host's --rope: see :data:`RopeDeclaration` (the host refuses --rope for False)
+    rope: RopeDeclaration = False
+    #: decodes token by token with fairseq's incremental state (caches what later steps read,
+    #: ``ctx.cache``); False: the host refuses a decoding step in one line instead of a wrong one
+    incremental: bool = True
+
+    @property
+    def stock(self) -> bool:
+        """fairseq's own module, built by fairseq's layer classes."""
+        return self.builder is None
+
+    def rope_fix(self, options) -> Optional[str]:
+        """None when this method rotates under --rope with ``options``; else what would make it
+        rotate ("" when nothing would: it forms no q.k product)."""
+        if callable(self.rope):
+            return self.rope(options)
+        return None if self.rope else ""
 
 
 SUBLAYER_REGISTRY: Dict[str, SublayerEntry] = {}
@@ -119,7 +150,10 @@ SUBLAYER_REGISTRY: Dict[str, SublayerEntry] = {}
 
 def register_sublayer(name: str, slots, options: Optional[type] = None,
                       tiny: Optional[Dict[str, Any]] = None, description: str = "",
-                      tolerances: Optional[Dict[str, float]] = None):
+                      tolerances: Optional[Dict[str, float]] = None,
+                      rope: RopeDeclaration = False, incremental: bool = True):
+    """Register the decorated ``builder(spec) -> nn.Module`` as sublayer ``name`` for ``slots``,
+    with what it declares to the host (``rope``, ``incremental``: :class:`SublayerEntry`)."""
     slots = tuple(slots)
     for s in slots:
         if s not in SLOTS:
@@ -130,17 +164,23 @@ def register_sublayer(name: str, slots, options: Optional[type] = None,
             raise ValueError(f"sublayer {name!r} is registered twice")
         SUBLAYER_REGISTRY[name] = SublayerEntry(name, slots, fn, options, dict(tiny or {}),
                                                 description or (fn.__doc__ or "").strip(),
-                                                dict(tolerances or {}))
+                                                dict(tolerances or {}), rope, incremental)
         return fn
 
     return deco
 
 
-# fairseq's own modules, built by fairseq's layer classes
-SUBLAYER_REGISTRY["mha"] = SublayerEntry(
-    "mha", ("self_attn", "cross_attn"), None, None, {}, "fairseq MultiheadAttention (stock)")
-SUBLAYER_REGISTRY["ffn"] = SublayerEntry(
-    "ffn", ("ffn",), None, None, {}, "fairseq position-wise FFN fc1-act-fc2 (stock)")
+# fairseq's own modules, built by fairseq's layer classes (the attention is built as the shared
+# base's under --rope: models/transformer.py's host_attention)
+SUBLAYER_REGISTRY[STOCK["self_attn"]] = SublayerEntry(
+    STOCK["self_attn"], ("self_attn", "cross_attn"), None, None, {},
+    "fairseq MultiheadAttention (stock)", rope=True)
+SUBLAYER_REGISTRY[STOCK["ffn"]] = SublayerEntry(
+    STOCK["ffn"], ("ffn",), None, None, {}, "fairseq position-wise FFN fc1-act-fc2 (stock)")
+
+
+def is_stock(name: str) -> bool:
+    return SUBLAYER_REGISTRY[name].stock
 
 
 def names_for(slot: str) -> List[str]:
@@ -185,7 +225,7 @@ def add_sublayer_args(parser: argparse.ArgumentParser, decoder_only: bool = Fals
 
 
 def flag_name(attr: str) -> str:
-    """``synth_max_len`` -> ``--synth-max-len``."""
+    """``my_size`` -> ``--my-size``."""
     return "--" + attr.replace("_", "-")
 
 
@@ -306,7 +346,7 @@ def options_for(name: str, args) -> Any:
 
 def option_owners() -> Dict[str, List[str]]:
     """Every method flag (attribute name) -> the sublayers whose options dataclass holds it
-    (several for a dataclass shared by a family, e.g. the synth_* sublayers)."""
+    (several for a dataclass shared by a family of variants)."""
     owners: Dict[str, List[str]] = {}
     for entry in SUBLAYER_REGISTRY.values():
         if entry.options is not None:
@@ -346,7 +386,8 @@ def used_sublayers(args) -> List[str]:
 
 
 def family(names: List[str]) -> str:
-    """``["pkm"]`` -> "pkm"; sublayers sharing one options dataclass -> "synth*"."""
+    """``["mine"]`` -> "mine"; sublayers sharing one options dataclass (``mine_a``, ``mine_b``)
+    -> "mine*"."""
     if len(names) == 1:
         return names[0]
     prefix = names[0]
@@ -358,7 +399,7 @@ def family(names: List[str]) -> str:
 
 
 def owner_label(names: List[str]) -> str:
-    """``["pkm"]`` -> "the pkm sublayer"; a family -> "the synth* sublayers"."""
+    """``["mine"]`` -> "the mine sublayer"; a family -> "the mine* sublayers"."""
     return f"the {family(names)} sublayer{'s' if len(names) > 1 else ''}"
 
 
@@ -445,8 +486,8 @@ def tiny_overrides(names) -> Dict[str, Any]:
 
 class FlagErrors:
     """Mixin for the class a builder makes of a plain module: the errors that module raises in
-    its own argument names (``max_len``), of the types in :attr:`flag_errors`, are raised again
-    as the one line naming the flags that set those arguments (``--synth-max-len``)."""
+    its own argument names (``size``), of the types in :attr:`flag_errors`, are raised again
+    as the one line naming the flags that set those arguments (``--my-size``)."""
 
     #: exception type -> the flag-worded line for one of them
     flag_errors: Dict[type, Callable[[Exception], str]] = {}

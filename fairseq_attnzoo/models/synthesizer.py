@@ -149,18 +149,13 @@ class FairseqSynthesizerAttention(FlagErrors, SynthesizerAttention):
 def build_synthesizer(spec: SublayerSpec, components, freeze: bool) -> SynthesizerAttention:
     o: SynthesizerConfig = spec.options
     _check_positions(spec, o.synth_max_len)
-    rope_theta = host_rope_theta(spec)
-    if rope_theta is not None and "vanilla" not in components:
-        raise ValueError(f"rotary positions need a q.k product: the Synthesizer "
-                         f"{'+'.join(components)} has none (its tables are its positions); "
-                         "drop --rope or add the vanilla component")
     note_length_limit("--synth-max-len", o.synth_max_len)  # named when fairseq skips examples
     module = FairseqSynthesizerAttention(
         spec.embed_dim, spec.num_heads, components=components, max_len=o.synth_max_len,
         dropout=spec.attention_dropout, freeze_random=freeze or o.synth_freeze_random,
         factor_a=o.synth_factor_a, factor_b=o.synth_factor_b, rank=o.synth_rank,
         share_heads=o.synth_share_heads, table_kernel=str(o.synth_table_kernel),
-        rope_theta=rope_theta)
+        rope_theta=host_rope_theta(spec))
     if len(components) > 1:
         _log_mixture(module, f"mix_{spec.side[:3]}{spec.layer_idx}_{components[0]}")
     return module
@@ -178,12 +173,21 @@ def _make_builder(variant: str):
     return build
 
 
+def mix_rope(options: SynthesizerConfig) -> Optional[str]:
+    """The generic sublayer's --rope declaration: its vanilla component is rotated (the
+    synthesized tables are their own positions), so a --synth-mix without one cannot be."""
+    if "vanilla" in parse_mix(options.synth_mix):
+        return None
+    return f"add vanilla to --synth-mix {options.synth_mix}"
+
+
 for _variant in VARIANTS:
     register_sublayer(f"synth_{_variant}", slots=("self_attn",), options=SynthesizerConfig,
-                      tiny=TINY)(_make_builder(_variant))
+                      tiny=TINY, rope="vanilla" in VARIANTS[_variant][0])(_make_builder(_variant))
 
 
-@register_sublayer("synth", slots=("self_attn",), options=SynthesizerConfig, tiny=TINY)
+@register_sublayer("synth", slots=("self_attn",), options=SynthesizerConfig, tiny=TINY,
+                   rope=mix_rope)
 def build_synth(spec: SublayerSpec):
     """Synthesizer self-attention with the components of --synth-mix (one, or a mixture)"""
     return build_synthesizer(spec, parse_mix(spec.options.synth_mix), False)

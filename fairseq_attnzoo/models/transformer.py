@@ -8,8 +8,10 @@ stock ``transformer`` checkpoint loads into ``attnzoo_transformer`` unchanged; a
 under ``ffn``.
 
 Host options (:data:`HOST_FLAGS`, each off by default, so every existing arch and checkpoint is
-unchanged): ``--norm rmsnorm``, ``--rope`` / ``--rope-theta``, ``--no-proj-bias``; with the
-``swiglu`` FFN sublayer they make the Llama host (``attnzoo_lm_llama``).
+unchanged): ``--norm rmsnorm``, ``--rope`` / ``--rope-theta``, ``--no-proj-bias``; with a SwiGLU
+FFN they make the Llama host (``attnzoo_lm_llama``). What a method supports of them (rotary
+positions), and of the layers' other needs (incremental decoding), it declares at its registration
+(:class:`~.sublayers.SublayerEntry`): no method is named here.
 """
 
 import argparse
@@ -56,11 +58,14 @@ from .registry import register_base_arch
 from .sublayers import (
     SLOT_FLAGS,
     STOCK,
+    SUBLAYER_REGISTRY,
     SublayerSpec,
     add_sublayer_args,
     build_sublayer,
     fill_sublayer_defaults,
+    is_stock,
     layer_names,
+    options_for,
     sharing_scope,
     validate_sublayer_args,
 )
@@ -91,35 +96,37 @@ def _check_supported(cfg):
 
 # ---- host options: the norm, rotary positions, bias-free projections ---------------------------
 
-#: flag attribute -> (default, help); defaults are filled by the base arch functions, so a
-#: checkpoint written before these flags existed builds the model it was trained as
+#: flag attribute -> (default, help, or a function making it from the registry); defaults are
+#: filled by the base arch functions, so a checkpoint written before these flags existed builds
+#: the model it was trained as
 HOST_FLAGS = {
     "norm": ("layernorm", "the layers' norm: layernorm (fairseq's LayerNorm, default) or rmsnorm "
              f"(torch nn.RMSNorm, g * x / sqrt(mean(x^2) + eps), eps {RMSNORM_EPS:g} as the "
              "memory code's lingua/transformer.py, statistics in float32)"),
-    "rope": (False, "rotary position embeddings (RoPE, Su et al. 2021) on the queries and keys "
-             "of every self-attention that forms q.k scores (mha, sdpa, collab, the vanilla part "
-             "of synth* mixtures); encoder-decoder attention is not rotated; a synth* without "
-             "the vanilla part refuses it; aop (an FFN over position-free slots) is unaffected "
-             "(default off; attnzoo_lm_llama: on). Learned/sinusoidal positions stay unless "
-             "--no-token-positional-embeddings"),
+    "rope": (False, lambda: "rotary position embeddings (RoPE, Su et al. 2021) on the queries "
+             "and keys of every self-attention that forms q.k scores (the methods that declare "
+             f"it: {', '.join(rotating())}); encoder-decoder attention is not rotated; another "
+             "self-attention refuses it; FFN slots are unaffected (default off; attnzoo_lm_llama: "
+             "on). Learned/sinusoidal positions stay unless --no-token-positional-embeddings"),
     "rope_theta": (10000.0, "RoPE base theta: pair i turns by m * theta^(-2i/d_head) (default "
                    "10000 as lingua's BaseTransformerArgs; attnzoo_lm_llama: 500000 as the "
                    "memory code's dense_373m.yaml / pkplus_373m_1024k.yaml)"),
     "proj_bias": (True, "biases in the host's projections: attention q/k/v/out and the FFN "
-                  "(fc1/fc2, swiglu's w1/w2/w3); --no-proj-bias drops them (default on; "
+                  "(fc1/fc2, or a replaced FFN's projections where its builder reads "
+                  "host_proj_bias, as SwiGLU's w1/w2/w3); --no-proj-bias drops them (default on; "
                   "attnzoo_lm_llama: off). A method's own layers keep theirs"),
 }
 
-#: attention sublayers that rotate queries and keys under --rope (the others have no q.k product
-#: to rotate, or positions of their own): the one-line refusal names them. The synth* family
-#: decides itself: its vanilla component is rotated, a mixture without one is refused
-ROPE_ATTENTION = ("mha", "sdpa", "collab")
+def rotating(slot: str = "self_attn") -> List[str]:
+    """The sublayers of ``slot`` that declare they rotate queries and keys under --rope (some
+    only with some of their options), in registration order: --rope's help and refusals."""
+    return [n for n, e in SUBLAYER_REGISTRY.items() if slot in e.slots and e.rope is not False]
 
 
 def add_host_args(parser):
     """The host flags (no argparse defaults: presets and the base arch fill them)."""
     for attr, (default, help) in HOST_FLAGS.items():
+        help = help() if callable(help) else help
         flag = "--" + attr.replace("_", "-")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
@@ -159,13 +166,17 @@ def _check_host(args, names: Dict[str, List[str]]):
     if float(_host(args, "rope_theta")) <= 0:
         raise ZooConfigError(f"--rope-theta must be positive, got {args.rope_theta!r}")
     for attr in ("encoder_self_attn", "decoder_self_attn"):
-        other = sorted(n for n in set(names.get(attr, [])) - set(ROPE_ATTENTION)
-                       if not n.startswith("synth"))
-        if other:
+        for name in dict.fromkeys(names.get(attr, [])):
+            fix = SUBLAYER_REGISTRY[name].rope_fix(options_for(name, args))
+            if fix is None:
+                continue
+            others = [n for n in rotating() if n != name]  # (the stock attention at least)
+            choices = " or ".join(filter(None, [", ".join(others[:-1]), others[-1]]))
             raise ZooConfigError(
-                f"--rope is not implemented for the {', '.join(other)} self-attention (no "
-                f"rotated q.k product there): drop --rope or use --{attr.replace('_', '-')} "
-                f"{' or '.join(ROPE_ATTENTION)}")
+                f"--rope is not implemented for the {name} self-attention"
+                f"{' with these options' if fix else ''} (no q.k product to rotate): "
+                f"{fix + ', ' if fix else ''}drop --rope or use --{attr.replace('_', '-')} "
+                f"{choices}")
 
 
 def host_rope_theta(spec, rotated: Optional[int] = None, fix: str = "") -> Optional[float]:
@@ -248,7 +259,7 @@ class _ZooLayerMixin:
     def _fc(self, stock, *dims):
         """fc1 / fc2 (``stock``: fairseq's builder of it): None when the FFN slot is replaced
         (built as self.ffn below), bias-free under --no-proj-bias."""
-        if self.zoo_names[f"{self.zoo_side}_ffn"] != "ffn":
+        if not is_stock(self.zoo_names[f"{self.zoo_side}_ffn"]):
             return None
         return stock(*dims) if _host(self.zoo_cfg, "proj_bias") else _linear_no_bias(*dims)
 
@@ -259,16 +270,17 @@ class _ZooLayerMixin:
         return self._fc(super().build_fc2, input_dim, output_dim, q_noise, qn_block_size)
 
     def _attention(self, attr: str, spec, stock):
-        """The attention of slot ``attr``: its sublayer, or for ``mha`` fairseq's own (``stock()``)
-        unless a host option changes it (then the shared-base one, :func:`host_attention`)."""
+        """The attention of slot ``attr``: its sublayer, or for the stock one fairseq's own
+        (``stock()``) unless a host option changes it (then the shared-base one,
+        :func:`host_attention`)."""
         name = self.zoo_names[attr]
-        if name != "mha":
+        if not is_stock(name):
             return build_sublayer(name, spec)
         return stock() if stock_host(spec.args) else host_attention(spec)
 
     def _build_ffn(self, cfg):
         name = self.zoo_names[f"{self.zoo_side}_ffn"]
-        self.ffn = None if name == "ffn" else build_sublayer(
+        self.ffn = None if is_stock(name) else build_sublayer(
             name, _spec(cfg, "ffn", self.zoo_side, self.zoo_layer_idx, False))
 
     def feed_forward(self, x: Tensor, padding_mask: Optional[Tensor]) -> Tensor:
@@ -352,7 +364,14 @@ class ZooDecoderLayer(_ZooLayerMixin, TransformerDecoderLayerBase):
         self.zoo_cfg = cfg
         attrs = ["decoder_self_attn", "decoder_ffn"] + ([] if decoder_only else ["cross_attn"])
         self.zoo_names = {a: layer_names(cfg, a)[layer_idx] for a in attrs}
-        self.zoo_names.setdefault("cross_attn", "mha")
+        self.zoo_names.setdefault("cross_attn", STOCK["cross_attn"])
+        #: why a decoding step is refused: an attention that declares no incremental state
+        self.zoo_no_steps = next(
+            (f"--{a.replace('_', '-')} {n} cannot decode token by token (its registration "
+             "declares incremental=False), as fairseq-generate and attnzoo-sample do: score full "
+             "passes (fairseq-eval-lm, fairseq-validate) or choose another "
+             f"--{a.replace('_', '-')}" for a, n in self.zoo_names.items()
+             if a != "decoder_ffn" and not SUBLAYER_REGISTRY[n].incremental), None)
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
         self._build_ffn(cfg)
         _host_norms(self, cfg, ("self_attn_layer_norm", "encoder_attn_layer_norm",
@@ -381,6 +400,8 @@ class ZooDecoderLayer(_ZooLayerMixin, TransformerDecoderLayerBase):
                 need_attn: bool = False, need_head_weights: bool = False):
         if prev_self_attn_state is not None or prev_attn_state is not None:
             raise NotImplementedError("prev_*_attn_state (ONNX export path) is not supported")
+        if incremental_state is not None and self.zoo_no_steps:
+            raise ZooConfigError(self.zoo_no_steps)
         if need_head_weights:
             need_attn = True
         residual = x

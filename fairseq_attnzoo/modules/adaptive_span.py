@@ -245,94 +245,15 @@ class AdaptiveMask(Float32Module):
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------
-class AdaptiveSpanAttention(nn.Module):
-    """Multi-head attention over a sliding window of S positions with learned spans; batch-first
-    ``x [B, M, C]`` (unlike the time-first [T, B, C] of the package's other modules).
-
-    ``forward(x, key_pe, memory=None, past_kv=None, key_padding_mask=None)``:
-
-    * ``x [B, M, C]``: the current block (queries; also keys/values for itself)
-    * ``key_pe [1, d_h, S]``: relative position embeddings, column S-1-d = distance d
-      (None: use this module's own table, built with ``own_key_pe=True``)
-    * ``memory [B, T_m, C]``: hidden states of the previous positions (Transformer-XL cache), or
-    * ``past_kv``: projected keys and values ``[B, H, T_m, d_h]`` of the previous positions
-      (incremental decoding)
-    * ``key_padding_mask [B, T_m + M]`` (True = pad, or any mask ``nn.MultiheadAttention``
-      takes) over previous + current positions
-
-    Returns ``(out [B, M, C], (k, v))`` where ``(k, v)`` are previous + current keys/values when
-    ``past_kv`` was given (to be cached), else None.
-    """
-
-    def __init__(self, embed_dim: int, num_heads: int, max_span: int, ramp: int = 32,
-                 span_init: float = 0.0, span_loss: float = 0.0, dropout: float = 0.0,
-                 trim_chunk: int = 64, dynamic: bool = False, persistent_slots: int = 0,
-                 own_key_pe: bool = False, query_chunk: int = 64, renorm: bool = True,
-                 exclude_self: bool = False, kernel: str = "auto"):
-        super().__init__()
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}: "
-                             "choose num_heads dividing embed_dim")
-        if kernel not in KERNELS:
-            raise ValueError(f"adaptive-span kernel must be one of {', '.join(KERNELS)}, "
-                             f"got {kernel!r}")
-        if kernel == "sdpa" and (persistent_slots > 0 or not renorm):
-            raise ValueError("kernel='sdpa' needs the renormalised span mask and no persistent "
-                             "memory (renorm=True, persistent_slots=0): pass those, or "
-                             "kernel='auto'")
-        self.kernel = kernel
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
-        self.max_span = max_span
-        self.dropout = dropout
-        self.query_chunk = query_chunk
-        self.renorm = renorm
-        self.exclude_self = exclude_self  # window = the S previous tokens (reference), not 0..S-1
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            nn.init.xavier_normal_(lin.weight)
-        self.mask = AdaptiveMask(num_heads, max_span, ramp, span_init, span_loss, trim_chunk,
-                                 dynamic, embed_dim)
-        self.persistent = (PersistentMemory(persistent_slots, num_heads, self.head_dim)
-                           if persistent_slots > 0 else None)
-        # a model shares one table between its layers; standalone use gets its own
-        self.key_pe = nn.Parameter(torch.randn(1, self.head_dim, max_span)) if own_key_pe else None
-
-    def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, S={self.max_span}, renorm={self.renorm}, "
-                f"exclude_self={self.exclude_self}, kernel={self.kernel}")
-
-    def split_heads(self, x: Tensor) -> Tensor:
-        """[B, T, H*d] -> [B, H, T, d]"""
-        b, t, _ = x.shape
-        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-
-    @staticmethod
-    def _check_layout(x: Tensor, memory: Optional[Tensor], past_kv, key_padding_mask):
-        """Batch-first inputs: where the batch sizes of x, memory, past_kv and the padding mask
-        disagree (a time-first x [M, B, C] passed), one line saying so."""
-        b, m = x.shape[:2]
-        prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
-        n_prev = 0 if prev is None else prev.size(-2)
-        wrong = None
-        if prev is not None and prev.size(0) != b:
-            wrong = f"{'memory' if memory is not None else 'past_kv'} has batch size {prev.size(0)}"
-        elif key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, n_prev + m):
-            wrong = (f"key_padding_mask has shape {list(key_padding_mask.shape)}, not [B, T_m + M]"
-                     f" = [{b}, {n_prev + m}]")
-        if wrong:
-            raise ValueError(f"AdaptiveSpanAttention takes batch-first x [B, M, C] (got "
-                             f"{list(x.shape)}) and {wrong}: pass x as [B, M, C] (transpose a "
-                             "time-first [M, B, C]) and masks as [B, T]")
-
-    def cache_size(self, buffer: int = 0, z_max: Optional[float] = None) -> int:
-        """Previous positions worth keeping for the next call (see :meth:`AdaptiveMask.cache_size`);
-        one more when the window excludes the current token."""
-        return min(self.max_span, self.mask.cache_size(buffer, z_max) + int(self.exclude_self))
+class SpanBand:
+    """The band attention of :class:`AdaptiveSpanAttention` (a part of it, read on its own):
+    scaled queries ``q [B, H, M, d]`` over the window of keys at distances 0..span-1, whose logits
+    are the content ``q k`` plus the relative position logits and the span's log-mask
+    (:meth:`position_logits`), in query chunks (:meth:`chunk_size`); through torch's fused
+    attention (:meth:`attend_sdpa`) or op by op (:meth:`attend`, the reference), as
+    :meth:`uses_sdpa` decides. It reads the module's ``mask`` (the spans), ``persistent``
+    (All-Attention's slots), ``renorm``, ``dropout``, ``max_span``, ``head_dim``, ``query_chunk``
+    and ``kernel``."""
 
     def chunk_size(self, m: int, span: int) -> int:
         """Query chunk c minimising the cost of the band attention, estimated as ~10 passes over
@@ -346,48 +267,6 @@ class AdaptiveSpanAttention(nn.Module):
                 best, best_cost = c, cost
             c *= 2
         return best
-
-    def forward(self, x: Tensor, key_pe: Optional[Tensor] = None, memory: Optional[Tensor] = None,
-                past_kv: Optional[Tuple[Tensor, Tensor]] = None,
-                key_padding_mask: Optional[Tensor] = None, z_max: Optional[float] = None):
-        if memory is not None and past_kv is not None:
-            raise ValueError("give either memory (hidden states) or past_kv (keys/values), "
-                             "not both")
-        key_pe = self.key_pe if key_pe is None else key_pe
-        if key_pe is None:
-            raise ValueError("AdaptiveSpanAttention needs relative position embeddings: pass "
-                             f"key_pe [1, d_h = {self.head_dim}, S = {self.max_span}] to forward, "
-                             "or build the module with own_key_pe=True")
-        self._check_layout(x, memory, past_kv, key_padding_mask)
-        key_padding_mask = bool_mask(key_padding_mask)
-        m = x.size(1)
-        if m == 0:  # no positions: an empty output, the cache as it was
-            return self.out_proj(x), past_kv
-        z = self.mask.spans(x)
-        prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
-        n_prev = 0 if prev is None else prev.size(-2)
-        # L window columns: distances 0..L-1, or 1..L when the current token is excluded (shift)
-        shift = int(self.exclude_self)
-        span = min(self.mask.window(z, z_max), max(1, n_prev + m - shift))
-        keep = min(n_prev, span - 1 + shift)  # previous positions inside the window
-        pad = None
-        if key_padding_mask is not None:
-            pad = key_padding_mask[:, n_prev - keep:key_padding_mask.size(1) - shift]
-
-        new_kv = None
-        if past_kv is not None:
-            k_all = torch.cat([past_kv[0], self.split_heads(self.k_proj(x))], dim=2)
-            v_all = torch.cat([past_kv[1], self.split_heads(self.v_proj(x))], dim=2)
-            new_kv = (k_all, v_all)
-            k, v = k_all[:, :, n_prev - keep:], v_all[:, :, n_prev - keep:]
-        else:
-            h = x if keep == 0 else torch.cat([memory[:, n_prev - keep:].to(x.dtype), x], dim=1)
-            k, v = self.split_heads(self.k_proj(h)), self.split_heads(self.v_proj(h))
-        if shift:  # the window ends one position before each query
-            k, v = k[:, :, :-1], v[:, :, :-1]
-        q = self.split_heads(self.q_proj(x)) * self.head_dim ** -0.5
-        attend = self.attend_sdpa if self.uses_sdpa(q) else self.attend
-        return self.out_proj(attend(q, k, v, z, span, key_pe, pad)), new_kv
 
     def uses_sdpa(self, q: Tensor) -> bool:
         """Whether the band goes through torch's fused attention (``kernel``: "sdpa" always,
@@ -497,6 +376,150 @@ class AdaptiveSpanAttention(nn.Module):
         if self.persistent is not None:
             out = out + self.persistent.read(probs[..., span:])
         return out.transpose(1, 2).reshape(b, m, -1)
+
+
+class AdaptiveSpanAttention(SpanBand, nn.Module):
+    """Multi-head attention over a sliding window of S positions with learned spans; batch-first
+    ``x [B, M, C]`` (unlike the time-first [T, B, C] of the package's other modules).
+
+    ``forward(x, key_pe, memory=None, past_kv=None, key_padding_mask=None)``:
+
+    * ``x [B, M, C]``: the current block (queries; also keys/values for itself)
+    * ``key_pe [1, d_h, S]``: relative position embeddings, column S-1-d = distance d
+      (None: use this module's own table, built with ``own_key_pe=True``)
+    * ``memory [B, T_m, C]``: hidden states of the previous positions (Transformer-XL cache), or
+    * ``past_kv``: projected keys and values ``[B, H, T_m, d_h]`` of the previous positions
+      (incremental decoding)
+    * ``key_padding_mask [B, T_m + M]`` (True = pad, or any mask ``nn.MultiheadAttention``
+      takes) over previous + current positions
+
+    Returns ``(out [B, M, C], (k, v))`` where ``(k, v)`` are previous + current keys/values when
+    ``past_kv`` was given (to be cached), else None.
+
+    Here: the projections, the spans and the window they need (:meth:`forward`), the window's keys
+    and values from the memory or the decoding cache (:meth:`window_keys_values`); the attention
+    over the window is the part :class:`SpanBand`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, max_span: int, ramp: int = 32,
+                 span_init: float = 0.0, span_loss: float = 0.0, dropout: float = 0.0,
+                 trim_chunk: int = 64, dynamic: bool = False, persistent_slots: int = 0,
+                 own_key_pe: bool = False, query_chunk: int = 64, renorm: bool = True,
+                 exclude_self: bool = False, kernel: str = "auto"):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}: "
+                             "choose num_heads dividing embed_dim")
+        if kernel not in KERNELS:
+            raise ValueError(f"adaptive-span kernel must be one of {', '.join(KERNELS)}, "
+                             f"got {kernel!r}")
+        if kernel == "sdpa" and (persistent_slots > 0 or not renorm):
+            raise ValueError("kernel='sdpa' needs the renormalised span mask and no persistent "
+                             "memory (renorm=True, persistent_slots=0): pass those, or "
+                             "kernel='auto'")
+        self.kernel = kernel
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.max_span = max_span
+        self.dropout = dropout
+        self.query_chunk = query_chunk
+        self.renorm = renorm
+        self.exclude_self = exclude_self  # window = the S previous tokens (reference), not 0..S-1
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.xavier_normal_(lin.weight)
+        self.mask = AdaptiveMask(num_heads, max_span, ramp, span_init, span_loss, trim_chunk,
+                                 dynamic, embed_dim)
+        self.persistent = (PersistentMemory(persistent_slots, num_heads, self.head_dim)
+                           if persistent_slots > 0 else None)
+        # a model shares one table between its layers; standalone use gets its own
+        self.key_pe = nn.Parameter(torch.randn(1, self.head_dim, max_span)) if own_key_pe else None
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, S={self.max_span}, renorm={self.renorm}, "
+                f"exclude_self={self.exclude_self}, kernel={self.kernel}")
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        """[B, T, H*d] -> [B, H, T, d]"""
+        b, t, _ = x.shape
+        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    @staticmethod
+    def _check_layout(x: Tensor, memory: Optional[Tensor], past_kv, key_padding_mask):
+        """Batch-first inputs: where the batch sizes of x, memory, past_kv and the padding mask
+        disagree (a time-first x [M, B, C] passed), one line saying so."""
+        b, m = x.shape[:2]
+        prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
+        n_prev = 0 if prev is None else prev.size(-2)
+        wrong = None
+        if prev is not None and prev.size(0) != b:
+            wrong = f"{'memory' if memory is not None else 'past_kv'} has batch size {prev.size(0)}"
+        elif key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, n_prev + m):
+            wrong = (f"key_padding_mask has shape {list(key_padding_mask.shape)}, not [B, T_m + M]"
+                     f" = [{b}, {n_prev + m}]")
+        if wrong:
+            raise ValueError(f"AdaptiveSpanAttention takes batch-first x [B, M, C] (got "
+                             f"{list(x.shape)}) and {wrong}: pass x as [B, M, C] (transpose a "
+                             "time-first [M, B, C]) and masks as [B, T]")
+
+    def cache_size(self, buffer: int = 0, z_max: Optional[float] = None) -> int:
+        """Previous positions worth keeping for the next call (see :meth:`AdaptiveMask.cache_size`);
+        one more when the window excludes the current token."""
+        return min(self.max_span, self.mask.cache_size(buffer, z_max) + int(self.exclude_self))
+
+    def forward(self, x: Tensor, key_pe: Optional[Tensor] = None, memory: Optional[Tensor] = None,
+                past_kv: Optional[Tuple[Tensor, Tensor]] = None,
+                key_padding_mask: Optional[Tensor] = None, z_max: Optional[float] = None):
+        if memory is not None and past_kv is not None:
+            raise ValueError("give either memory (hidden states) or past_kv (keys/values), "
+                             "not both")
+        key_pe = self.key_pe if key_pe is None else key_pe
+        if key_pe is None:
+            raise ValueError("AdaptiveSpanAttention needs relative position embeddings: pass "
+                             f"key_pe [1, d_h = {self.head_dim}, S = {self.max_span}] to forward, "
+                             "or build the module with own_key_pe=True")
+        self._check_layout(x, memory, past_kv, key_padding_mask)
+        key_padding_mask = bool_mask(key_padding_mask)
+        m = x.size(1)
+        if m == 0:  # no positions: an empty output, the cache as it was
+            return self.out_proj(x), past_kv
+        z = self.mask.spans(x)
+        prev = memory if memory is not None else (past_kv[0] if past_kv is not None else None)
+        n_prev = 0 if prev is None else prev.size(-2)
+        # L window columns: distances 0..L-1, or 1..L when the current token is excluded (shift)
+        shift = int(self.exclude_self)
+        span = min(self.mask.window(z, z_max), max(1, n_prev + m - shift))
+        keep = min(n_prev, span - 1 + shift)  # previous positions inside the window
+        pad = None
+        if key_padding_mask is not None:
+            pad = key_padding_mask[:, n_prev - keep:key_padding_mask.size(1) - shift]
+
+        k, v, new_kv = self.window_keys_values(x, memory, past_kv, keep)
+        if shift:  # the window ends one position before each query
+            k, v = k[:, :, :-1], v[:, :, :-1]
+        q = self.split_heads(self.q_proj(x)) * self.head_dim ** -0.5
+        attend = self.attend_sdpa if self.uses_sdpa(q) else self.attend
+        return self.out_proj(attend(q, k, v, z, span, key_pe, pad)), new_kv
+
+    def window_keys_values(self, x: Tensor, memory: Optional[Tensor],
+                           past_kv: Optional[Tuple[Tensor, Tensor]], keep: int):
+        """Keys and values ``[B, H, keep + M, d_h]`` of the window's last ``keep`` previous
+        positions and the block ``x``: from the decoding cache ``past_kv``, which is returned
+        extended by the block (to be cached), or projected from the previous hidden states
+        ``memory`` (the Transformer-XL cache; then None is returned for the cache)."""
+        if past_kv is not None:
+            n_prev = past_kv[0].size(-2)
+            k_all = torch.cat([past_kv[0], self.split_heads(self.k_proj(x))], dim=2)
+            v_all = torch.cat([past_kv[1], self.split_heads(self.v_proj(x))], dim=2)
+            return k_all[:, :, n_prev - keep:], v_all[:, :, n_prev - keep:], (k_all, v_all)
+        h = x
+        if keep:
+            h = torch.cat([memory[:, memory.size(1) - keep:].to(x.dtype), x], dim=1)
+        return self.split_heads(self.k_proj(h)), self.split_heads(self.v_proj(h)), None
 
 
 class FeedForward(nn.Module):

@@ -25,11 +25,17 @@ per-sentence mask gets one Softmax for the whole batch.
 Incremental decoding caches only G(x) (and the keys for +vanilla mixtures): step t uses row t of R
 (or the row synthesized from the current token for Dense) over columns 0..t.
 
+The module in parts, each read on its own: :class:`SynthesizerParameters` (what the components
+learn, and their init), :class:`SynthesizerTerms` (the logits S_i(X), one method per component,
+where they are read in the position tables: :class:`TermPositions`; Random as a dot product:
+:func:`random_dot`), :class:`SynthesizerAttention` (the values and the decoding cache, the
+length check, Softmax(B) G(X) through the fused kernel or with the logits materialized).
+
 Imports torch and ``.base`` only.
 """
 
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -119,13 +125,274 @@ class SequenceTooLong(ValueError):
             f"max_len >= {length}, or pass at most {max_len} positions")
 
 
-class SynthesizerAttention(ZooAttention):
+class TermPositions(NamedTuple):
+    """Where one forward pass's terms are read in the position tables, and how they run."""
+
+    tq: int  # queries of this step
+    offset: int  # positions decoded before them (incremental decoding)
+    qpos: Optional[Tensor]  # pad-aware positions [B, Tq] of the queries; None: no padding
+    kpos: Optional[Tensor]  # ... of the keys [B, Tk]; None: 0..Tk-1
+    k_len: int  # Tk
+    cols: int  # columns of the tables in use: min(Tk, N)
+    shared: bool  # the table terms are one map for the whole batch
+    fused: bool  # the sdpa table kernel: Random / Factorized Random as dot products
+
+
+def _by_position(table: Tensor, pos: Optional[Tensor], start: int, length: int) -> Tensor:
+    """Rows of a position table [h, N, ...] for positions ``pos`` [B, T] (gathered) or, with no
+    padding, ``start .. start+length-1`` (sliced): -> [B or 1, h, T, ...]."""
+    if pos is None:
+        return table[:, start:start + length].unsqueeze(0)
+    return _select_positions(table, pos)
+
+
+# ---- Random as a dot product (the sdpa table kernel) ---------------------------------------------
+def random_dot_width(R: Tensor, cols: int, head_dim: int) -> Optional[int]:
+    """The width c of Random's dot form for keys at ``cols`` positions (they must cover every key
+    position; at least the head width, so that q, k and v share one width and the kernel needs no
+    padding copies), or None when that is wider than :data:`RANDOM_DOT_MAX_WIDTH` and the head:
+    there the product over c features costs more than the table's logits."""
+    c = -(-cols // 8) * 8
+    if c > max(RANDOM_DOT_MAX_WIDTH, head_dim):
+        return None
+    return min(R.size(2), max(c, head_dim))
+
+
+def random_dot(R: Tensor, ctx: AttnContext, at: TermPositions, c: int, num_heads: int):
+    """Random's R[qpos, kpos] as a dot product, for the fused kernel: the query's row of R (its
+    first c columns) against the one-hot vector of the key's position. Exact in any precision
+    (one non-zero product per logit), and the only per-sentence tensor is the gathered rows: no
+    [B, H, Tq, Tk] logits and fp32 softmax, forward or backward (columns past the keys meet zeros
+    in the one-hot vectors and get no gradient). Returns q ``[B or 1, h, Tq, c]`` and k
+    ``[B or 1, H or 1, Tk, c]`` (with padding, made once per forward for all layers)."""
+    n = R.size(2)
+    dtype, device = R.dtype, R.device
+    qpos, kpos, tq, k_len = at.qpos, at.kpos, at.tq, at.k_len
+    if qpos is None:  # no padding: rows off.., keys 0..Tk-1
+        return (R[:, at.offset:at.offset + tq, :c].unsqueeze(0),
+                _identity(k_len, c, dtype, device).view(1, 1, k_len, c))
+    # one gather of the rows' first c entries of the flattened table (its backward is one
+    # index_add into R's gradient), by ids made once per forward
+    ids = ctx.from_masks(("synthesizer rows", n, tq, c),
+                         lambda: qpos[:, :, None] * n + torch.arange(c, device=device))
+    rows = _select_positions(R.flatten(1, 2), ids)
+    onehot = ctx.from_masks(
+        ("synthesizer one-hot", k_len, c, num_heads, dtype, str(device)),
+        # (a scatter: F.one_hot reads the positions' range back to the host)
+        lambda: torch.zeros(kpos.size(0), 1, k_len, c, dtype=dtype, device=device).scatter_(
+            -1, kpos[:, None, :, None], 1.0).expand(-1, num_heads, -1, -1).contiguous())
+    return rows, onehot
+
+
+class SynthesizerParameters:
+    """What the synthesized components learn: Dense's W1, W2, b2, Factorized Dense's F_A, F_B,
+    the Random tables R (R1, R2 for Factorized Random; buffers when frozen), the mixture's alpha
+    logits; :meth:`_init_components` makes them, :meth:`reset_components` initialises them. A part
+    of :class:`SynthesizerAttention`: the parameters live on that module, under the names its
+    checkpoints have always had."""
+
+    def _init_components(self, components: Tuple[str, ...], max_len: int, freeze_random: bool,
+                         factor_a: Optional[int], factor_b: Optional[int], rank: int,
+                         share_heads: bool):
+        self.freeze_random = freeze_random
+        self.share_heads = share_heads
+        H, dh, d, N = self.num_heads, self.head_dim, self.embed_dim, max_len
+        hr = 1 if share_heads else H  # heads of the Random tables
+        if "dense" in components:
+            self.dense_W1 = nn.Linear(d, d)  # W1, b1 (hidden split per head)
+            # per-head W2: d_h -> N, stored one d_h-vector per column (position) j: [H, N, d_h]
+            self.dense_W2 = nn.Parameter(torch.empty(H, N, dh))
+            self.dense_b2 = nn.Parameter(torch.zeros(H, N))
+        if "factorized_dense" in components:
+            a, b = factorized_dense_sizes(N, factor_a, factor_b)
+            assert a * b >= N, f"factor_a {a} x factor_b {b} < max_len {N}"
+            self.factor_a, self.factor_b = a, b
+            self.fdense_W1 = nn.Linear(d, d)
+            self.fdense_WA = nn.Parameter(torch.empty(H, dh, a))  # F_A: n x a
+            self.fdense_bA = nn.Parameter(torch.zeros(H, a))
+            self.fdense_WB = nn.Parameter(torch.empty(H, dh, b))  # F_B: n x b
+            self.fdense_bB = nn.Parameter(torch.zeros(H, b))
+        if "random" in components:
+            self._table("R", torch.empty(hr, N, N))
+        if "factorized_random" in components:
+            self.rank = rank
+            self._table("R1", torch.empty(hr, N, rank))
+            self._table("R2", torch.empty(hr, N, rank))
+        if len(components) > 1:
+            # alpha = softmax(mix_logits): one weight per component, sum 1, equal at init
+            self.mix_logits = nn.Parameter(torch.zeros(len(components)))
+
+    def _table(self, name: str, t: Tensor):
+        if self.freeze_random:  # Fixed Random: in the state dict, never in the optimizer
+            self.register_buffer(name, t)
+        else:
+            setattr(self, name, nn.Parameter(t))
+
+    @torch.no_grad()
+    def reset_components(self):
+        for name in ("dense_W1", "fdense_W1"):
+            if hasattr(self, name):
+                nn.init.xavier_uniform_(getattr(self, name).weight)
+                nn.init.zeros_(getattr(self, name).bias)
+        for name in ("dense_W2", "fdense_WA", "fdense_WB"):
+            if hasattr(self, name):
+                for w in getattr(self, name):  # per head [d_h, cols]
+                    nn.init.xavier_uniform_(w)
+        if hasattr(self, "R"):
+            for r in self.R:  # per head [N, N]: small logits, near-uniform attention at init
+                nn.init.xavier_uniform_(r)
+        if hasattr(self, "R1"):
+            # entries of R1 R2^T get variance k*s^4 = 1/N, like xavier on an [N, N] table
+            std = (self.rank * self.max_len) ** -0.25
+            nn.init.normal_(self.R1, std=std)
+            nn.init.normal_(self.R2, std=std)
+
+    def mixture_weights(self) -> Dict[str, float]:
+        """alpha per component (sums to 1); {component: 1.0} for a pure mode."""
+        if len(self.components) == 1:
+            return {self.components[0]: 1.0}
+        alpha = torch.softmax(self.mix_logits.detach().float(), dim=0)
+        return {c: float(a) for c, a in zip(self.components, alpha)}
+
+
+class SynthesizerTerms(SynthesizerParameters):
+    """The synthesized logits S_i(X), one method per component of :data:`COMPONENTS`, each already
+    weighted by its mixture weight alpha_i (a part of :class:`SynthesizerAttention`).
+
+    A term is returned in one of two forms:
+
+    * a dot-product term S_i = q_i k_i^T as lists of feature blocks ``([q blocks], [k blocks])``
+      (Dense, Vanilla; with the sdpa table kernel Random while its keys are narrow, Factorized
+      Random unless the batch shares one map): they go through the fused SDPA kernel, all blocks
+      concatenated along the feature dimension in one copy;
+    * a table ``[B or 1, H or 1, Tq, Tk]`` (Factorized Dense; Random and Factorized Random
+      otherwise), added to the logits.
+    """
+
+    def terms(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext, k_len: int):
+        """The components' terms, each weighted by its alpha: ``(dots, tables)`` (see the class)."""
+        at = self._positions(x_q, ctx, k_len)
+        alpha = None
+        if len(self.components) > 1:
+            alpha = torch.softmax(self.mix_logits.float(), dim=0).to(x_q.dtype)
+        dots, tables = [], []
+        for i, name in enumerate(self.components):
+            term = getattr(self, f"_{name}_term")(x_q, k, ctx, at,
+                                                   None if alpha is None else alpha[i])
+            (dots if isinstance(term, tuple) else tables).append(term)
+        return dots, tables
+
+    def synthesized_logits(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext,
+                           k_len: int) -> Tensor:
+        """Sum_i alpha_i S_i(X) before masking: [B or 1, H or 1, Tq, Tk]."""
+        return self._sum_terms(*self.terms(x_q, k, ctx, k_len))
+
+    @staticmethod
+    def _sum_terms(dots, tables) -> Tensor:
+        """sum_i q_i k_i^T + sum_j table_j (each already weighted by its alpha)."""
+        logits = None
+        cat = lambda blocks: blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+        products = [torch.matmul(cat(q), cat(kk).transpose(-1, -2)) for q, kk in dots]
+        for term in products + list(tables):
+            logits = term if logits is None else logits + term
+        return logits
+
+    # ---- positions ---------------------------------------------------------------------------------
+    def _positions(self, x_q: Tensor, ctx: AttnContext, k_len: int) -> TermPositions:
+        tq = x_q.size(1)
+        if ctx.key_padding_mask is None:  # fast path: positions are 0..Tk-1, slice the tables
+            qpos = kpos = None
+        else:  # pad-aware positions: gather rows/columns by each token's real position
+            kpos = ctx.key_positions(k_len, x_q.device).expand(x_q.size(0), k_len)
+            qpos = kpos[:, -tq:]
+        # with no padding and no weight dropout the table terms are one map for the whole batch
+        # (the attention's shared path); otherwise, with the sdpa kernel, Factorized Random's
+        # R1 R2ᵀ, a dot product of rank k, is better a dot term: the fused kernel, no
+        # [B, H, Tq, Tk] logits or fp32 softmax. So is Random's R[i, j] = R[i]·e_j, padded or
+        # not, while its width (the keys') is small
+        shared = qpos is None and not (self.training and self.dropout > 0)
+        fused = self.table_kernel == "sdpa" or (self.table_kernel == "auto" and
+                                                x_q.device.type in AUTO_SDPA_DEVICES)
+        return TermPositions(tq, ctx.offset, qpos, kpos, k_len, min(k_len, self.max_len), shared,
+                             fused)
+
+    def _hidden(self, x: Tensor, W1: nn.Linear) -> Tensor:
+        """ReLU(X W1 + b1), split per head: [B, T, C] -> [B, H, T, d_h]."""
+        return self.split_heads(F.relu(W1(x)))
+
+    # ---- the components (x_q [B, Tq, C]; k: the vanilla keys; w: alpha_i, None for one) ----------
+    def _dense_term(self, x_q, k, ctx, at: TermPositions, w):
+        """B = ReLU(X W1 + b1) W2 + b2: row t from token t; column j is W2's j-th d_h-vector
+        (and b2_j), so b2 rides along as a constant-1 query feature."""
+        q = self._hidden(x_q, self.dense_W1)
+        one = (_constant(1.0, q.dtype, q.device) if w is None else w.to(q.dtype))
+        one = one.expand(q.shape[:-1] + (1,))
+        kk = [_by_position(self.dense_W2, at.kpos, 0, at.k_len),
+              _by_position(self.dense_b2.unsqueeze(-1), at.kpos, 0, at.k_len)]
+        return [q if w is None else q * w, one], kk
+
+    def _vanilla_term(self, x_q, k, ctx, at: TermPositions, w):
+        """Q K^T / sqrt(d_k), alpha folded into the one scaling."""
+        scale = self.head_dim ** -0.5
+        q = self.split_heads(self.q_proj(x_q))
+        if self.rotary is not None:
+            q = self.rotary(q, ctx.offset)
+        return [q * (scale if w is None else w * scale)], [k]
+
+    def _random_term(self, x_q, k, ctx, at: TermPositions, w):
+        """R[qpos, kpos]: a dot product R[qpos] . onehot(kpos) while the keys are narrow (sdpa
+        table kernel), else the table."""
+        width = random_dot_width(self.R, at.cols, self.head_dim) if at.fused else None
+        if width:
+            rows, onehot = random_dot(self.R, ctx, at, width, self.num_heads)
+            return [rows if w is None else rows * w], [onehot]
+        if at.qpos is None:
+            t = self.R[:, at.offset:at.offset + at.tq, :at.k_len].unsqueeze(0)
+        else:  # one gather of (row, column) pairs of the flattened table
+            n = self.R.size(2)  # the same (row, column) ids in every layer
+            qpos, kpos = at.qpos, at.kpos
+            pairs = ctx.from_masks(("synthesizer pairs", n, at.tq, at.k_len),
+                                   lambda: qpos[:, :, None] * n + kpos[:, None, :])
+            t = _select_positions(self.R.flatten(1, 2), pairs)
+        return t if w is None else t * w
+
+    def _factorized_random_term(self, x_q, k, ctx, at: TermPositions, w):
+        """R1[qpos] R2[kpos]^T: a dot term with the sdpa table kernel unless the batch shares
+        one map, else the table."""
+        r1 = _by_position(self.R1, at.qpos, at.offset, at.tq)
+        r2 = _by_position(self.R2, at.kpos, 0, at.k_len)
+        if at.fused and not at.shared:
+            return [r1 if w is None else r1 * w], [r2]
+        t = torch.matmul(r1, r2.transpose(-1, -2))
+        return t if w is None else t * w
+
+    def _factorized_dense_term(self, x_q, k, ctx, at: TermPositions, w):
+        """Column j = q*a + p of the outer product gets A[p] * B[q], A = F_A(X), B = F_B(X);
+        only the Tk columns in use are made, not all a*b."""
+        hid = self._hidden(x_q, self.fdense_W1)
+        A = torch.matmul(hid, self.fdense_WA) + self.fdense_bA[:, None]
+        Bf = torch.matmul(hid, self.fdense_WB) + self.fdense_bB[:, None]
+        a = self.factor_a
+        if at.kpos is None:
+            j = torch.arange(at.cols, device=x_q.device)
+            t = Bf[..., j // a] * A[..., j % a]
+        else:
+            j = at.kpos[:, None, None, :].expand(A.shape[:-1] + (at.k_len,))
+            t = Bf.gather(-1, j // a) * A.gather(-1, j % a)
+        return t if w is None else t * w
+
+
+class SynthesizerAttention(SynthesizerTerms, ZooAttention):
     """Multi-head synthetic self-attention, time-first [T, B, C]; ``components``: mode or mixture.
 
     Self-attention only: the weights come from the query alone, so ``key`` and ``value`` are
     None or equal to ``query`` (``attn(x, x, x)``, as ``nn.MultiheadAttention`` is called);
     others are refused (:attr:`ZooAttention.self_attention_only`). A sequence longer than
     ``max_len`` raises :class:`SequenceTooLong`.
+
+    The logits are :class:`SynthesizerTerms`; here: the values G(X) and the vanilla keys, cached
+    for incremental decoding (:meth:`_new_values_keys`), the length check, and Softmax(B) G(X)
+    (:meth:`_attend_dots` through the fused kernel, :meth:`_attend_tables` with an fp32 softmax).
 
     Args:
         embed_dim, num_heads, dropout: as fairseq's MultiheadAttention (dropout on the weights).
@@ -155,57 +422,26 @@ class SynthesizerAttention(ZooAttention):
         # RoPE on the vanilla component's Q and K only: the synthesized tables stay absolute
         self.rotary = None if rope_theta is None else RotaryEmbedding(embed_dim // num_heads,
                                                                       rope_theta)
-        assert table_kernel in TABLE_KERNELS, f"table_kernel {table_kernel!r}"
-        self.table_kernel = table_kernel
         # user-facing checks (one line naming the flag) are the fairseq options' validate()
         assert components and set(components) <= set(COMPONENTS) and \
             len(set(components)) == len(components), f"components {components!r}"
         assert max_len >= 1 and rank >= 1, f"max_len {max_len}, rank {rank}"
         self.components = components
-        self.max_len = N = max_len
-        self.freeze_random = freeze_random
-        self.share_heads = share_heads
-        H, dh, d = num_heads, self.head_dim, embed_dim
-        hr = 1 if share_heads else H  # heads of the Random tables
-
+        self.max_len = max_len
+        d = embed_dim
         self.v_proj = nn.Linear(d, d, bias=bias)  # G(X)
         self.out_proj = nn.Linear(d, d, bias=bias)
         if "vanilla" in components:
             self.q_proj = nn.Linear(d, d, bias=bias)
             self.k_proj = nn.Linear(d, d, bias=bias)
-        if "dense" in components:
-            self.dense_W1 = nn.Linear(d, d)  # W1, b1 (hidden split per head)
-            # per-head W2: d_h -> N, stored one d_h-vector per column (position) j: [H, N, d_h]
-            self.dense_W2 = nn.Parameter(torch.empty(H, N, dh))
-            self.dense_b2 = nn.Parameter(torch.zeros(H, N))
-        if "factorized_dense" in components:
-            a, b = factorized_dense_sizes(N, factor_a, factor_b)
-            assert a * b >= N, f"factor_a {a} x factor_b {b} < max_len {N}"
-            self.factor_a, self.factor_b = a, b
-            self.fdense_W1 = nn.Linear(d, d)
-            self.fdense_WA = nn.Parameter(torch.empty(H, dh, a))  # F_A: n x a
-            self.fdense_bA = nn.Parameter(torch.zeros(H, a))
-            self.fdense_WB = nn.Parameter(torch.empty(H, dh, b))  # F_B: n x b
-            self.fdense_bB = nn.Parameter(torch.zeros(H, b))
-        if "random" in components:
-            self._table("R", torch.empty(hr, N, N))
-        if "factorized_random" in components:
-            self.rank = rank
-            self._table("R1", torch.empty(hr, N, rank))
-            self._table("R2", torch.empty(hr, N, rank))
-        if len(components) > 1:
-            # alpha = softmax(mix_logits): one weight per component, sum 1, equal at init
-            self.mix_logits = nn.Parameter(torch.zeros(len(components)))
+        assert table_kernel in TABLE_KERNELS, f"table_kernel {table_kernel!r}"
+        self.table_kernel = table_kernel
+        self._init_components(components, max_len, freeze_random, factor_a, factor_b, rank,
+                              share_heads)
         #: set True to keep the last attention weights (``last_attention``) for analysis
         self.keep_attention = False
         self.last_attention: Optional[Tensor] = None
         self.reset_parameters()
-
-    def _table(self, name: str, t: Tensor):
-        if self.freeze_random:  # Fixed Random: in the state dict, never in the optimizer
-            self.register_buffer(name, t)
-        else:
-            setattr(self, name, nn.Parameter(t))
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -216,33 +452,24 @@ class SynthesizerAttention(ZooAttention):
         nn.init.xavier_uniform_(self.out_proj.weight)
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
-        for name in ("dense_W1", "fdense_W1"):
-            if hasattr(self, name):
-                nn.init.xavier_uniform_(getattr(self, name).weight)
-                nn.init.zeros_(getattr(self, name).bias)
-        for name in ("dense_W2", "fdense_WA", "fdense_WB"):
-            if hasattr(self, name):
-                for w in getattr(self, name):  # per head [d_h, cols]
-                    nn.init.xavier_uniform_(w)
-        if hasattr(self, "R"):
-            for r in self.R:  # per head [N, N]: small logits, near-uniform attention at init
-                nn.init.xavier_uniform_(r)
-        if hasattr(self, "R1"):
-            # entries of R1 R2^T get variance k*s^4 = 1/N, like xavier on an [N, N] table
-            std = (self.rank * self.max_len) ** -0.25
-            nn.init.normal_(self.R1, std=std)
-            nn.init.normal_(self.R2, std=std)
+        self.reset_components()
 
-    # ---- analysis ------------------------------------------------------------------------------
-    def mixture_weights(self) -> Dict[str, float]:
-        """alpha per component (sums to 1); {component: 1.0} for a pure mode."""
-        if len(self.components) == 1:
-            return {self.components[0]: 1.0}
-        alpha = torch.softmax(self.mix_logits.detach().float(), dim=0)
-        return {c: float(a) for c, a in zip(self.components, alpha)}
+    # ---- incremental state and length ------------------------------------------------------------
+    def _new_values_keys(self, x_q: Tensor, ctx: AttnContext):
+        """G(X) and, with a vanilla component, its keys (rotated at their own positions, once)
+        for the new positions, appended to the decoding cache: all of them so far ``[B, Tk, C]``
+        (keys None without vanilla); extends the padding mask."""
+        new = {"v": self.v_proj(x_q)}
+        if "vanilla" in self.components:
+            new["k"] = self.k_proj(x_q)
+            if self.rotary is not None:
+                new["k"] = self.rotary(new["k"].unflatten(-1, (self.num_heads, -1)), ctx.offset,
+                                       seq_dim=-3).flatten(-2)
+        full = ctx.cache(**new)  # incremental: all values so far
+        return full["v"], full.get("k")
 
-    # ---- logits ----------------------------------------------------------------------------------
     def _check_length(self, k_len: int, ctx: AttnContext):
+        """At most N real keys (left padding past N is fine: the tables are read by position)."""
         if k_len <= self.max_len:
             return
         pad = ctx.key_padding_mask
@@ -250,170 +477,21 @@ class SynthesizerAttention(ZooAttention):
         if real > self.max_len:
             raise SequenceTooLong(real, self.max_len)
 
-    def _hidden(self, x: Tensor, W1: nn.Linear) -> Tensor:
-        """ReLU(X W1 + b1), split per head: [B, T, C] -> [B, H, T, d_h]."""
-        return self.split_heads(F.relu(W1(x)))
-
-    def _by_position(self, table: Tensor, pos: Optional[Tensor], start: int, length: int) -> Tensor:
-        """Rows of a position table [h, N, ...] for positions ``pos`` [B, T] (gathered) or, with
-        no padding, ``start .. start+length-1`` (sliced): -> [B or 1, h, T, ...]."""
-        if pos is None:
-            return table[:, start:start + length].unsqueeze(0)
-        return _select_positions(table, pos)
-
-    def terms(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext, k_len: int):
-        """The components' logits, each already weighted by its alpha, in two forms:
-
-        * dot-product terms S_i = q_i k_i^T (Dense, Vanilla; with the sdpa table kernel Random
-          while its keys are narrow, Factorized Random unless the batch shares one map) as
-          lists of feature blocks
-          ([q blocks], [k blocks]): they go through the fused SDPA kernel, all blocks concatenated
-          along the feature dimension in one copy;
-        * tables [B or 1, H or 1, Tq, Tk] (Factorized Dense; Random and Factorized Random
-          otherwise), added to the logits.
-        """
-        tq, off = x_q.size(1), ctx.offset
-        if ctx.key_padding_mask is None:  # fast path: positions are 0..Tk-1, slice the tables
-            qpos = kpos = None
-        else:  # pad-aware positions: gather rows/columns by each token's real position
-            kpos = ctx.key_positions(k_len, x_q.device).expand(x_q.size(0), k_len)
-            qpos = kpos[:, -tq:]
-        cols = min(k_len, self.max_len)
-        # with no padding and no weight dropout the table terms are one map for the whole batch
-        # (compute's shared path); otherwise, with the sdpa kernel, Factorized Random's R1 R2ᵀ, a
-        # dot product of rank k, is better a dot term: the fused kernel, no [B, H, Tq, Tk]
-        # logits or fp32 softmax. So is Random's R[i, j] = R[i]·e_j, padded or not, while its
-        # width (the keys') is small
-        shared = qpos is None and not (self.training and self.dropout > 0)
-        fused = self.table_kernel == "sdpa" or (self.table_kernel == "auto" and
-                                                x_q.device.type in AUTO_SDPA_DEVICES)
-        random_width = self._random_width(cols) if fused and "random" in self.components else None
-        if len(self.components) > 1:
-            alpha = torch.softmax(self.mix_logits.float(), dim=0).to(x_q.dtype)
-        dots, tables = [], []
-        for i, name in enumerate(self.components):
-            w = alpha[i] if len(self.components) > 1 else None
-            if name == "dense":
-                # B = ReLU(X W1 + b1) W2 + b2: row t from token t; column j is W2's j-th
-                # d_h-vector (and b2_j), so b2 rides along as a constant-1 query feature
-                q = self._hidden(x_q, self.dense_W1)
-                one = (_constant(1.0, q.dtype, q.device) if w is None else w.to(q.dtype))
-                one = one.expand(q.shape[:-1] + (1,))
-                kk = [self._by_position(self.dense_W2, kpos, 0, k_len),
-                      self._by_position(self.dense_b2.unsqueeze(-1), kpos, 0, k_len)]
-                dots.append(([q if w is None else q * w, one], kk))
-            elif name == "vanilla":  # Q K^T / sqrt(d_k), alpha folded into the one scaling
-                scale = self.head_dim ** -0.5
-                q = self.split_heads(self.q_proj(x_q))
-                if self.rotary is not None:
-                    q = self.rotary(q, ctx.offset)
-                dots.append(([q * (scale if w is None else w * scale)], [k]))
-            elif name == "factorized_random" and fused and not shared:  # R1[qpos] . R2[kpos]
-                r1 = self._by_position(self.R1, qpos, off, tq)
-                dots.append(([r1 if w is None else r1 * w],
-                             [self._by_position(self.R2, kpos, 0, k_len)]))
-            elif name == "random" and random_width:  # R[qpos] . onehot(kpos)
-                rows, onehot = self._random_rows(ctx, qpos, kpos, off, tq, k_len, random_width)
-                dots.append(([rows if w is None else rows * w], [onehot]))
-            else:
-                if name == "random":  # R[qpos, kpos]
-                    if qpos is None:
-                        t = self.R[:, off:off + tq, :k_len].unsqueeze(0)
-                    else:  # one gather of (row, column) pairs of the flattened table
-                        n = self.R.size(2)  # the same (row, column) ids in every layer
-                        pairs = ctx.from_masks(("synthesizer pairs", n, tq, k_len),
-                                               lambda: qpos[:, :, None] * n + kpos[:, None, :])
-                        t = _select_positions(self.R.flatten(1, 2), pairs)
-                elif name == "factorized_random":  # R1[qpos] R2[kpos]^T
-                    t = torch.matmul(self._by_position(self.R1, qpos, off, tq),
-                                     self._by_position(self.R2, kpos, 0, k_len).transpose(-1, -2))
-                else:  # factorized dense: column j = q*a + p gets A[p] * B[q]
-                    hid = self._hidden(x_q, self.fdense_W1)
-                    A = torch.matmul(hid, self.fdense_WA) + self.fdense_bA[:, None]
-                    Bf = torch.matmul(hid, self.fdense_WB) + self.fdense_bB[:, None]
-                    # only the Tk columns in use, not all a*b of the outer product
-                    a = self.factor_a
-                    if kpos is None:
-                        j = torch.arange(cols, device=x_q.device)
-                        t = Bf[..., j // a] * A[..., j % a]
-                    else:
-                        j = kpos[:, None, None, :].expand(A.shape[:-1] + (k_len,))
-                        t = Bf.gather(-1, j // a) * A.gather(-1, j % a)
-                tables.append(t if w is None else t * w)
-        return dots, tables
-
-    def _random_width(self, cols: int) -> Optional[int]:
-        """The width c of Random's dot form for keys at ``cols`` positions (they must cover
-        every key position; at least the head width, so that q, k and v share one width and
-        the kernel needs no padding copies), or None when that is wider than
-        :data:`RANDOM_DOT_MAX_WIDTH` and the head: there the product over c features costs more
-        than the table's logits."""
-        c = -(-cols // 8) * 8
-        if c > max(RANDOM_DOT_MAX_WIDTH, self.head_dim):
-            return None
-        return min(self.R.size(2), max(c, self.head_dim))
-
-    def _random_rows(self, ctx: AttnContext, qpos: Optional[Tensor], kpos: Optional[Tensor],
-                     off: int, tq: int, k_len: int, c: int):
-        """Random's R[qpos, kpos] as a dot product, for the fused kernel: the query's row of R
-        (its first c columns) against the one-hot vector of the key's position. Exact in any
-        precision (one non-zero product per logit), and the only per-sentence tensor is the
-        gathered rows: no [B, H, Tq, Tk] logits and fp32 softmax, forward or backward (columns
-        past the keys meet zeros in the one-hot vectors and get no gradient). Returns q
-        ``[B or 1, h, Tq, c]`` and k ``[B or 1, H or 1, Tk, c]`` (with padding, made once per
-        forward for all layers)."""
-        n = self.R.size(2)
-        dtype, device = self.R.dtype, self.R.device
-        if qpos is None:  # no padding: rows off.., keys 0..Tk-1
-            return (self.R[:, off:off + tq, :c].unsqueeze(0),
-                    _identity(k_len, c, dtype, device).view(1, 1, k_len, c))
-        # one gather of the rows' first c entries of the flattened table (its backward is one
-        # index_add into R's gradient), by ids made once per forward
-        ids = ctx.from_masks(("synthesizer rows", n, tq, c),
-                             lambda: qpos[:, :, None] * n + torch.arange(c, device=device))
-        rows = _select_positions(self.R.flatten(1, 2), ids)
-        onehot = ctx.from_masks(
-            ("synthesizer one-hot", k_len, c, self.num_heads, dtype, str(device)),
-            # (a scatter: F.one_hot reads the positions' range back to the host)
-            lambda: torch.zeros(kpos.size(0), 1, k_len, c, dtype=dtype, device=device).scatter_(
-                -1, kpos[:, None, :, None], 1.0).expand(-1, self.num_heads, -1, -1).contiguous())
-        return rows, onehot
-
-    def synthesized_logits(self, x_q: Tensor, k: Optional[Tensor], ctx: AttnContext,
-                           k_len: int) -> Tensor:
-        """Sum_i alpha_i S_i(X) before masking: [B or 1, H or 1, Tq, Tk]."""
-        return self._sum_terms(*self.terms(x_q, k, ctx, k_len))
-
-    @staticmethod
-    def _sum_terms(dots, tables) -> Tensor:
-        """sum_i q_i k_i^T + sum_j table_j (each already weighted by its alpha)."""
-        logits = None
-        cat = lambda blocks: blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
-        products = [torch.matmul(cat(q), cat(kk).transpose(-1, -2)) for q, kk in dots]
-        for term in products + list(tables):
-            logits = term if logits is None else logits + term
-        return logits
-
     # ---- attention -----------------------------------------------------------------------------
     def compute(self, x_q: Tensor, x_kv: Optional[Tensor], ctx: AttnContext) -> Tensor:
-        bsz, tq, d = x_q.shape
-        new = {"v": self.v_proj(x_q)}  # G(X)
-        if "vanilla" in self.components:
-            new["k"] = self.k_proj(x_q)
-            if self.rotary is not None:  # at the keys' own positions, once, then cached
-                new["k"] = self.rotary(new["k"].unflatten(-1, (self.num_heads, -1)), ctx.offset,
-                                       seq_dim=-3).flatten(-2)
-        full = ctx.cache(**new)  # incremental: all values so far; extends the padding mask
-        v = full["v"]
-        tk = v.size(1)
-        self._check_length(tk, ctx)
-        k = self.split_heads(full["k"]) if "vanilla" in self.components else None
-        dots, tables = self.terms(x_q, k, ctx, tk)
-
+        v, k = self._new_values_keys(x_q, ctx)
+        self._check_length(v.size(1), ctx)
+        dots, tables = self.terms(x_q, None if k is None else self.split_heads(k), ctx, v.size(1))
         if dots and not tables and not self.keep_attention:
             out = self._attend_dots(dots, self.split_heads(v), ctx)
             return self.out_proj(self.merge_heads(out))
+        return self.out_proj(self._attend_tables(dots, tables, v, ctx, x_q.size(1)))
 
+    def _attend_tables(self, dots, tables, v: Tensor, ctx: AttnContext, tq: int) -> Tensor:
+        """Softmax(sum of the terms + mask) G(X), the logits materialized (fp32 softmax): one
+        softmax and one product per head for the batch when it shares one map. ``v [B, Tk, C]``;
+        returns ``[B, Tq, C]``."""
+        bsz, tk, d = v.shape
         logits = ctx.masked(self._sum_terms(dots, tables))
         dropout = self.dropout if self.training else 0.0
         shared = logits.size(0) == 1 and dropout == 0.0
@@ -428,11 +506,9 @@ class SynthesizerAttention(ZooAttention):
             h = probs.size(1)
             vh = v.view(bsz, tk, h, d // h).permute(2, 1, 0, 3).reshape(h, tk, bsz * (d // h))
             out = torch.matmul(probs[0], vh)  # [h, Tq, B*d/h]
-            out = out.view(h, tq, bsz, d // h).permute(2, 1, 0, 3).reshape(bsz, tq, d)
-        else:
-            probs = F.dropout(probs, p=dropout, training=self.training)
-            out = self.merge_heads(torch.matmul(probs, self.split_heads(v)))
-        return self.out_proj(out)
+            return out.view(h, tq, bsz, d // h).permute(2, 1, 0, 3).reshape(bsz, tq, d)
+        probs = F.dropout(probs, p=dropout, training=self.training)
+        return self.merge_heads(torch.matmul(probs, self.split_heads(v)))
 
     def _attend_dots(self, dots, v: Tensor, ctx: AttnContext) -> Tensor:
         """Softmax(sum_i q_i k_i^T + mask) V with the fused kernel: the blocks of all terms are
