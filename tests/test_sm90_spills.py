@@ -28,7 +28,6 @@ def test_no_kernel_spills_registers_on_sm90():
     rows = sm90.report()
     print(sm90.table(rows))
     assert {"pkm_triton", "aop_triton"} <= {r["module"] for r in rows}
-    assert len(rows) >= 30, sm90.table(rows)
     assert not any(sm90.spills(r) for r in rows), sm90.table(rows)
 
 
