@@ -122,10 +122,9 @@ PKM_TINY = dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32)
 
 
 def _kernels(device):
-    from fairseq_attnzoo.modules import pkm_triton
+    from fairseq_attnzoo.modules.pkm_triton import value_kernel_available as ok
 
-    return (["triton", "torch"] if pkm_triton.value_kernel_available(torch.empty(1, 1, device=device))
-            else ["torch"])
+    return ["triton", "torch"] if ok(torch.empty(1, 1, device=device)) else ["torch"]
 
 
 def _read_problem(p, device, dtype):
@@ -154,10 +153,8 @@ def _read(p, device, dtype):
 
 
 def _read_bytes(p, dtype):
-    """The read: the bytes its access pattern needs (one table row per read -- from L2 where a
-    row comes again -- the indices, weights and output). The backward: the bytes that must leave
-    DRAM (each tensor once; the output gradient's row gathers come from L2:
-    scripts/costmodel.value_backward_traffic), so its GB/s is DRAM bandwidth."""
+    """The read: the bytes its access pattern needs (a table row per read, indices, weights,
+    output). The backward: the bytes that must leave DRAM (costmodel.value_backward_traffic)."""
     from scripts.costmodel import value_backward_traffic
 
     size, m, n, d = p["n_keys"] ** 2, p["heads"] * p["knn"], p["tokens"], p["d"]
@@ -188,6 +185,8 @@ def _tune(p, device, dtype):
         raise RuntimeError("no Triton on this device")
     table, idx, w = _read_problem(dict(p, sparse=False), device, dtype)
     up = torch.randn(idx.size(0), p["d"], device=device, dtype=dtype)
+    if p["kernel"] == "blocks" and pkm_triton.backward_method(up, table, w) != "blocks":
+        raise RuntimeError(f"the blocks backward takes fp16 or bf16, not {str(dtype)[6:]}")
     launch = (pkm_triton.BlockLaunch(*p["launch"]) if p["kernel"] == "blocks"
               else pkm_triton.Launch(*p["launch"]))
     return lambda: pkm_triton.backward(up, table, idx, w, False, True, True, launch, p["kernel"])
@@ -200,10 +199,8 @@ add(Kernel("pkm", "launch-sweep", {
     "tiny": [dict(PKM_TINY, d=32, kernel="rows", launch=(32, 4, 2)),
              dict(PKM_TINY, d=32, kernel="blocks", launch=(32, 16, 16, 4))]},
     _tune, work=lambda p, dt: _read_bytes(dict(p, sparse=False, **{"pass": "backward"}), dt),
-    note="the dense Triton backward under launches (cols, rows, [reads,] warps): the per-row "
-         "kernel before the blocks kernel at its launch, and the blocks kernel at each launch of "
-         "pkm_triton.SWEEP_BLOCKS (compiled without a spill: tests/test_sm90_spills.py); what "
-         "pkm_triton.block_launch should pick on a device"))
+    note="the dense Triton backward: the rows kernel at its launch (cols, rows, warps), the "
+         "blocks kernel at each of pkm_triton.SWEEP_BLOCKS (cols, rows, reads, warps)"))
 
 
 def _pkm_layer(p, device, dtype):
