@@ -26,8 +26,8 @@ float32 whatever the table's dtype, and are used on CUDA when Triton is importab
     t is of row u, else 0): ``∂V[block] += Sᵀ·G`` and the weight gradients ``(G·V[block]ᵀ)[t,
     row_t]``. Products of two 16-bit numbers are exact in the float32 accumulator, so this is the
     reference's arithmetic in another order. 262,144 rows at 8 reads each become 16,384 row
-    blocks of ~128 reads instead of 262,144 programs of ~8 (the kernel before, "rows", measured
-    1.10 ms dense at d 512 on an H200, launch-bound: docs/performance.md, ``pkm/value-read``);
+    blocks of ~128 reads instead of 262,144 programs of ~8 (the "rows" kernel's: 1.10 ms dense
+    at d 512 on an H200, docs/performance.md, ``pkm/value-read``);
   - ``"rows"`` (float32, and inputs of mixed dtypes): one program per table row walking its reads
     a few at a time in plain float32 FMAs -- float32 tensor-core products would round the inputs
     (TF32), and IEEE float32 ``tl.dot`` spills registers on sm_90. The benchmark case
