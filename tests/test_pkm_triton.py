@@ -182,6 +182,25 @@ def test_pads_and_dead_reads_equal_the_reference(dtype, sparse):
             torch.testing.assert_close(a.float(), b, **_tol(dtype))
 
 
+@pytest.mark.parametrize("sparse,expected", [(False, []), (True, ["nonzero"])],
+                         ids=["dense", "sparse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernels_backward_syncs_only_for_sparse_rows(dtype, sparse, expected):
+    """The kernels' backward of a padded batch (blocks for 16-bit inputs, rows for float32) makes
+    the host wait for the device once with a sparse gradient (its distinct rows: one
+    ``nonzero``) and never with a dense one, as the PyTorch path (counted as CUDA would:
+    tests/syncs_testlib.py)."""
+    from syncs_testlib import syncs
+
+    table, idx, w, up = _problem(dtype)
+    keep = torch.ones(idx.size(0), dtype=torch.bool, device=DEVICE)
+    keep[2] = False
+    t, ww = table.requires_grad_(True), w.requires_grad_(True)
+    out = _WeightedRowSum.apply(t, idx, ww, sparse, True, keep)
+    assert syncs(lambda: out.backward(up)) == expected
+    assert t.grad is not None and ww.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_row_ranges(dtype):
     """``row_ranges`` gives every row's start and count among sorted reads: unread rows, the
