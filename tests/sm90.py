@@ -3,8 +3,10 @@
 Each kernel module of ``fairseq_attnzoo.modules`` that defines ``sm90_specializations()`` yields
 ``(label, kernel, signature, constexprs, num_warps)`` for every specialisation the layer and the
 benchmark can launch. :func:`report` compiles them with
-``triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))`` and reads from each cubin,
+``triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=...),
+target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))`` -- ``attrs``: what
+Triton's launcher assumes on a device, pointers 16-byte aligned and the integers typed
+``"i32:16"`` in ``signature`` divisible by 16 (:func:`compile_sm90`) -- and reads from each cubin,
 with the ``cuobjdump`` that Triton ships:
 
 * ``REG``: registers a thread; ``STACK``: bytes of stack frame a thread -- where ptxas puts the
@@ -17,6 +19,7 @@ ONE child process where Triton is not in interpreter mode (the tests' conftest s
 
     python tests/sm90.py                          # every module's specialisations, a table
     python tests/sm90.py pkm_triton aop_triton    # some modules
+    python tests/sm90.py --spec MODULE:FUNCTION   # a function's (a test's own kernels)
 """
 
 import importlib
@@ -88,7 +91,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
     from triton.compiler import ASTSource
 
     sig, attrs = {}, {}
-    for i, (name, kind) in enumerate(signature.items()):
+    for name, kind in signature.items():
         kind, _, hint = (kind or "").partition(":")
         if kind.startswith("*") or hint == "16":
             attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
@@ -122,8 +125,7 @@ def report(args: List[str] = (), timeout: int = 600) -> List[dict]:
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache  # (every run compiles: nothing from an earlier one)
         run = subprocess.run([sys.executable, os.path.join(HERE, "sm90.py"), "--child", *args],
-                             env=env,
-                             capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                             env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if run.returncode:
         raise RuntimeError(f"compiling for sm_90 failed:\n{run.stderr[-4000:]}")
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
