@@ -447,45 +447,48 @@ def sm90_specializations() -> Iterator[tuple]:
     check (tests/sm90.py; ``i32:16``: an integer the launcher specialises as divisible by 16):
     the read in each dtype; the blocks backward in fp16 and bf16, each gradient alone and both,
     dense and sparse; the rows backward likewise in float32 and, for the benchmark's one-run
-    comparison, bf16 (dense, both gradients); the launches of ``pkm/launch-sweep``."""
+    comparison, bf16 (dense, both gradients); the launches of ``pkm/launch-sweep``. A row split
+    over column chunks writes float32 partial dots: another specialisation."""
     read_kernel, rows_kernel, blocks_kernel = _value_kernels()
-    ints = dict(m="i32:16", d="i32:16", stride_g="i32:16", stride_t="i32:16",
-                stride_gt="i32:16", stride_gw="i32:16")
-    grads = (("dense", False, True, True), ("sparse", True, True, True),
-             ("values only", False, True, False), ("weights only", False, False, True))
-
-    def io(dt, has_rows):
-        return dict(grad=f"*{dt}", table=f"*{dt}", w=f"*{dt}", order="*i64", bounds="*i64",
-                    rows="*i32" if has_rows else "*i64", grad_table=f"*{dt}", grad_w=f"*{dt}")
-
-    def flags(has_rows, gt, gw):
-        return dict(HAS_ROWS=has_rows, NEED_GT=gt, NEED_GW=gw)
-
     for dt in ("fp32", "fp16", "bf16"):
         launch = read_launch(512, 128)
         yield (f"read {dt}", read_kernel,
                dict(table=f"*{dt}", idx="*i64", w=f"*{dt}", out=f"*{dt}", m="i32:16",
                     d="i32:16", stride_t="i32:16", BLOCK_M="constexpr", BLOCK_D="constexpr"),
                dict(BLOCK_M=launch.rows, BLOCK_D=launch.cols), launch.warps)
-    rows_sig = dict(ints, **{k: "constexpr" for k in ("HAS_ROWS", "NEED_GT", "NEED_GW",
-                                                       "BLOCK_R", "BLOCK_D")})
-    for dt, kinds in (("fp32", grads), ("bf16", grads[:1])):
-        launch = backward_launch(512)
-        for kind, *f in kinds:
-            yield (f"rows backward {dt} {kind}", rows_kernel, dict(io(dt, f[0]), **rows_sig),
-                   dict(flags(*f), BLOCK_R=launch.rows, BLOCK_D=launch.cols), launch.warps)
-    blocks_sig = dict(n_rows="i32:16", chunks="i32", **ints, **{k: "constexpr" for k in (
-        "HAS_ROWS", "NEED_GT", "NEED_GW", "ROWS", "READS", "BLOCK_D", "UPCAST")})
+    grads = (("dense", False, True, True), ("sparse", True, True, True),
+             ("values only", False, True, False), ("weights only", False, False, True))
     default = block_launch(512)
-    launches = [(dt, default, grads) for dt in ("fp16", "bf16")] + [
-        ("bf16", BlockLaunch(*launch), grads[:1]) for launch in SWEEP_BLOCKS
-        if BlockLaunch(*launch) != default]
-    for dt, launch, kinds in launches:
-        for kind, *f in kinds:
-            yield (f"blocks backward {dt} {kind} {tuple(launch)}", blocks_kernel,
-                   dict(io(dt, f[0]), **blocks_sig),
-                   dict(flags(*f), ROWS=launch.rows, READS=launch.reads, BLOCK_D=launch.cols,
-                        UPCAST=False), launch.warps)
+    runs = [("rows", "fp32", backward_launch, grads), ("rows", "bf16", backward_launch, grads[:1])]
+    runs += [("blocks", dt, block_launch, grads) for dt in ("fp16", "bf16")]
+    runs += [("blocks", "bf16", lambda d, x=BlockLaunch(*x): x, grads[:1]) for x in SWEEP_BLOCKS
+             if BlockLaunch(*x) != default]
+    seen = set()
+    for method, dt, launch_of, kinds in runs:
+        for d in (512, 1024):
+            launch = launch_of(d)
+            chunks = _chunks(d, launch.cols)
+            for kind, has_rows, gt, gw in kinds:
+                sig = dict(grad=f"*{dt}", table=f"*{dt}", w=f"*{dt}", order="*i64",
+                           bounds="*i64", rows="*i32" if has_rows else "*i64",
+                           grad_table=f"*{dt}",
+                           grad_w="*fp32" if gw and chunks > 1 else f"*{dt}")
+                if method == "blocks":  # (a sparse gradient's row count is any number)
+                    sig.update(n_rows="i32" if has_rows else "i32:16", chunks="i32")
+                sig.update(m="i32:16", d="i32:16", stride_g="i32:16", stride_t="i32:16",
+                           stride_gt="i32:16", stride_gw="i32:16")
+                const = dict(HAS_ROWS=has_rows, NEED_GT=gt, NEED_GW=gw, BLOCK_D=launch.cols)
+                if method == "blocks":
+                    const.update(ROWS=launch.rows, READS=launch.reads, UPCAST=False)
+                else:
+                    const.update(BLOCK_R=launch.rows)
+                sig.update({k: "constexpr" for k in const})
+                key = (method, str(sig), str(const), launch.warps)
+                if key not in seen:
+                    seen.add(key)
+                    yield (f"{method} backward {dt} {kind} d {d} {tuple(launch)}",
+                           blocks_kernel if method == "blocks" else rows_kernel, sig, const,
+                           launch.warps)
 
 
 #: the blocks-backward launches ``pkm/launch-sweep`` times at d 512 (cols, rows, reads, warps),
