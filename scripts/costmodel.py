@@ -189,6 +189,8 @@ class Layer:
     setup: Callable = contextlib.nullcontext
     records: List[Tuple[str, Tuple[str, ...]]] = field(default_factory=list)
     budget: Optional[int] = None  # bytes the paper shape may move, forward and backward
+    # kernels a trace cannot run, modelled: (layer, its traced rows by shape) -> text
+    modelled: Optional[Callable[["Layer", Dict[str, Dict[tuple, dict]]], str]] = None
 
 
 def rows(ops: List[Op]) -> Dict[tuple, dict]:
@@ -276,6 +278,8 @@ def render(layer: Layer, records) -> str:
         table.append(total)
         out.append(f"**{shape}**: `{json.dumps(layer.shapes[shape])}`\n\n")
         out.append(tables.format_table(table, cell=_cell) + "\n")
+    if layer.modelled:
+        out.append(layer.modelled(layer, models))
     lines = measured(layer, records)
     out.append(("Measured (docs/benchmarks.jsonl, the latest record of each row):\n"
                 + "".join(lines)) if lines else "No benchmark record of this shape yet.\n")
@@ -333,6 +337,61 @@ class _FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def value_backward_traffic(p: dict, element: int) -> List[Tuple[str, float, float]]:
+    """The value backward on CUDA (modules/pkm_triton.py), step by step, modelled (a trace on
+    ``meta`` cannot run a Triton kernel): ``(step, bytes from DRAM, bytes served from L2)`` at
+    shape ``p`` (tokens, heads, knn, n_keys, d; ``sparse``) for values of ``element`` bytes
+    (2: the blocks kernel, 4: the rows kernel) and int32 slot ids (the layer's).
+
+    DRAM: each tensor a step reads or writes, once -- the reads sorted by row make every table
+    row's reads adjacent, so a row is loaded once. The output gradient [N, d] is gathered once
+    per read (128 times at the paper shape), but it is 16.8 MB in bf16: after its first loads it
+    sits in the 50 MB L2, so the gathers are the third column, not DRAM. Rows read: the expected
+    number of distinct rows of uniformly random reads."""
+    from fairseq_attnzoo.modules import pkm_triton
+
+    size, d, n = p["n_keys"] ** 2, p["d"], p["tokens"]
+    reads = n * p["heads"] * p["knn"]
+    distinct = size * (1 - (1 - 1 / size) ** reads)
+    rows = distinct if p.get("sparse") else size  # rows of the gradient, programs' rows
+    cols = (pkm_triton.block_launch(d) if element == 2 else pkm_triton.backward_launch(d)).cols
+    chunks = -(-d // cols)
+    dots = reads * (element if chunks == 1 else 4 * chunks)  # the weight-gradient dots written
+    steps = [("sort the reads by row (int32 keys; sorted keys, int64 order)", reads * 16, 0),
+             ("each row's run of sorted reads (searchsorted; sparse: nonzero)",
+              reads * 4 + rows * 12, 0),
+             ("the kernel: table rows read, gradient rows written, output gradient, order, "
+              "weights, dots", distinct * d * element + rows * d * element + n * d * element
+              + reads * (8 + element) + dots, reads * d * element - n * d * element)]
+    if chunks > 1:
+        steps.append((f"sum of the {chunks} column chunks' float32 dots", dots + reads * element,
+                      0))
+    return steps
+
+
+def _value_kernels(layer: Layer, models: Dict[str, Dict[tuple, dict]]) -> str:
+    """The Triton value backward (what CUDA runs instead of the ``_WeightedRowSum.backward``
+    rows above), modelled: its DRAM bytes and floor against the traced PyTorch path's."""
+    out = ["\n**The value backward on CUDA, modelled** (`costmodel.value_backward_traffic`; the "
+           "Triton kernels of modules/pkm_triton.py, which a trace on `meta` cannot run; bf16: "
+           "the blocks kernel). DRAM: each tensor once; the output gradient's row gathers are "
+           "served from L2 (it fits) and count in no floor. Floor = DRAM bytes / bandwidth.\n\n"]
+    for shape, p in layer.shapes.items():
+        steps = value_backward_traffic(p, 2)
+        table = [{"step": step, "DRAM MB": dram / 1e6, "L2 gathers MB": l2 / 1e6,
+                  "floor µs": dram / H100["bandwidth"] * 1e6} for step, dram, l2 in steps]
+        dram, l2 = sum(s[1] for s in steps), sum(s[2] for s in steps)
+        value_sites = ("_WeightedRowSum.backward", "read_dots", "row_ranges")
+        traced = sum(r["floor"] for (phase, site, _), r in models[shape].items()
+                     if phase == "backward" and site.split(":")[0] in value_sites)
+        table.append({"step": "**total**", "DRAM MB": dram / 1e6, "L2 gathers MB": l2 / 1e6,
+                      "floor µs": dram / H100["bandwidth"] * 1e6})
+        out.append(f"*{shape}*: the PyTorch path's value backward above counts every gather as "
+                   f"DRAM: floor {traced * 1e6:,.1f} µs.\n\n")
+        out.append(tables.format_table(table, cell=_cell) + "\n")
+    return "".join(out)
+
+
 PKM_SHAPE = dict(tokens=16384, n_keys=512, heads=4, knn=32, k_dim=256, d=512)
 LAYERS = {l.name: l for l in [
     Layer("pkm", "ProductKeyMemory (dense values, PyTorch value path, search as on CUDA: one "
@@ -348,7 +407,7 @@ LAYERS = {l.name: l for l in [
           # the trace of 2026-11-28 (14.18 GB; 14.31 GB with the int64 indices before) and less
           # than half an [H, N, n_keys] float32 block written and read (0.27 GB): a change that
           # materialises one more such tensor, or goes back to int64 ids, fails it
-          budget=int(14.25e9)),
+          budget=int(14.25e9), modelled=_value_kernels),
     Layer("aop", "AttentionOverParameters (AOP₁: 8 heads, d_pk 64, the FFN's weight count, one "
           "token group), bf16, forward and backward", _aop,
           {"paper shape": dict(tokens=16384, d=512, ffn=2048, heads=8, width=1, groups=1)},

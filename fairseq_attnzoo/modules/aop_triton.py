@@ -42,6 +42,10 @@ from .pkm_triton import HAS_TRITON, interpreted
 
 #: tokens and slots per tile on CUDA (interpreter: 16, the smallest ``tl.dot`` tile)
 BLOCK_TOKENS, BLOCK_SLOTS = 64, 64
+#: the same for float32 inputs (IEEE ``tl.dot``: FMA code, no tensor cores): the largest tiles
+#: whose three kernels compile for sm_90 without a spill (tests/test_sm90_spills.py; at 64 x 64
+#: the dK/dV kernel kept 11 KB of stack a thread, the dQ kernel 6 KB)
+FP32_BLOCK_TOKENS, FP32_BLOCK_SLOTS = 32, 16
 #: the dK/dV kernel aims at this many programs per SM (token chunks fill what the slots leave)
 PROGRAMS_PER_SM = 4
 #: head dims up to this (padded to a power of two) fit one tile
@@ -199,15 +203,20 @@ def _pow2(x: int) -> int:
     return max(16, 1 << max(0, int(x) - 1).bit_length())  # (tl.dot's smallest tile: 16)
 
 
-def _blocks(device: torch.device) -> Tuple[int, int]:
-    return (BLOCK_TOKENS, BLOCK_SLOTS) if device.type == "cuda" else (16, 16)
+def _blocks(device: torch.device, dtype: torch.dtype) -> Tuple[int, int]:
+    if device.type != "cuda":
+        return 16, 16
+    if dtype == torch.float32:
+        return FP32_BLOCK_TOKENS, FP32_BLOCK_SLOTS
+    return BLOCK_TOKENS, BLOCK_SLOTS
 
 
-def token_chunks(n: int, heads: int, slots: int, device: torch.device) -> int:
+def token_chunks(n: int, heads: int, slots: int, device: torch.device, dtype: torch.dtype
+                 ) -> int:
     """How many token chunks the dK/dV kernel splits the sum over tokens into: enough for
     :data:`PROGRAMS_PER_SM` programs per SM beside the h·⌈n_p/block⌉ slot blocks, at most one
     chunk per token block (CPU: 1)."""
-    block_n, block_p = _blocks(device)
+    block_n, block_p = _blocks(device, dtype)
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -219,7 +228,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor):
     """The shared launch arguments: sizes, q's strides, tile sizes, the dot precision."""
     n, heads, dk = q.shape
     slots, dv = k.size(1), v.size(2)
-    block_n, block_p = _blocks(q.device)
+    block_n, block_p = _blocks(q.device, q.dtype)
     precision = ("ieee" if q.dtype == torch.float32  # (tf32: unused for 16-bit dots)
                  else "bf16-interpreted" if q.dtype == torch.bfloat16 and not q.is_cuda
                  else "tf32")
@@ -260,7 +269,7 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
         q, k, v, o, grad, lse, delta, dq, n, slots, dk, dv, q.stride(0), q.stride(1), *scales,
         **meta)
     if chunks is None:
-        chunks = token_chunks(n, heads, slots, q.device)
+        chunks = token_chunks(n, heads, slots, q.device, q.dtype)
     blocks = -(-n // meta["BLOCK_N"])
     chunk = -(-blocks // chunks) * meta["BLOCK_N"]  # tokens a chunk: whole token blocks
     chunks = -(-n // chunk)  # (none left empty)
@@ -275,6 +284,29 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
     if chunks > 1:
         d_k, d_v = d_k.sum(0).to(k.dtype), d_v.sum(0).to(v.dtype)
     return dq, d_k, d_v
+
+
+def sm90_specializations():
+    """``(label, kernel, signature, constexprs, num_warps)`` of every specialisation the layer and
+    the benchmark launch at the paper's shape (AOP₁ and AOP₂ at d 512: head dims 64, 1,536 or 512
+    slots, 16,384 tokens; ``i32:16``: an integer the launcher specialises as divisible by 16), in
+    each dtype, for the spill check (tests/sm90.py). Launched with Triton's default 4 warps."""
+    scalars = dict(n="i32:16", slots="i32:16", dk="i32:16", dv="i32:16", stride_qn="i32:16",
+                   stride_qh="i32:16")
+    for dt, precision in (("fp32", "ieee"), ("fp16", "tf32"), ("bf16", "tf32")):
+        block_n, block_p = _blocks(torch.device("cuda"), getattr(torch, dict(
+            fp32="float32", fp16="float16", bf16="bfloat16")[dt]))
+        meta = dict(BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_DK=64, BLOCK_DV=64)
+        t = f"*{dt}"
+        sigs = [dict(q=t, k=t, v=t, o=t, lse="*fp32", **scalars, qk_scale="fp32", v_scale="fp32"),
+                dict(q=t, k=t, v=t, o=t, do=t, lse="*fp32", delta="*fp32", dq=t, **scalars,
+                     qk_scale="fp32", k_scale="fp32", v_scale="fp32"),
+                dict(q=t, k=t, v=t, do=t, lse="*fp32", delta="*fp32", dk_out="*fp32",
+                     dv_out="*fp32", **scalars, chunk="i32:16", qk_scale="fp32", k_scale="fp32",
+                     v_scale="fp32")]
+        for kernel, sig in zip(_kernels(), sigs):
+            sig.update({k: "constexpr" for k in ("PRECISION", *meta)})
+            yield (f"{kernel.fn.__name__} {dt}", kernel, sig, dict(meta, PRECISION=precision), 4)
 
 
 class ParameterAttention(torch.autograd.Function):

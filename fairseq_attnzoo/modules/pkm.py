@@ -572,7 +572,7 @@ class ProductKeyMemory(ZooFeedForward):
         (bool): the real tokens (the others' rows are garbage, which the caller masks)."""
         weights, indices = self.lookup(self.query(x, dropped, keep))
         out = self.values.read(indices, weights,
-                               pkm_triton.use_kernel(self.kernel, self.values.weight), keep)
+                               pkm_triton.use_value_kernel(self.kernel, self.values.weight), keep)
         if not self.training and self.usage_callback is not None:
             weights = weights if keep is None else torch.where(keep.unsqueeze(1), weights, 0.0)
             self.usage_callback(indices.detach(), weights.detach())

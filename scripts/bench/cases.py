@@ -8,6 +8,7 @@ import shlex
 import torch
 import torch.nn as nn
 
+from fairseq_attnzoo.modules.pkm_triton import SWEEP_BLOCKS  # (its import needs no Triton)
 from scripts.bench.rows import USER_DIR, Decode, Kernel, Quality, Side, Train, fwd_bwd
 
 CASES = []
@@ -121,9 +122,9 @@ PKM_TINY = dict(n_keys=8, heads=2, knn=4, k_dim=16, tokens=32)
 
 
 def _kernels(device):
-    from fairseq_attnzoo.modules import pkm_triton
+    from fairseq_attnzoo.modules.pkm_triton import value_kernel_available as ok
 
-    return ["triton", "torch"] if pkm_triton.available(torch.empty(1, 1, device=device)) else ["torch"]
+    return ["triton", "torch"] if ok(torch.empty(1, 1, device=device)) else ["torch"]
 
 
 def _read_problem(p, device, dtype):
@@ -152,17 +153,15 @@ def _read(p, device, dtype):
 
 
 def _read_bytes(p, dtype):
-    """The bytes the read (or its backward) moves as the access pattern needs them: one table row
-    per read, the indices, weights and output; backward: one output-gradient row per read, one
-    table row per distinct row read (the weight gradient), the value gradient written (dense:
-    every row; sparse: the rows read), indices, weights and weight gradient."""
+    """The read: the bytes its access pattern needs (a table row per read, indices, weights,
+    output). The backward: the bytes that must leave DRAM (costmodel.value_backward_traffic)."""
+    from scripts.costmodel import value_backward_traffic
+
     size, m, n, d = p["n_keys"] ** 2, p["heads"] * p["knn"], p["tokens"], p["d"]
     e = torch.empty(0, dtype=dtype).element_size()
-    distinct = size * (1 - (1 - 1 / size) ** (n * m))  # expected rows read, uniform indices
-    read = n * m * d * e + n * m * (8 + e) + n * d * e
-    back = n * m * d * e + distinct * d * e + (distinct if p["sparse"] else size) * d * e \
-        + n * m * (8 + 2 * e)
-    return "bytes", read if p["pass"] == "read" else back
+    if p["pass"] == "read":
+        return "bytes", n * m * d * e + n * m * (8 + e) + n * d * e
+    return "bytes", sum(dram for _, dram, _ in value_backward_traffic(p, e))
 
 
 def _grid(base, **axes):  # every combination of the axes' values, the last varying fastest
@@ -175,7 +174,8 @@ add(Kernel("pkm", "value-read", {
     "tiny": _grid(PKM_TINY, d=(32,), sparse=(False, True),
                   kernel=("triton", "torch"), **{"pass": ("read", "backward")})},
     _read, work=_read_bytes, note="the value read and its backward, |K| 262,144, 4 heads x knn "
-    "32, 16,384 tokens; bytes counted as the access pattern needs them"))
+    "32, 16,384 tokens; the read's bytes as its access pattern needs them, the backward's as they "
+    "leave DRAM"))
 
 
 def _tune(p, device, dtype):
@@ -184,24 +184,23 @@ def _tune(p, device, dtype):
     if "triton" not in _kernels(device):
         raise RuntimeError("no Triton on this device")
     table, idx, w = _read_problem(dict(p, sparse=False), device, dtype)
-    launch = pkm_triton.Launch(p["cols"], p["rows"], p["warps"])
-    if p["kernel"] == "read":
-        return lambda: pkm_triton.read(table, idx, w, launch)
     up = torch.randn(idx.size(0), p["d"], device=device, dtype=dtype)
+    if p["kernel"] == "blocks" and pkm_triton.backward_method(up, table, w) != "blocks":
+        raise RuntimeError(f"the blocks backward takes fp16 or bf16, not {str(dtype)[6:]}")
+    launch = (pkm_triton.BlockLaunch(*p["launch"]) if p["kernel"] == "blocks"
+              else pkm_triton.Launch(*p["launch"]))
     return lambda: pkm_triton.backward(up, table, idx, w, False, True, True, launch, p["kernel"])
 
 
 add(Kernel("pkm", "launch-sweep", {
-    "paper": [dict(PKM_PAPER, d=d, kernel=k, cols=c, rows=r, warps=wp)
-              for d in (512, 1024) for k in ("read", "rows", "reads")
-              for c in (256, 512, 1024) if c <= d for r in (4, 8, 16, 32) for wp in (2, 4, 8)
-              if c * r <= 16384],
-    "tiny": [dict(PKM_TINY, d=32, kernel=k, cols=32, rows=4, warps=2)
-             for k in ("read", "rows", "reads")]},
-    _tune, work=lambda p, dt: _read_bytes(dict(p, sparse=False, **{
-        "pass": "read" if p["kernel"] == "read" else "backward"}), dt),
-    note="the Triton read and its dense backward (rows / reads methods) under every launch: "
-         "what pkm_triton.read_launch / backward_launch should pick on a device"))
+    "paper": [dict(PKM_PAPER, d=d, kernel=k, launch=launch) for d in (512, 1024)
+              for k, launches in (("rows", [(512, 4, 2)]), ("blocks", SWEEP_BLOCKS))
+              for launch in launches],
+    "tiny": [dict(PKM_TINY, d=32, kernel="rows", launch=(32, 4, 2)),
+             dict(PKM_TINY, d=32, kernel="blocks", launch=(32, 16, 16, 4))]},
+    _tune, work=lambda p, dt: _read_bytes(dict(p, sparse=False, **{"pass": "backward"}), dt),
+    note="the dense Triton backward: the rows kernel at its launch (cols, rows, warps), the "
+         "blocks kernel at each of pkm_triton.SWEEP_BLOCKS (cols, rows, reads, warps)"))
 
 
 def _pkm_layer(p, device, dtype):
