@@ -140,16 +140,18 @@ def test_half_search_gradients_are_float32_math_on_the_rounded_inputs(dtype):
 
 
 def _spy_search(monkeypatch):
-    """The (query, keys) dtypes of every search the layer starts, either path."""
+    """The dtype of every search the layer starts, either path: its sub-keys' (the PyTorch path
+    rounds a float32 query to it itself; the fused kernel is handed both in it)."""
     seen = []
     apply, fused = _ProductTopk.apply, pkm_search_triton.search
 
     def torch_path(query, keys, knn):
-        seen.append((query.dtype, keys.dtype))
+        seen.append(keys.dtype)
         return apply(query, keys, knn)
 
     def fused_path(query, keys, knn):
-        seen.append((query.dtype, keys.dtype))
+        assert query.dtype == keys.dtype
+        seen.append(keys.dtype)
         return fused(query, keys, knn)
 
     monkeypatch.setattr(_ProductTopk, "apply", torch_path)
@@ -164,36 +166,35 @@ def test_half_search_runs_in_the_models_dtype(how, qk_norm, monkeypatch):
     """"The model's dtype" is the dtype the layer computes in: a model cast to bf16/fp16
     (``--bf16``/``--fp16``) searches in it; a float32 model under autocast (``--amp``) searches
     in autocast's dtype; fp32 training in float32; ``search_dtype="float32"`` in float32
-    whatever the model's. The queries are the float32 normalisation (batch norm or qk-norm)
-    rounded once, the sub-keys are rounded once, and the layer's output is in its compute
-    dtype."""
+    whatever the model's. The search's answer is that of the float32 normalisation (batch norm
+    or qk-norm) and the sub-keys, each rounded once; the query's gradient reaches the
+    normalisation in float32 and the layer's output is in its compute dtype."""
     seen = _spy_search(monkeypatch)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(how.split(",")[0].split()[-1],
                                                                torch.float32)
     kw = dict(search_dtype="float32") if "search float32" in how else {}
     torch.manual_seed(0)
     m = ProductKeyMemory(16, 16, n_keys=12, heads=2, knn=4, k_dim=8, query_batchnorm=not qk_norm,
-                         qk_norm=qk_norm, **kw).to(DEVICE).train()
-    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+                         qk_norm=qk_norm, kernel="torch", **kw).to(DEVICE).eval()
+    x = torch.randn(15, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     if how.startswith("cast"):
         m, x = m.to(dtype), x.to(dtype)
-    autocast = torch.autocast(DEVICE.type, dtype=dtype, enabled=how.startswith("autocast"))
-    with autocast:
-        out = m(x)
-        q = m.query(x.reshape(-1, 16))
     want = torch.float32 if how == "fp32" or kw else dtype
-    assert seen == [(want, want)] and q.dtype == want and out.dtype == (
-        torch.float32 if how == "fp32" else dtype), (seen, q.dtype, out.dtype)
-    with autocast:  # the float32 normalisation, rounded once
-        ref = m.query_proj(x.reshape(-1, 16)).float()
-    ref = (m.query_bn(ref, keep_float32=True) if not qk_norm else m._normalize_query(ref))
-    torch.testing.assert_close(q, ref.view(-1, 2, 8).transpose(0, 1).to(want), rtol=0, atol=0)
-    keys = m.keys.float()
+    with torch.autocast(DEVICE.type, dtype=dtype, enabled=how.startswith("autocast")):
+        out = m(x.unsqueeze(1))
+        assert m.search_dtype_for(x) == want and seen == [want], seen
+        q = m.query(x).detach().requires_grad_()  # the float32 normalisation
+        weights, slots = m.lookup(q, want)
+    assert q.dtype == torch.float32 and out.dtype == (
+        torch.float32 if how == "fp32" else dtype), (q.dtype, out.dtype)
+    keys = m.keys.detach().float()
     keys = torch.nn.functional.normalize(keys, dim=-1, eps=1e-6) if qk_norm else keys
     assert torch.equal(m.sub_keys(want), keys.to(want))
-    out.float().sum().backward()
-    assert m.keys.grad is not None and torch.isfinite(m.keys.grad.float()).all()
-    assert m.query_proj.weight.grad is not None
+    ref_scores, ref_slots = _ProductTopk.apply(q.detach().to(want), keys.to(want), 4)
+    assert torch.equal(slots.view_as(ref_slots), ref_slots)
+    assert torch.equal(weights.view_as(ref_scores), torch.softmax(ref_scores, -1))
+    weights.sum().backward()
+    assert q.grad.dtype == torch.float32
 
 
 def test_half_search_dtype_flag_reaches_the_memory_and_a_bad_value_is_one_line(lm_data):
@@ -309,7 +310,7 @@ def test_half_search_incremental_decoding_equals_full(arch, precision, kernel, d
         d = incremental_vs_full(m, tokens, enc, task.target_dictionary.pad(),
                                 lambda x: torch.log_softmax(x.float(), -1))
     half = autocast_dtype or model_dtype
-    assert seen and set(seen) == {(half, half)}, seen
+    assert seen and set(seen) == {half}, seen
     _record(f"{arch} {precision} half search {kernel} step {d:.5f}")
     bound = tolerance(args, "reduced_precision_step", STEP_TOL[precision])
     assert d <= bound, f"{arch} {precision} {kernel}: incremental vs full {d:.3g} > {bound}"

@@ -102,10 +102,12 @@ class _ProductTopk(torch.autograd.Function):
     per-half top-k on (slot ids < 2³¹; half the bytes of every gather, stack and saved tensor
     after it); only ``scatter_add_``, which takes int64 indices alone, gets an int64 copy.
 
-    Query and keys may be float32 or half (float16 / bfloat16: the search of a half-precision
-    layer, :data:`SEARCH_DTYPES`): the scores are float32 either way (:func:`_half_scores`: the
-    half inputs' products summed in float32), and so are the top-k, the candidate sums and
-    everything the backward computes (its gradients are cast to the inputs' dtypes at the end).
+    The search runs in the keys' dtype, float32 or half (float16 / bfloat16: the search of a
+    half-precision layer, :data:`SEARCH_DTYPES`): the query is rounded to it here (a float32
+    query from the batch norm: its gradient comes back float32, with no cast either way), and
+    the scores are float32 whatever it is (:func:`_half_scores`: the half inputs' products
+    summed in float32), as are the top-k, the candidate sums and everything the backward
+    computes (the gradients are cast to the inputs' dtypes at the end).
 
     Forward: the search runs without autograd, in chunks of tokens whose [H, chunk, n_keys] scores
     stay cache-resident between their GEMM and their top-k (on CUDA one chunk, so no per-chunk
@@ -127,6 +129,8 @@ class _ProductTopk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, keys: Tensor, knn: int):
+        ctx.query_dtype = query.dtype
+        query = query.to(keys.dtype)  # (the search's inputs; a no-op in float32)
         h, n, _ = query.shape
         n_keys, half = keys.size(2), keys.size(3)
         a, b = _candidate_pairs(knn, query.device)
@@ -175,7 +179,7 @@ class _ProductTopk(torch.autograd.Function):
             weights = g.unsqueeze(2).expand(n, h, 2, k)
             grad_query = F.embedding_bag(rows.view(-1, k), keys.float().reshape(-1, half),
                                          mode="sum", per_sample_weights=weights.reshape(-1, k))
-            grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1).to(query.dtype)
+            grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1).to(ctx.query_dtype)
         if ctx.needs_input_grad[1]:  # Gᵀ q per half, all heads at once (a sub-key chosen
             dense = g.new_empty(h, n, n_keys)  # twice gets both g)
             grad_keys = []
@@ -559,10 +563,11 @@ class ProductKeyMemory(ZooFeedForward):
 
     # ---- the memory read ---------------------------------------------------------------------
     def query(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None) -> Tensor:
-        """[N, d] -> per-head queries [H, N, k_dim] in the search's dtype
-        (:meth:`search_dtype_for`): normalised (batch norm, qk-norm) and dropped out in float32,
-        then rounded once. ``dropped``: input dropout already done. ``keep`` [N] (bool): the
-        real tokens; the others (pads) stay out of the batch statistics."""
+        """[N, d] -> per-head queries [H, N, k_dim] in float32: the batch norm's float32 output
+        (and qk-norm, query dropout, in float32) goes on as it is, not rounded through the
+        model's dtype and cast back; :meth:`lookup` rounds it once to the search's dtype.
+        ``dropped``: input dropout already done. ``keep`` [N] (bool): the real tokens; the
+        others (pads) stay out of the batch statistics."""
         if not dropped:
             x = F.dropout(x, self.input_dropout, self.training)
         q = self.query_proj(x)
@@ -579,7 +584,7 @@ class ProductKeyMemory(ZooFeedForward):
         q = q.float()
         if self.query_gain is not None:
             q = self._normalize_query(q)
-        q = F.dropout(q, self.query_dropout, self.training).to(self.search_dtype_for(x))
+        q = F.dropout(q, self.query_dropout, self.training)
         return q.view(-1, self.heads, self.k_dim).transpose(0, 1)
 
     def search_dtype_for(self, x: Tensor) -> torch.dtype:
@@ -604,14 +609,16 @@ class ProductKeyMemory(ZooFeedForward):
             keys = F.normalize(keys.float(), dim=-1, eps=1e-6)
         return keys.to(dtype)
 
-    def lookup(self, query: Tensor) -> Tuple[Tensor, Tensor]:
-        """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn]."""
+    def lookup(self, query: Tensor, dtype: Optional[torch.dtype] = None
+               ) -> Tuple[Tensor, Tensor]:
+        """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn],
+        searched in ``dtype`` (:meth:`search_dtype_for`; default: the query's): queries and
+        sub-keys rounded to it once; scores, top-k and softmax in float32 (in fp16/bf16
+        near-equal scores would tie or swap ranks)."""
         n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
-        # inputs in the query's dtype; scores, top-k and softmax in float32 (in fp16/bf16
-        # near-equal scores would tie or swap ranks)
-        keys = self.sub_keys(query.dtype)
+        keys = self.sub_keys(dtype or query.dtype)
         if pkm_search_triton.use_kernel(self.search_kernel, query, keys, self.knn):
-            weights, indices = pkm_search_triton.search(query, keys, self.knn)
+            weights, indices = pkm_search_triton.search(query.to(keys.dtype), keys, self.knn)
             return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
         with float32_region(query.device):
             scores, indices = _ProductTopk.apply(query, keys, self.knn)
@@ -622,7 +629,7 @@ class ProductKeyMemory(ZooFeedForward):
                     ) -> Tensor:
         """Σ_i w_i v_i for tokens x [N, d] -> [N, v_dim] (no value dropout); ``keep`` [N]
         (bool): the real tokens (the others' rows are garbage, which the caller masks)."""
-        weights, indices = self.lookup(self.query(x, dropped, keep))
+        weights, indices = self.lookup(self.query(x, dropped, keep), self.search_dtype_for(x))
         out = self.values.read(indices, weights,
                                pkm_triton.use_kernel(self.kernel, self.values.weight), keep)
         if not self.training and self.usage_callback is not None:
