@@ -308,7 +308,7 @@ def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_sma
         if isinstance(c, Kernel):
             assert c.shapes["tiny"], c.name
     files = glob.glob(os.path.join(REPO, "scripts", "bench", "*.py"))
-    assert sum(len(open(f).readlines()) for f in files) <= 1643
+    assert sum(len(open(f).readlines()) for f in files) <= 1645
 
 
 def _stages(*args, unset=(), **env):

@@ -77,7 +77,8 @@ def search_numerics():
     torch.manual_seed(0)
     m = ProductKeyMemory(8, 8, n_keys=p["n_keys"], heads=p["heads"], knn=p["knn"],
                          k_dim=p["k_dim"], kernel="torch", search_kernel="torch")
-    q = torch.randn(p["heads"], p["tokens"], p["k_dim"], generator=torch.Generator().manual_seed(62))
+    g = torch.Generator().manual_seed(62)
+    q = torch.randn(p["heads"], p["tokens"], p["k_dim"], generator=g)
     keys = m.keys.detach()
     exact = _reference_formulation(q.double(), keys.double(), p["knn"], torch.float64)
     out = {}

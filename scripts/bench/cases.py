@@ -224,8 +224,8 @@ def _pkm_layer(p, device, dtype):
         x = tokens(p, device, dtype, length=p["k_dim"] // 2).transpose(0, 1).contiguous()
         return fwd_bwd(on(m, device, dtype), x.detach().requires_grad_(True))
     if p["impl"].startswith("defaults"):  # "defaults, search float32": --pkm-search-dtype float32
-        return fwd_bwd(_memory(p, device, dtype, **({"search_dtype": "float32"} if "float32"
-                                                    in p["impl"] else {})), tokens(p, device, dtype))
+        kw = {"search_dtype": "float32"} if "float32" in p["impl"] else {}
+        return fwd_bwd(_memory(p, device, dtype, **kw), tokens(p, device, dtype))
     sparse, kernel = p["impl"].split()[:2]  # "... fused search": --pkm-search-kernel triton
     if kernel not in _kernels(device):
         raise RuntimeError(f"{kernel} kernel not available on {device}")
@@ -254,9 +254,9 @@ add(Kernel("pkm", "layer-vs-ffn", {
 
 
 def pkm_parts(m, x):
-    """The parts of layer ``m``'s forward and backward on ``x`` [T, B, d] as it runs them (its
-    kernels, its search dtype), each a call; "the five" back to back: the layer takes them and
-    the rest (casts, softmax, autograd). scripts/costmodel.py traces the same calls."""
+    """The five parts of layer ``m``'s forward and backward on ``x`` [T, B, d] as it runs them
+    (its kernels, its search dtype), each a call; the layer is them and the rest (casts,
+    softmax, autograd). scripts/costmodel.py traces the same calls."""
     from fairseq_attnzoo.modules import pkm_triton
 
     flat = x.detach().reshape(-1, x.size(-1)).requires_grad_()
@@ -266,23 +266,25 @@ def pkm_parts(m, x):
     wv = w.detach().requires_grad_()
     out = m.values.read(idx, wv, fused)
     up = [torch.randn_like(t) for t in (q, w, out)]
-    parts = {"query net": lambda: m.query(flat).backward(up[0]),
-             "search forward": lambda: m.lookup(q, dtype),
-             "search backward": lambda: torch.autograd.grad(w, (q, m.keys), up[1],
-                                                            retain_graph=True),
-             "value read": lambda: m.values.read(idx, wv, fused),
-             "value backward": lambda: torch.autograd.grad(out, (m.values.weight, wv), up[2],
-                                                           retain_graph=True)}
-    return dict(parts, **{"the five": lambda: [part() for part in parts.values()]})
+    grad = torch.autograd.grad
+    return {"query net": lambda: grad(m.query(flat), (flat, *m.parameters()), up[0],
+                                      allow_unused=True),  # (like the layer: no accumulation)
+            "search forward": lambda: m.lookup(q, dtype),
+            "search backward": lambda: grad(w, (q, m.keys), up[1], retain_graph=True),
+            "value read": lambda: m.values.read(idx, wv, fused),
+            "value backward": lambda: grad(out, (m.values.weight, wv), up[2], retain_graph=True)}
 
 
-PARTS = ("query net", "search forward", "search backward", "value read", "value backward",
-         "the five")
-add(Kernel("pkm", "layer-parts", {
-    "paper": _grid(dict(PKM_PAPER, d=512), dtype=("bf16", "fp16", "fp32"), part=PARTS),
-    "tiny": _grid(dict(PKM_TINY, d=32), dtype=("bf16", "fp16", "fp32"), part=PARTS)},
-    lambda p, dev, dt: pkm_parts(_memory(p, dev, dt), tokens(p, dev, dt))[p["part"]],
-    lambda p, dev, dt: fwd_bwd(_memory(p, dev, dt), tokens(p, dev, dt)),
+def _layer_part(p, device, dtype):  # a part, or the five back to back
+    parts = pkm_parts(_memory(p, device, dtype), tokens(p, device, dtype))
+    return parts.get(p["part"]) or (lambda: [part() for part in parts.values()])
+
+
+_PARTS = dict(dtype=("bf16", "fp16", "fp32"), part=("query net", "search forward",
+              "search backward", "value read", "value backward", "the five"))
+add(Kernel("pkm", "layer-parts", {"paper": _grid(dict(PKM_PAPER, d=512), **_PARTS),
+                                  "tiny": _grid(dict(PKM_TINY, d=32), **_PARTS)},
+    _layer_part, lambda p, dev, dt: fwd_bwd(_memory(p, dev, dt), tokens(p, dev, dt)),
     note="each part of the default memory layer (query net, search forward and backward, value "
          "read and backward; the five back to back) vs the whole layer: ratio = the part's "
          "share; the rest = the layer's ms - the five's"))
