@@ -134,7 +134,7 @@ class _ProductTopk(torch.autograd.Function):
         h, n, _ = query.shape
         n_keys, half = keys.size(2), keys.size(3)
         a, b = _candidate_pairs(knn, query.device)
-        scores_of = _half_scores(query, keys)
+        scores_of = _half_scores(keys)
         # CPU: cache-sized chunks; GPU: one chunk (no per-chunk kernel launches)
         chunk = n if query.is_cuda else max(1, _SCORE_CHUNK // (h * n_keys))
         parts = []
@@ -172,12 +172,13 @@ class _ProductTopk(torch.autograd.Function):
         query, keys, sub = ctx.saved_tensors
         n, h, _, k = sub.shape
         n_keys, half = keys.size(2), keys.size(3)
-        g = grad.float()  # [N, H, knn]; everything below in float32 (no-ops in fp32)
+        acc = torch.promote_types(keys.dtype, torch.float32)  # float32 (float64 stays)
+        g = grad.to(acc)  # [N, H, knn]; everything below in acc (no-ops in fp32)
         grad_query = grad_keys = None
         if ctx.needs_input_grad[0]:  # Σ_j g_j c_{sub_j}; bag (n, h, i) reads keys[h, i]
             rows = sub + _set_offsets(h, n_keys, sub.device)
             weights = g.unsqueeze(2).expand(n, h, 2, k)
-            grad_query = F.embedding_bag(rows.view(-1, k), keys.float().reshape(-1, half),
+            grad_query = F.embedding_bag(rows.view(-1, k), keys.to(acc).reshape(-1, half),
                                          mode="sum", per_sample_weights=weights.reshape(-1, k))
             grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1).to(ctx.query_dtype)
         if ctx.needs_input_grad[1]:  # Gᵀ q per half, all heads at once (a sub-key chosen
@@ -187,7 +188,7 @@ class _ProductTopk(torch.autograd.Function):
                 dense.zero_().scatter_add_(-1, sub[:, :, i].transpose(0, 1).long(),
                                            g.transpose(0, 1))
                 grad_keys.append(torch.bmm(dense.transpose(1, 2),
-                                           query[:, :, i * half:(i + 1) * half].float()))
+                                           query[:, :, i * half:(i + 1) * half].to(acc)))
             grad_keys = torch.stack(grad_keys, 1).to(keys.dtype)
         return grad_query, grad_keys, None
 
@@ -199,16 +200,16 @@ class _ProductTopk(torch.autograd.Function):
 HALF_GEMM_ON = ("cuda",)
 
 
-def _half_scores(query: Tensor, keys: Tensor) -> Callable[[Tensor, int], Tensor]:
-    """``scores(q, i)``: the float32 scores [H, c, n_keys] of half-queries q [H, c, k_dim/2]
-    against sub-key set i of ``keys`` [H, 2, n_keys, k_dim/2]. Half inputs are multiplied as
-    they are and summed in float32 (never rounded to half: near-equal scores would tie or swap
-    ranks; the Memory+ reference's bfloat16 scores change a slot in several times as many rows
-    as bfloat16 inputs with float32 sums, tests/test_pkm_half.py)."""
+def _half_scores(keys: Tensor) -> Callable[[Tensor, int], Tensor]:
+    """``scores(q, i)``: the scores [H, c, n_keys] of half-queries q [H, c, k_dim/2] (in the
+    keys' dtype) against sub-key set i of ``keys`` [H, 2, n_keys, k_dim/2], float32 for half
+    inputs: multiplied as they are and summed in float32 (never rounded to half: near-equal
+    scores would tie or swap ranks; the Memory+ reference's bfloat16 scores change a slot in
+    several times as many rows as bfloat16 inputs with float32 sums, tests/test_pkm_half.py)."""
     keys_t = keys.transpose(2, 3)  # [H, 2, half, n_keys]
-    if query.dtype == torch.float32 and keys.dtype == torch.float32:
+    if keys.dtype not in HALF_DTYPES:  # float32 (or float64) as it is
         return lambda q, i: torch.bmm(q, keys_t[:, i])
-    if query.device.type in HALF_GEMM_ON and query.dtype == keys.dtype:
+    if keys.device.type in HALF_GEMM_ON:
         return lambda q, i: torch.bmm(q, keys_t[:, i], out_dtype=torch.float32)
     keys_t = keys_t.float()  # (once, not per chunk)
     return lambda q, i: torch.bmm(q.float(), keys_t[:, i])
