@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from scripts.bench.cases import pkm_parts
 from scripts.bench.harness import REPO
 from scripts.bench import tables
 
@@ -100,8 +101,9 @@ def op_cost(func, args, kwargs, out) -> Optional[Tuple[int, int, int]]:
         return None
     ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    flops = (flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
-             if func.overloadpacket in flop_registry else 0)
+    flops = (flop_registry[func.overloadpacket](  # (less an out_dtype: bmm.dtype's formula
+        *[a for a in args if not isinstance(a, torch.dtype)], **kwargs, out_val=out)  # is bmm's)
+        if func.overloadpacket in flop_registry else 0)
     read = 0 if name in NO_READ else sum(_bytes(t) for t in ins)
     written = 0 if name in NO_WRITE else sum(t.numel() * t.element_size() for t in outs)
     if name in GATHERS:
@@ -179,18 +181,21 @@ def trace(build: Callable, setup: Callable = contextlib.nullcontext) -> List[Op]
 class Layer:
     """A layer to model: ``build(p) -> (module, inputs)`` on the current (meta) device at
     parameters ``p``; ``shapes``: name -> parameters (the first is the table's); ``growth``: the
-    parameters doubled for the growth columns; ``records``: (case, shape substrings) of the
-    benchmark records that measured it."""
+    parameters doubled for the growth columns; ``records``: (case, shape substrings[, the
+    baseline's name: default the FFN it replaces]) of the benchmark records that measured it."""
     name: str
     title: str
     build: Callable
     shapes: Dict[str, dict]
     growth: Tuple[str, ...] = ()
     setup: Callable = contextlib.nullcontext
-    records: List[Tuple[str, Tuple[str, ...]]] = field(default_factory=list)
+    records: List[tuple] = field(default_factory=list)
     budget: Optional[int] = None  # bytes the paper shape may move, forward and backward
     # kernels a trace cannot run, modelled: (layer, its traced rows by shape) -> text
     modelled: Optional[Callable[["Layer", Dict[str, Dict[tuple, dict]]], str]] = None
+    #: ``parts(module, *inputs) -> {name: call}``: the layer's parts, each traced alone at the
+    #: first shape (a table of their floors; the rest = the layer less their sum)
+    parts: Optional[Callable] = None
 
 
 def rows(ops: List[Op]) -> Dict[tuple, dict]:
@@ -217,6 +222,32 @@ def model(layer: Layer) -> Dict[str, Dict[tuple, dict]]:
     return {k: rows(trace(lambda p=p: layer.build(p), layer.setup)) for k, p in shapes.items()}
 
 
+def part_rows(layer: Layer) -> List[dict]:
+    """A row per part of the layer (:attr:`Layer.parts`) at its first shape: its ops' bytes,
+    FLOPs and floor, each part traced alone after one untraced call; then the rest (the layer's
+    forward and backward less the parts) and the layer."""
+    p = next(iter(layer.shapes.values()))
+    out = []
+    with layer.setup(), torch.device("meta"):
+        module, inputs = layer.build(p)
+        for name, call in layer.parts(module, *inputs).items():
+            call()  # (the cached constants)
+            rec = Trace()
+            with rec:
+                call()
+            out.append({"part": name, **_summed(rows(rec.ops).values())})
+    whole = _summed(rows(trace(lambda: layer.build(p), layer.setup)).values())
+    rest = {k: round(whole[k] - sum(r[k] for r in out), 6) or 0 for k in whole}
+    return out + [{"part": "the rest", **rest}, {"part": "**the layer**", **whole}]
+
+
+def _summed(rs) -> dict:
+    rs = list(rs)
+    return {"calls": sum(r["calls"] for r in rs), "MB": sum(r["bytes"] for r in rs) / 1e6,
+            "GFLOP": sum(r["flops"] for r in rs) / 1e9,
+            "floor µs": sum(r["floor"] for r in rs) * 1e6}
+
+
 def total_bytes(layer: Layer, shape: Optional[str] = None) -> int:
     p = layer.shapes[shape or next(iter(layer.shapes))]
     return sum(op.bytes for op in trace(lambda: layer.build(p), layer.setup))
@@ -231,15 +262,16 @@ def _growth(base: dict, other: Optional[dict]) -> str:
 def measured(layer: Layer, records) -> List[str]:
     """One line per benchmark record of the layer's first shape (the latest of each row)."""
     latest = {}
-    for r in records:
-        for case, parts in layer.records:
+    for r in records:  # (a record's baseline: the FFN it replaces, unless the entry names it)
+        for case, parts, *baseline in layer.records:
             if r["case"] == case and all(s in r["row"].get("shape", "") for s in parts) \
                     and r["row"].get("ms") is not None:
-                latest[(r["device"], r["row"]["shape"])] = r
+                latest[(r["device"], r["row"]["shape"])] = r, (baseline or ["the FFN it "
+                                                                            "replaces"])[0]
     out = []
-    for (device, shape), r in latest.items():
+    for (device, shape), (r, baseline) in latest.items():
         row = r["row"]
-        base = (f"; the FFN it replaces {row['baseline ms']:.2f} ms (ratio {row['ratio']:.2f})"
+        base = (f"; {baseline} {row['baseline ms']:.2f} ms (ratio {row['ratio']:.2f})"
                 if row.get("baseline ms") else "")
         out.append(f"- {device}, `{r['case']}` {shape}: {row['ms']:.2f} ms{base} "
                    f"(commit {r['commit']}, {r['run']})\n")
@@ -280,6 +312,12 @@ def render(layer: Layer, records) -> str:
         out.append(tables.format_table(table, cell=_cell) + "\n")
     if layer.modelled:
         out.append(layer.modelled(layer, models))
+    if layer.parts:
+        out.append(f"**By part** ({names[0]}: the calls of the benchmark case `pkm/layer-parts`, "
+                   "each traced alone; the rest = the layer less the parts: 0 where the parts "
+                   "hold every op of the layer, as here, so that the rest of a measured layer "
+                   "is the host's: dispatch, autograd):\n\n")
+        out.append(tables.format_table(part_rows(layer), cell=_cell) + "\n")
     lines = measured(layer, records)
     out.append(("Measured (docs/benchmarks.jsonl, the latest record of each row):\n"
                 + "".join(lines)) if lines else "No benchmark record of this shape yet.\n")
@@ -302,14 +340,16 @@ def _pkm(p):
 
 @contextlib.contextmanager
 def _pkm_setup():
-    """The search as it runs on CUDA: one chunk of tokens (meta tensors are not CUDA ones)."""
+    """The search as it runs on CUDA (meta tensors are not CUDA ones): one chunk of tokens, the
+    half-precision score GEMM writing float32 itself."""
     from fairseq_attnzoo.modules import pkm
 
-    chunk, pkm._SCORE_CHUNK = pkm._SCORE_CHUNK, 1 << 62
+    saved = pkm._SCORE_CHUNK, pkm.HALF_GEMM_ON
+    pkm._SCORE_CHUNK, pkm.HALF_GEMM_ON = 1 << 62, pkm.HALF_GEMM_ON + ("meta",)
     try:
         yield
     finally:
-        pkm._SCORE_CHUNK = chunk
+        pkm._SCORE_CHUNK, pkm.HALF_GEMM_ON = saved
 
 
 def _aop(p):
@@ -399,15 +439,21 @@ LAYERS = {l.name: l for l in [
           {"paper shape": PKM_SHAPE,
            "1M slots (the memory code's n_keys 1024, d 1024)": dict(PKM_SHAPE, n_keys=1024,
                                                                    d=1024)},
-          growth=("n_keys", "knn", "d"), setup=_pkm_setup,
+          growth=("n_keys", "knn", "d"), setup=_pkm_setup, parts=pkm_parts,
           records=[("pkm/layer-vs-ffn", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
                                          "impl dense")),
+                   ("pkm/layer-vs-ffn", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
+                                         "impl defaults")),
+                   ("pkm/layer-parts", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,"),
+                    "the whole layer"),
                    ("pkm/value-read", ("n_keys 512,", "knn 32,", "tokens 16384,", "d 512,",
                                        "sparse False"))],
-          # the trace of 2026-11-28 (14.18 GB; 14.31 GB with the int64 indices before) and less
-          # than half an [H, N, n_keys] float32 block written and read (0.27 GB): a change that
-          # materialises one more such tensor, or goes back to int64 ids, fails it
-          budget=int(14.25e9), modelled=_value_kernels),
+          # the trace with the bf16 search (14.35 GB: the query rounded for the search and
+          # widened again for the sub-key gradient, 0.2 GB, against 0.03 GB less read by the
+          # score GEMM; 14.18 GB with the float32 search, 14.31 GB with int64 ids before that)
+          # and less than half an [H, N, n_keys] float32 block written and read (0.27 GB): a
+          # change that materialises one more such tensor, or goes back to int64 ids, fails it
+          budget=int(14.42e9), modelled=_value_kernels),
     Layer("aop", "AttentionOverParameters (AOP₁: 8 heads, d_pk 64, the FFN's weight count, one "
           "token group), bf16, forward and backward", _aop,
           {"paper shape": dict(tokens=16384, d=512, ffn=2048, heads=8, width=1, groups=1)},

@@ -67,17 +67,21 @@ def test_kernel_rows_dry_run_with_cold_warm_and_no_cpu_peak(tmp_path, capsys):
     """A kernel row: its first call (cold), the median of the alternating repeats (warm), the
     ratio to its baseline, the roofline share from the device rows of the same run, and a peak
     memory that is "not available" (None) off CUDA, never 0. A peer that is not installed is a
-    row that says so."""
+    row that says so. A shape that names its own dtype (the memory layer's parts) runs and is
+    recorded in it."""
     from scripts.bench.harness import main
 
     out = tmp_path / "r.jsonl"
-    main(["device", "aop/sublayer-vs-ffn", "pkm/layer-vs-ffn", "pkm/value-read", "--size", "tiny",
-          "--device", "cpu", "--repeats", "2", "--records", str(out),
+    main(["device", "aop/sublayer-vs-ffn", "pkm/layer-vs-ffn", "pkm/value-read", "pkm/layer-parts",
+          "--size", "tiny", "--device", "cpu", "--repeats", "2", "--records", str(out),
           "--only", "MiB", "n 64", "width 1, groups 1", "dense torch", "peer LayerNorm",
-          "kernel torch, pass"])
+          "kernel torch, pass", "dtype fp16, part search backward"])
     rows = {r["case"] + ": " + r["row"]["shape"]: r for r in _records(out)}
+    part = [r for k, r in rows.items() if k.startswith("pkm/layer-parts")]
+    assert [(r["dtype"], r["row"]["ratio"] > 0) for r in part] == [("fp16", True)]
     aop = next(r for k, r in rows.items() if k.startswith("aop/"))
     assert aop["level"] == "kernel" and aop["device"].startswith("cpu") and aop["command"]
+    assert aop["dtype"] == "fp32"  # (the CPU's default --dtype)
     row = aop["row"]
     assert row["cold ms"] > 0 and row["ms"] > 0 and row["ratio"] == pytest.approx(
         row["ms"] / row["baseline ms"])
@@ -304,7 +308,7 @@ def test_every_case_has_a_tiny_size_every_stage_parses_and_the_harness_stays_sma
         if isinstance(c, Kernel):
             assert c.shapes["tiny"], c.name
     files = glob.glob(os.path.join(REPO, "scripts", "bench", "*.py"))
-    assert sum(len(open(f).readlines()) for f in files) <= 1590
+    assert sum(len(open(f).readlines()) for f in files) <= 1645
 
 
 def _stages(*args, unset=(), **env):

@@ -255,10 +255,11 @@ def test_padding_changes_neither_batchnorm_statistics_nor_real_outputs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_queries_reach_the_search_in_float32_without_a_round_trip(dtype):
-    """The search scores in float32: the batch norm's float32 output goes to it as it is (not
-    rounded to the model's dtype and cast back, two copies each way), and the one cast of the
-    query path is the projection's into the batch norm."""
+def test_half_precision_queries_leave_the_batch_norm_in_float32_without_a_round_trip(dtype):
+    """The batch norm's float32 output goes on to the search as it is (not rounded to the
+    model's dtype and cast back, two copies each way; the search rounds it once to its own
+    dtype, tests/test_pkm_half.py), and the one cast of the query path is the projection's
+    into the batch norm."""
     m = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).to(dtype).train()
     x = torch.randn(10, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
     with DispatchedOps() as ops:

@@ -42,7 +42,7 @@ from fairseq.logging import meters, metrics
 from fairseq.logging.meters import Meter
 
 from .. import compat
-from ..modules.pkm import ProductKeyMemory, slot_counts, usage_stats
+from ..modules.pkm import SEARCH_DTYPES, ProductKeyMemory, slot_counts, usage_stats
 from ..modules.pkm_search_triton import SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
 from ..optim.pkm_optimizer import values_lr
@@ -130,6 +130,13 @@ class PKMConfig(FairseqDataclass):
                   "one (same slots; ties go to the lower index); default torch: with the "
                   "layer's float32 queries the fused kernel measured slower on an H200 "
                   "(docs/pkm.md, 'On the GPU')"})
+    pkm_search_dtype: ChoiceEnum(list(SEARCH_DTYPES)) = field(  # type: ignore
+        default="model",
+        metadata={"help": "dtype of the queries and sub-keys the PKM search scores (after the "
+                  "float32 batch norm / qk-norm; scores, top-k and softmax are float32 either "
+                  "way): model = the model's (bf16/fp16 under --bf16/--fp16/--amp, as the "
+                  "references search); float32 = float32 inputs, the search of earlier versions, "
+                  "for a run that must repeat it (docs/precision.md); default model"})
     pkm_shard_values: bool = field(
         default=False,
         metadata={"help": "split every PKM value table (a shared pool included) by columns over "
@@ -376,7 +383,7 @@ def build_pkm(spec):
         value_dropout=o.pkm_value_dropout, sparse=sparse_values(spec.args, o.pkm_sparse),
         values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm,
         kernel=str(o.pkm_kernel), residual_dropout=o.pkm_residual_dropout,
-        search_kernel=str(o.pkm_search_kernel))
+        search_kernel=str(o.pkm_search_kernel), search_dtype=str(o.pkm_search_dtype))
     shard_values(spec, o, memory)  # --pkm-shard-values (before a pool is shared)
     if o.pkm_shared_values and pool is None:
         spec.shared[POOL] = memory.values

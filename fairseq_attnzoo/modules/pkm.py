@@ -27,6 +27,11 @@ Choices (XLM's ``pq_fast`` memory is the reference; this is an independent imple
   unpadded stream batches.)
 * position-wise: in eval mode (running batch-norm statistics) a token's output depends on that
   token only, so incremental decoding needs no cache.
+* precision: the query net and the value table run in the model's dtype; batch norm and qk-norm
+  in float32; queries and sub-keys then enter the search in the model's dtype (bf16/fp16 under
+  ``--bf16``/``--fp16``/``--amp``, as both references search; ``search_dtype="float32"``: float32
+  inputs), and the scores are summed in float32, so the top-k, the candidate sums and the
+  softmax are float32 (docs/precision.md).
 
 Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent implementation):
 
@@ -58,7 +63,7 @@ from torch import Tensor
 from . import pkm_search_triton, pkm_triton
 from .constants import cached_constant
 from .feedforward import ZooFeedForward
-from .precision import Float32Module, compute_dtype, float32_region
+from .precision import HALF_DTYPES, Float32Module, compute_dtype, float32_region
 
 #: ``param_group`` tag of the value tables (fairseq's convention for per-group optimizer
 #: settings; FP16Optimizer copies it onto its fp32 parameters). ``pkm_adam`` looks for it.
@@ -69,6 +74,11 @@ VALUES_GROUP = "pkm_values"
 SWILU_FORMS = ("off", "reference", "legacy")
 #: initialisations: XLM's (Lample et al.) or facebookresearch/memory's (Memory+)
 INITS = ("xlm", "memplus")
+#: the dtype queries and sub-keys enter the search in: "model" = the layer's compute dtype
+#: (:func:`~.precision.compute_dtype` of its input: the parameters' dtype under --fp16/--bf16,
+#: autocast's under --amp, float32 in fp32 training); "float32" = float32 whatever the model's
+#: (the search before issue 62). Scores, top-k, candidate sums and softmax are float32 in both
+SEARCH_DTYPES = ("model", "float32")
 
 
 def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
@@ -76,7 +86,8 @@ def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
     """Exact top-k over the n_keys² product keys, per head.
 
     q1, q2 ``[H, N, k_dim/2]``; keys1, keys2 ``[H, n_keys, k_dim/2]`` -> scores, indices
-    ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b, int32). Scores are
+    ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b, int32). Scores are float32
+    whatever the inputs' dtype (half inputs: float32 products and sums), and
     differentiable with respect to queries and keys (:class:`_ProductTopk`, which takes both
     halves joined and answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
     scores, indices = _ProductTopk.apply(torch.cat([q1, q2], -1), torch.stack([keys1, keys2], 1),
@@ -90,6 +101,13 @@ class _ProductTopk(torch.autograd.Function):
     layout of the value read (no transposed copies of either). Indices are int32 from the
     per-half top-k on (slot ids < 2³¹; half the bytes of every gather, stack and saved tensor
     after it); only ``scatter_add_``, which takes int64 indices alone, gets an int64 copy.
+
+    The search runs in the keys' dtype, float32 or half (float16 / bfloat16: the search of a
+    half-precision layer, :data:`SEARCH_DTYPES`): the query is rounded to it here (a float32
+    query from the batch norm: its gradient comes back float32, with no cast either way), and
+    the scores are float32 whatever it is (:func:`_half_scores`: the half inputs' products
+    summed in float32), as are the top-k, the candidate sums and everything the backward
+    computes (the gradients are cast to the inputs' dtypes at the end).
 
     Forward: the search runs without autograd, in chunks of tokens whose [H, chunk, n_keys] scores
     stay cache-resident between their GEMM and their top-k (on CUDA one chunk, so no per-chunk
@@ -111,20 +129,22 @@ class _ProductTopk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, keys: Tensor, knn: int):
+        ctx.query_dtype = query.dtype
+        query = query.to(keys.dtype)  # (the search's inputs; a no-op in float32)
         h, n, _ = query.shape
         n_keys, half = keys.size(2), keys.size(3)
         a, b = _candidate_pairs(knn, query.device)
-        keys_t = keys.transpose(2, 3)  # [H, 2, half, n_keys]
+        scores_of = _half_scores(keys)
         # CPU: cache-sized chunks; GPU: one chunk (no per-chunk kernel launches)
         chunk = n if query.is_cuda else max(1, _SCORE_CHUNK // (h * n_keys))
         parts = []
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            # per half: [H, c, n_keys] scores -> sorted top-knn values and (int32) sub-key ids,
-            # read token-major [c, H, knn] from here on
+            # per half: [H, c, n_keys] float32 scores -> sorted top-knn values and (int32)
+            # sub-key ids, read token-major [c, H, knn] from here on
             (s1, i1), (s2, i2) = (
                 (top.values.transpose(0, 1), top.indices.transpose(0, 1).to(torch.int32))
-                for top in (torch.bmm(query[:, s:e, i * half:(i + 1) * half], keys_t[:, i])
+                for top in (scores_of(query[:, s:e, i * half:(i + 1) * half], i)
                             .topk(knn, dim=-1) for i in range(2)))
             # the overall top-k is among the pairs (a, b) of the two sorted lists; pair (a, b)
             # is beaten by every (a' <= a, b' <= b), so only pairs with (a+1)(b+1) <= knn can
@@ -152,14 +172,15 @@ class _ProductTopk(torch.autograd.Function):
         query, keys, sub = ctx.saved_tensors
         n, h, _, k = sub.shape
         n_keys, half = keys.size(2), keys.size(3)
-        g = grad.to(keys.dtype)  # [N, H, knn]
+        acc = torch.promote_types(keys.dtype, torch.float32)  # float32 (float64 stays)
+        g = grad.to(acc)  # [N, H, knn]; everything below in acc (no-ops in fp32)
         grad_query = grad_keys = None
         if ctx.needs_input_grad[0]:  # Σ_j g_j c_{sub_j}; bag (n, h, i) reads keys[h, i]
             rows = sub + _set_offsets(h, n_keys, sub.device)
             weights = g.unsqueeze(2).expand(n, h, 2, k)
-            grad_query = F.embedding_bag(rows.view(-1, k), keys.reshape(-1, half), mode="sum",
-                                         per_sample_weights=weights.reshape(-1, k))
-            grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1)
+            grad_query = F.embedding_bag(rows.view(-1, k), keys.to(acc).reshape(-1, half),
+                                         mode="sum", per_sample_weights=weights.reshape(-1, k))
+            grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1).to(ctx.query_dtype)
         if ctx.needs_input_grad[1]:  # Gᵀ q per half, all heads at once (a sub-key chosen
             dense = g.new_empty(h, n, n_keys)  # twice gets both g)
             grad_keys = []
@@ -167,9 +188,31 @@ class _ProductTopk(torch.autograd.Function):
                 dense.zero_().scatter_add_(-1, sub[:, :, i].transpose(0, 1).long(),
                                            g.transpose(0, 1))
                 grad_keys.append(torch.bmm(dense.transpose(1, 2),
-                                           query[:, :, i * half:(i + 1) * half].to(keys.dtype)))
-            grad_keys = torch.stack(grad_keys, 1)
+                                           query[:, :, i * half:(i + 1) * half].to(acc)))
+            grad_keys = torch.stack(grad_keys, 1).to(keys.dtype)
         return grad_query, grad_keys, None
+
+
+#: devices whose half-precision score GEMM writes float32 itself (``torch.bmm(..., out_dtype=
+#: torch.float32)``: cuBLAS's half GEMM, float32 accumulation and output; torch 2.13 has it on
+#: CUDA only); elsewhere the half inputs are widened to float32 first: the same products (a
+#: product of two bf16 or fp16 numbers is exact in float32) in a float32 GEMM
+HALF_GEMM_ON = ("cuda",)
+
+
+def _half_scores(keys: Tensor) -> Callable[[Tensor, int], Tensor]:
+    """``scores(q, i)``: the scores [H, c, n_keys] of half-queries q [H, c, k_dim/2] (in the
+    keys' dtype) against sub-key set i of ``keys`` [H, 2, n_keys, k_dim/2], float32 for half
+    inputs: multiplied as they are and summed in float32 (never rounded to half: near-equal
+    scores would tie or swap ranks; the Memory+ reference's bfloat16 scores change a slot in
+    several times as many rows as bfloat16 inputs with float32 sums, tests/test_pkm_half.py)."""
+    keys_t = keys.transpose(2, 3)  # [H, 2, half, n_keys]
+    if keys.dtype not in HALF_DTYPES:  # float32 (or float64) as it is
+        return lambda q, i: torch.bmm(q, keys_t[:, i])
+    if keys.device.type in HALF_GEMM_ON:
+        return lambda q, i: torch.bmm(q, keys_t[:, i], out_dtype=torch.float32)
+    keys_t = keys_t.float()  # (once, not per chunk)
+    return lambda q, i: torch.bmm(q.float(), keys_t[:, i])
 
 
 #: devices where :meth:`ProductKeyMemory.forward` removes the pads (a ``nonzero``, no sync on
@@ -413,7 +456,7 @@ class ProductKeyMemory(ZooFeedForward):
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
                  qk_norm: bool = False, swilu: str = "off", init: str = "xlm",
                  kernel: str = "auto", residual_dropout: bool = False,
-                 search_kernel: str = "torch"):
+                 search_kernel: str = "torch", search_dtype: str = "model"):
         super().__init__()
         #: whether a host layer applies its residual dropout to this layer's output (read by
         #: the fairseq layers); off, as in both references: XLM adds the memory's output to the
@@ -427,6 +470,11 @@ class ProductKeyMemory(ZooFeedForward):
         #: (pkm_search_triton) on CUDA when it can run, else :class:`_ProductTopk`; "triton" /
         #: "torch" force one
         self.search_kernel = pkm_triton.check_kernel(search_kernel)
+        if search_dtype not in SEARCH_DTYPES:
+            raise ValueError(f"PKM search_dtype must be one of {', '.join(SEARCH_DTYPES)}, got "
+                             f"{search_dtype!r}")
+        #: :data:`SEARCH_DTYPES`: the search's inputs in the model's dtype, or float32
+        self.search_dtype = search_dtype
         if gated:  # the pre-issue-23 name of the legacy gated output
             swilu = "legacy" if swilu == "off" else swilu
         if swilu not in SWILU_FORMS:
@@ -516,11 +564,11 @@ class ProductKeyMemory(ZooFeedForward):
 
     # ---- the memory read ---------------------------------------------------------------------
     def query(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None) -> Tensor:
-        """[N, d] -> per-head queries [H, N, k_dim] in float32, the search's precision: the batch
-        norm's float32 output goes on as it is, not rounded through the model's dtype and cast
-        back (two copies each way in half precision). ``dropped``: input dropout already done.
-        ``keep`` [N] (bool): the real tokens; the others (pads) stay out of the batch
-        statistics."""
+        """[N, d] -> per-head queries [H, N, k_dim] in float32: the batch norm's float32 output
+        (and qk-norm, query dropout, in float32) goes on as it is, not rounded through the
+        model's dtype and cast back; :meth:`lookup` rounds it once to the search's dtype.
+        ``dropped``: input dropout already done. ``keep`` [N] (bool): the real tokens; the
+        others (pads) stay out of the batch statistics."""
         if not dropped:
             x = F.dropout(x, self.input_dropout, self.training)
         q = self.query_proj(x)
@@ -540,29 +588,41 @@ class ProductKeyMemory(ZooFeedForward):
         q = F.dropout(q, self.query_dropout, self.training)
         return q.view(-1, self.heads, self.k_dim).transpose(0, 1)
 
+    def search_dtype_for(self, x: Tensor) -> torch.dtype:
+        """The dtype the queries and sub-keys of input ``x`` enter the search in: the layer's
+        compute dtype (``x``'s, or autocast's for a float32 ``x`` in an autocast region) when it
+        is float16 or bfloat16 and ``search_dtype`` is "model"; float32 otherwise."""
+        dtype = compute_dtype(x)
+        return dtype if self.search_dtype == "model" and dtype in HALF_DTYPES else torch.float32
+
     def _normalize_query(self, q: Tensor) -> Tensor:
         """qk-norm, query side: each half-query [N, H·k_dim] -> g ⊙ q / rms(q), in fp32."""
         half = q.float().view(q.size(0), -1, self.k_dim // 2)
         half = half * torch.rsqrt(half.square().mean(-1, keepdim=True) + 1e-6)
         return (half.view_as(q) * self.query_gain.float()).to(q.dtype)
 
-    def sub_keys(self) -> Tensor:
+    def sub_keys(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The two sub-key sets C, C' ``[H, 2, n_keys, k_dim/2]`` searched by :meth:`lookup`, in
-        float32 (the scores are); with qk-norm each sub-key is scaled to unit L2 norm."""
-        keys = self.keys.float()
+        ``dtype`` (the queries'); with qk-norm each sub-key is scaled to unit L2 norm (in
+        float32, then rounded once)."""
+        keys = self.keys
         if self.query_gain is not None:
-            keys = F.normalize(keys, dim=-1, eps=1e-6)
-        return keys
+            keys = F.normalize(keys.float(), dim=-1, eps=1e-6)
+        return keys.to(dtype)
 
-    def lookup(self, query: Tensor) -> Tuple[Tensor, Tensor]:
-        """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn]."""
+    def lookup(self, query: Tensor, dtype: Optional[torch.dtype] = None
+               ) -> Tuple[Tensor, Tensor]:
+        """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn],
+        searched in ``dtype`` (:meth:`search_dtype_for`; default: the query's): queries and
+        sub-keys rounded to it once; scores, top-k and softmax in float32 (in fp16/bf16
+        near-equal scores would tie or swap ranks)."""
         n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
-        # scores and the top-k in float32: in fp16/bf16 near-equal scores tie or swap ranks
-        if pkm_search_triton.use_kernel(self.search_kernel, query, self.keys, self.knn):
-            weights, indices = pkm_search_triton.search(query.float(), self.sub_keys(), self.knn)
+        keys = self.sub_keys(dtype or query.dtype)
+        if pkm_search_triton.use_kernel(self.search_kernel, query, keys, self.knn):
+            weights, indices = pkm_search_triton.search(query.to(keys.dtype), keys, self.knn)
             return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
         with float32_region(query.device):
-            scores, indices = _ProductTopk.apply(query.float(), self.sub_keys(), self.knn)
+            scores, indices = _ProductTopk.apply(query, keys, self.knn)
             weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
         return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
 
@@ -570,7 +630,7 @@ class ProductKeyMemory(ZooFeedForward):
                     ) -> Tensor:
         """Σ_i w_i v_i for tokens x [N, d] -> [N, v_dim] (no value dropout); ``keep`` [N]
         (bool): the real tokens (the others' rows are garbage, which the caller masks)."""
-        weights, indices = self.lookup(self.query(x, dropped, keep))
+        weights, indices = self.lookup(self.query(x, dropped, keep), self.search_dtype_for(x))
         out = self.values.read(indices, weights,
                                pkm_triton.use_value_kernel(self.kernel, self.values.weight), keep)
         if not self.training and self.usage_callback is not None:
@@ -641,4 +701,5 @@ class ProductKeyMemory(ZooFeedForward):
                 + (", qk_norm" if self.qk_norm else "")
                 + (f", kernel={self.kernel}" if self.kernel != "auto" else "")
                 + (f", search_kernel={self.search_kernel}" if self.search_kernel != "torch" else "")
+                + (f", search_dtype={self.search_dtype}" if self.search_dtype != "model" else "")
                 + (", residual_dropout" if self.residual_dropout else ""))

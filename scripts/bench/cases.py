@@ -203,9 +203,16 @@ add(Kernel("pkm", "launch-sweep", {
          "blocks kernel at each of pkm_triton.SWEEP_BLOCKS (cols, rows, reads, warps)"))
 
 
-def _pkm_layer(p, device, dtype):
+def _memory(p, device, dtype, **kw):  # (initialised on the device: 1M x 1024 takes a CPU seconds)
     from fairseq_attnzoo.modules.pkm import ProductKeyMemory
 
+    torch.manual_seed(0)
+    with torch.device(device):
+        return ProductKeyMemory(p["d"], p["d"], n_keys=p["n_keys"], heads=p["heads"],
+                                knn=p["knn"], k_dim=p["k_dim"], **kw).to(dtype)
+
+
+def _pkm_layer(p, device, dtype):
     if p["impl"].startswith("peer"):
         from product_key_memory import PKM  # lucidrains' product-key-memory 0.3.0, optional
 
@@ -215,24 +222,71 @@ def _pkm_layer(p, device, dtype):
         # batch-first; sequences of dim_head tokens (its BatchNorm takes time for channels)
         x = tokens(p, device, dtype, length=p["k_dim"] // 2).transpose(0, 1).contiguous()
         return fwd_bwd(on(m, device, dtype), x.detach().requires_grad_(True))
+    if p["impl"].startswith("defaults"):  # "defaults, search float32": --pkm-search-dtype float32
+        kw = {"search_dtype": "float32"} if "float32" in p["impl"] else {}
+        return fwd_bwd(_memory(p, device, dtype, **kw), tokens(p, device, dtype))
     sparse, kernel = p["impl"].split()[:2]  # "... fused search": --pkm-search-kernel triton
     if kernel not in _kernels(device):
         raise RuntimeError(f"{kernel} kernel not available on {device}")
-    m = ProductKeyMemory(p["d"], p["d"], n_keys=p["n_keys"], heads=p["heads"], knn=p["knn"],
-                         k_dim=p["k_dim"], sparse=sparse == "sparse", kernel=kernel,
-                         search_kernel="triton" if "fused" in p["impl"] else "torch")
-    return fwd_bwd(on(m, device, dtype), tokens(p, device, dtype))
+    m = _memory(p, device, dtype, sparse=sparse == "sparse", kernel=kernel,
+                search_kernel="triton" if "fused" in p["impl"] else "torch")
+    return fwd_bwd(m, tokens(p, device, dtype))
+
+
+def _layer_rows(base, keys, ds):  # _IMPLS in --dtype; the defaults (and the float32 search of
+    # earlier versions) and the peer in their own dtypes (on CUDA its bf16 backward is refused)
+    return (_grid(base, d=ds, impl=_IMPLS) + _grid(base, n_keys=keys, d=ds, dtype=(
+        "bf16", "fp16", "fp32"), impl=("defaults",)) + _grid(base, d=ds[:1], dtype=(
+            "bf16", "fp16"), impl=("defaults, search float32",)) + _grid(
+        base, n_keys=keys, d=ds, dtype=("fp16", "bf16"), impl=("peer LayerNorm",)))
 
 
 _IMPLS = ("dense triton", "sparse triton", "dense triton fused search", "dense torch",
           "sparse torch", "peer LayerNorm", "peer BatchNorm", "peer LayerNorm sparse")
 add(Kernel("pkm", "layer-vs-ffn", {
-    "paper": _grid(dict(PKM_PAPER, ffn=0), d=(512, 1024), impl=_IMPLS),
-    "tiny": _grid(dict(PKM_TINY, ffn=0), d=(32,), impl=_IMPLS)},
+    "paper": _layer_rows(dict(PKM_PAPER, ffn=0), (512, 1024), (512, 1024)),
+    "tiny": _layer_rows(dict(PKM_TINY, ffn=0), (8,), (32,))},
     _pkm_layer, lambda p, dev, dt: ffn(dict(p, ffn=4 * p["d"]), dev, dt),
     note="a whole memory layer (query net, batch norm, product-key search, read), ours and "
          "lucidrains' product-key-memory 0.3.0 (peer, when installed), vs the FFN (d_ff 4d) it "
-         "replaces"))
+         "replaces; the defaults (and the peer) in each dtype at 512² and 1024² slots"))
+
+
+def pkm_parts(m, x):
+    """The five parts of layer ``m``'s forward and backward on ``x`` [T, B, d] as it runs them
+    (its kernels, its search dtype), each a call; the layer is them and the rest (casts,
+    softmax, autograd). scripts/costmodel.py traces the same calls."""
+    from fairseq_attnzoo.modules import pkm_triton
+
+    flat = x.detach().reshape(-1, x.size(-1)).requires_grad_()
+    dtype, fused = m.search_dtype_for(flat), pkm_triton.use_value_kernel(m.kernel, m.values.weight)
+    q = m.query(flat).detach().requires_grad_()
+    w, idx = m.lookup(q, dtype)
+    wv = w.detach().requires_grad_()
+    out = m.values.read(idx, wv, fused)
+    up = [torch.randn_like(t) for t in (q, w, out)]
+    grad = torch.autograd.grad
+    return {"query net": lambda: grad(m.query(flat), (flat, *m.parameters()), up[0],
+                                      allow_unused=True),  # (like the layer: no accumulation)
+            "search forward": lambda: m.lookup(q, dtype),
+            "search backward": lambda: grad(w, (q, m.keys), up[1], retain_graph=True),
+            "value read": lambda: m.values.read(idx, wv, fused),
+            "value backward": lambda: grad(out, (m.values.weight, wv), up[2], retain_graph=True)}
+
+
+def _layer_part(p, device, dtype):  # a part, or the five back to back
+    parts = pkm_parts(_memory(p, device, dtype), tokens(p, device, dtype))
+    return parts.get(p["part"]) or (lambda: [part() for part in parts.values()])
+
+
+_PARTS = dict(dtype=("bf16", "fp16", "fp32"), part=("query net", "search forward",
+              "search backward", "value read", "value backward", "the five"))
+add(Kernel("pkm", "layer-parts", {"paper": _grid(dict(PKM_PAPER, d=512), **_PARTS),
+                                  "tiny": _grid(dict(PKM_TINY, d=32), **_PARTS)},
+    _layer_part, lambda p, dev, dt: fwd_bwd(_memory(p, dev, dt), tokens(p, dev, dt)),
+    note="each part of the default memory layer (query net, search forward and backward, value "
+         "read and backward; the five back to back) vs the whole layer: ratio = the part's "
+         "share; the rest = the layer's ms - the five's"))
 
 
 def _same_search(q, k, slots, ref):

@@ -80,9 +80,9 @@ class Recorder:
              and (i == 0 or argv[i - 1] != "--records")])
         self.head = {**env, "run": self.run, "size": size, "dtype": dtype, "command": command}
 
-    def __call__(self, case, row: Dict[str, Any]):
+    def __call__(self, case, row: Dict[str, Any], dtype=None):  # (a kernel shape's own dtype)
         record = {"case": f"{case.family}/{case.name}", "level": case.level, **self.head,
-                  "row": row}
+                  **({"dtype": dtype} if dtype else {}), "row": row}
         print(json.dumps(row), flush=True)
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -666,20 +666,21 @@ def main(argv=None):
     record = Recorder(a.records, env, argv, a.size, a.dtype)
     print(f"device {env['device']}, torch {env['torch']}, CUDA {env['cuda']}, commit "
           f"{env['commit']}, size {a.size}", flush=True)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     roofline: Dict[str, float] = {}
     for c in sorted(cases, key=lambda c: c.family != "device"):  # rooflines first
         print(f"\n== {c.level} {c.family}/{c.name}", flush=True)
         if isinstance(c, Kernel):
             shapes = only({shape_text(shape): shape for shape in c.shapes[a.size]}, a)
-            for i, shape in enumerate(shapes.values()):
+            for i, shape in enumerate(shapes.values()):  # (a shape may name its own dtype)
                 torch.manual_seed(0)
-                row = run_kernel(c, shape, device, dtype, a.repeats or 20, roofline, i)
+                row = run_kernel(c, shape, device, dtypes[shape.get("dtype", a.dtype)],
+                                 a.repeats or 20, roofline, i)
                 if c.family == "device" and "GB/s" in row:
                     roofline["bytes"] = row["GB/s"]
                 elif c.family == "device" and "GFLOP/s" in row:
                     roofline["flops"] = row["GFLOP/s"]
-                record(c, row)
+                record(c, row, shape.get("dtype"))
         elif isinstance(c, Train):
             a.repeats = a.repeats or 2
             run_train(c, a, env["device"], record)

@@ -29,9 +29,11 @@ if [ "${1:-}" = plan ] || [ "${1:-}" = run ]; then  # one line, not a traceback 
 fi
 # a stage: harness calls separated by ";" (the memory layer's kernels first: issue 54; then the
 # GPU issue's stages 1-5, then the rest); on an H100 a transformer-base run of this corpus takes
-# 60-90 s (its first epoch builds cuDNN plans). memory: kernel rows only (about 50 rows at
-# 10-40 ms a sample plus the Triton compiles: minutes, not a visit's 8), in four processes, each
-# with its own rooflines: a kernel that faults on its first device takes only its own call's rows)
+# 60-90 s (its first epoch builds cuDNN plans). memory: kernel rows only, in four processes, each
+# with its own rooflines (a kernel that faults on its first device takes only its own call's
+# rows): the value read, the search, the layer (its defaults in bf16/fp16/fp32 at 512² and 1024²
+# slots, the peer), the layer's parts; about 5 minutes by the H200 rows of 2026-11-28 (16 rows in
+# 40-60 s a process, ~3.5 s a layer row), AOP's 56 rows (4 minutes) left to the stage kernels)
 ORDER=(memory gpu-bound-bf16 gpu-bound-fp16 baseline mt-bf16-synth mt-bf16-rest host-bound
        mt-fp16-synth mt-fp16-rest lm span kernels decode attention sweep memory-lm precision)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
@@ -45,7 +47,7 @@ ORDER=(memory gpu-bound-bf16 gpu-bound-fp16 baseline mt-bf16-synth mt-bf16-rest 
 declare -A STAGES=(
     [gpu-bound-bf16]="--arch transformer --precision bf16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=16384 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=32768 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=65536"
     [gpu-bound-fp16]="--arch transformer --precision fp16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=16384 ; --arch transformer --precision fp16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=32768 ; --arch transformer --precision fp16 --repeats 1 --epochs 1 --profile 10 --profile-below-floor 0 --flags=--max-tokens=65536"
-    [memory]="device pkm/value-read ; device pkm/search-forward pkm/search-backward ; device pkm/layer-vs-ffn ; device aop/sublayer-vs-ffn"
+    [memory]="device pkm/value-read ; device pkm/search-forward pkm/search-backward ; device pkm/layer-vs-ffn ; device pkm/layer-parts"
     [baseline]="device/* ; baseline/mt-transformer --precision fp16 --repeats 1 ; --arch transformer --precision bf16 --repeats 1"
     [mt-bf16-synth]="translation/train --only synth --precision bf16 --repeats 1 --epochs 1 ; --arch transformer --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0"
     [mt-bf16-rest]="translation/train --only aop collab pkm --precision bf16 --repeats 1 --epochs 1 --profile-below-floor 0 --profile 10"

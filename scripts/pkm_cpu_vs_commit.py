@@ -1,0 +1,74 @@
+"""The PKM layer on the CPU: a commit's ``fairseq_attnzoo/modules/pkm.py`` against this
+checkout's, in one process, alternating (the layer's forward + backward, same weights, same
+input; PyTorch value read and search, as on a CPU). For a quiet machine: the ratio is what
+counts, and only in one run.
+
+    python -m scripts.pkm_cpu_vs_commit 7605095 --tokens 4096 --repeats 10
+
+The other modules (pkm_triton, precision, ...) are this checkout's for both: a commit whose
+pkm.py needs other versions of them does not load here.
+"""
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import time
+
+import torch
+
+import fairseq_attnzoo.modules as package
+from fairseq_attnzoo.modules import pkm as ours
+
+
+def load(commit: str):
+    """``modules/pkm.py`` of ``commit`` as a module of the package (its relative imports)."""
+    source = subprocess.run(["git", "show", f"{commit}:fairseq_attnzoo/modules/pkm.py"],
+                            capture_output=True, text=True, check=True).stdout
+    then = importlib.util.module_from_spec(importlib.util.spec_from_loader(
+        f"{package.__name__}._pkm_{commit}", loader=None))
+    then.__package__ = package.__name__
+    exec(compile(source, f"{commit}:pkm.py", "exec"), then.__dict__)
+    return then
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("commit", help="the commit whose pkm.py is today's code")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=10, help="steps of each, alternating")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    a = p.parse_args(argv)
+    modules = {a.commit: load(a.commit), "this checkout": ours}
+    for dtype in ({"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in a.dtypes):
+        layers = {}
+        for name, module in modules.items():  # the paper's memory: 512² slots, 4 heads, knn 32
+            torch.manual_seed(0)
+            layers[name] = module.ProductKeyMemory(
+                512, 512, n_keys=512, heads=4, knn=32, k_dim=256, kernel="torch",
+                search_kernel="torch").to(dtype)
+        layers["this checkout"].load_state_dict(layers[a.commit].state_dict())
+        x = torch.randn(a.tokens // 128, 128, 512, generator=torch.Generator().manual_seed(1))
+        x = x.to(dtype).requires_grad_()
+
+        def step(m):
+            m.zero_grad(set_to_none=True)
+            x.grad = None
+            t0 = time.perf_counter()
+            m(x).float().sum().backward()
+            return time.perf_counter() - t0
+
+        for m in layers.values():  # a warm step each
+            step(m)
+        times = {name: [] for name in layers}
+        for i in range(a.repeats):
+            for name in (list(layers) if i % 2 == 0 else list(layers)[::-1]):
+                times[name].append(step(layers[name]))
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        print(f"{dtype}, {a.tokens} tokens, {torch.get_num_threads()} threads: {a.commit} "
+              f"{ms[a.commit]:.1f} ms, this checkout {ms['this checkout']:.1f} ms a step "
+              f"(ratio {ms['this checkout'] / ms[a.commit]:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
