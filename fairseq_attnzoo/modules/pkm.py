@@ -413,7 +413,7 @@ class ProductKeyMemory(ZooFeedForward):
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
                  qk_norm: bool = False, swilu: str = "off", init: str = "xlm",
                  kernel: str = "auto", residual_dropout: bool = False,
-                 search_kernel: str = "torch"):
+                 search_kernel: str = "auto"):
         super().__init__()
         #: whether a host layer applies its residual dropout to this layer's output (read by
         #: the fairseq layers); off, as in both references: XLM adds the memory's output to the
@@ -424,9 +424,9 @@ class ProductKeyMemory(ZooFeedForward):
         #: Triton is importable, else the PyTorch reference; "triton" / "torch" force one
         self.kernel = pkm_triton.check_kernel(kernel)
         #: the product-key search and its backward: "auto" = the fused Triton kernel
-        #: (pkm_search_triton) on CUDA when it can run, else :class:`_ProductTopk`; "triton" /
-        #: "torch" force one
-        self.search_kernel = pkm_triton.check_kernel(search_kernel)
+        #: (pkm_search_triton) on CUDA for bf16/fp16 queries (float32 ones where its float32
+        #: specialisation ships), else :class:`_ProductTopk`; "triton" / "torch" force one
+        self.search_kernel = pkm_search_triton.check_search_kernel(search_kernel)
         if gated:  # the pre-issue-23 name of the legacy gated output
             swilu = "legacy" if swilu == "off" else swilu
         if swilu not in SWILU_FORMS:
@@ -558,7 +558,7 @@ class ProductKeyMemory(ZooFeedForward):
         """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn]."""
         n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
         # scores and the top-k in float32: in fp16/bf16 near-equal scores tie or swap ranks
-        if pkm_search_triton.use_kernel(self.search_kernel, query, self.keys, self.knn):
+        if pkm_search_triton.use_search_kernel(self.search_kernel, query, self.keys, self.knn):
             weights, indices = pkm_search_triton.search(query.float(), self.sub_keys(), self.knn)
             return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
         with float32_region(query.device):
@@ -640,5 +640,5 @@ class ProductKeyMemory(ZooFeedForward):
                 + (f", init={self.init}" if self.init != "xlm" else "")
                 + (", qk_norm" if self.qk_norm else "")
                 + (f", kernel={self.kernel}" if self.kernel != "auto" else "")
-                + (f", search_kernel={self.search_kernel}" if self.search_kernel != "torch" else "")
+                + (f", search_kernel={self.search_kernel}" if self.search_kernel != "auto" else "")
                 + (", residual_dropout" if self.residual_dropout else ""))
