@@ -88,8 +88,10 @@ CHUNK_TOKENS = 1024
 #: tokens a program of the candidate pairs' top-knn takes, and its warps
 PAIRS_BLOCK_N = 16
 PAIRS_WARPS = 2
-#: reads (a token's pair: its sub-key and score gradient) a tl.dot step of the backward takes
+#: pairs (a token's sub-key and score gradient) a tl.dot step of the key gradient takes, and
+#: of the query gradient (the most the registers allow without spilling, at the paper shape)
 READS = 64
+QUERY_READS = 128
 #: tokens a query-gradient program takes, and its warps
 GRAD_BLOCK_N = 32
 GRAD_WARPS = 4
@@ -377,7 +379,7 @@ def _define_search():
             for p0 in range(0, BLOCK_N * KNN, READS):
                 t_p = (p0 + p) // KNN
                 j_p = (p0 + p) % KNN
-                on = (pid * BLOCK_N + t_p < n) & (j_p < knn)
+                on = (t_p < BLOCK_N) & (pid * BLOCK_N + t_p < n) & (j_p < knn)
                 nh_p = (pid * BLOCK_N + t_p).to(tl.int64) * heads + h
                 r_p = tl.load(sub + (nh_p * 2 + i) * knn + j_p, mask=on, other=0)
                 g_p = tl.load(grad_s + nh_p * knn + j_p, mask=on, other=0)
@@ -618,8 +620,8 @@ def _backward(grad_w: Tensor, weights: Tensor, sub: Tensor, query: Tensor, keys:
         query_kernel[(blocks, h)](
             grad_w.contiguous(), weights, sub, keys_q, grad_q, grad_s, read_id, read_g, read_tok,
             bucket, n, h, n_keys, knn, buckets, HALF=half, BLOCK_N=GRAD_BLOCK_N,
-            BLOCK_D=block_d, KNN=knn_p, KEY_BLOCK=KEY_BLOCK, READS=READS, PRECISION=precision,
-            UPCAST=upcast, num_warps=GRAD_WARPS)
+            BLOCK_D=block_d, KNN=knn_p, KEY_BLOCK=KEY_BLOCK, READS=QUERY_READS,
+            PRECISION=precision, UPCAST=upcast, num_warps=GRAD_WARPS)
         key_kernel[(2 * h, buckets, chunks)](
             query, read_id, read_g, read_tok, bucket, partial, n, h, n_keys, buckets, chunk,
             query.stride(0), query.stride(1), HALF=half, BLOCK_N=GRAD_BLOCK_N, KNN=knn_p,
@@ -673,7 +675,7 @@ def sm90_specializations(half: int = PAPER_SHAPE["half"], knn: int = PAPER_SHAPE
                    grad_s="*fp32", read_id="*i32", read_g="*fp32", read_tok="*i32",
                    bucket="*i32", n="i32", heads="i32", n_keys="i32", knn="i32", buckets="i32")
         cx = dict(HALF=half, BLOCK_N=GRAD_BLOCK_N, BLOCK_D=block_d, KNN=L.KNN,
-                  KEY_BLOCK=KEY_BLOCK, READS=READS, PRECISION=L.PRECISION, UPCAST=False)
+                  KEY_BLOCK=KEY_BLOCK, READS=QUERY_READS, PRECISION=L.PRECISION, UPCAST=False)
         yield (f"search backward query {t}", grad_query,
                dict(sig, **{k: "constexpr" for k in cx}), cx, GRAD_WARPS)
         sig = dict(q=f"*{t}", read_id="*i32", read_g="*fp32", read_tok="*i32", bucket="*i32",
