@@ -558,9 +558,10 @@ def old_search_forward_instructions() -> float:
 
 def write_search_model(path: str) -> int:
     rows = search_model()
-    total = {p: sum(r["expected ms"] for r in rows if r["pass"] == p) for p in ("forward", "backward")}
-    cell = (lambda c, v: f"{v:.3f}" if isinstance(v, float) and c.endswith("ms")
-            else f"{v:,.2f}" if isinstance(v, float) else str(v))
+    total = {p: sum(r["expected ms"] for r in rows if r["pass"] == p)
+             for p in ("forward", "backward")}
+    cell = (lambda c, v: f"{v:.3f}" if isinstance(v, float) and c.endswith(("ms", "instr"))
+            else f"{v:,.1f}" if isinstance(v, float) else str(v))
     text = (f"The model (not a measurement): {H200_SOURCE}; each kernel compiled for sm_90 at the "
             "paper shape (bf16, 16,384 tokens, n_keys 512, 4 heads, knn 32, k_dim 256), its SASS "
             "instructions weighted by the trip counts of their loops on random rows, at the issue "

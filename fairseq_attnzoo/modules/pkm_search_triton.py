@@ -1,57 +1,65 @@
-"""A fused Triton kernel for the product-key search: a top-k that filters before it sorts, and a
+"""Fused Triton kernels for the product-key search: a top-k that filters before it sorts, and a
 sort-free backward.
 
 The reference is :class:`~fairseq_attnzoo.modules.pkm._ProductTopk` (and the softmax of
 :meth:`~fairseq_attnzoo.modules.pkm.ProductKeyMemory.lookup`) in plain PyTorch, which stays the
 CPU path. Queries and sub-keys come in bfloat16, float16 or float32; every score is accumulated in
-float32. Per block of ``BLOCK_N`` tokens and one head, one program computes, for each half i:
+float32.
 
-1. the scores ``q^i · C_i`` of a block of ``SCORE_BLOCK`` sub-keys by ``tl.dot`` (all of them at
-   n_keys <= 512: one block, kept in registers);
-2. **a threshold**: the maximum of each of ``GROUPS`` groups of scores (consecutive sub-keys of a
-   block; a group spans the same place of every block), and τ = the knn-th largest of those
-   maxima (``tl.topk`` of ``GROUPS`` floats). knn groups have a maximum >= τ, so knn scores are
-   >= τ: every score of the top-knn is >= τ;
-3. **the filter**: the scores >= τ (35 of 512 on average on random rows at knn 32, 46 at most in
-   20,000) are written, in sub-key order, to a ``TILE``-wide row (64 at knn 32) of a per-program
-   scratch, and their top-knn is a ``tl.topk`` of that tile -- not of all n_keys scores;
-4. **the exact fallback**: where more than ``TILE`` scores of a row pass (ties at τ: equal rows,
-   a flat block), the program takes the top-knn of every score instead, a block of
-   ``FALLBACK_BLOCK`` sub-keys at a time merged into a running top-knn (scores recomputed): the
-   answer is the same, only slower;
+**Forward**, two kernels. ``_halves_kernel``: per block of :data:`BLOCK_N` (64) tokens and one head
+(4 warps of 16 rows: a row's reductions stay within a warp), for each half i:
 
-then the candidate pairs (a, b) of the two sorted lists that can win, (a+1)(b+1) <= knn (the
-reference's set, 119 of 1024 at knn 32), gathered from the scratch and scored ⟨q¹,c_a⟩ +
-⟨q²,c'_b⟩ in float32 (the reference's arithmetic), their top-knn (``tl.topk``), and the softmax
-of the knn final scores (float32). It writes only the answer: the softmax weights ``[N, H, knn]``
-(float32), the slots a·n_keys + b (int32) and the chosen sub-key ids ``[N, H, 2, knn]`` (int32).
+1. the scores ``q^i · C_i`` by ``tl.dot`` (the half-queries loaded once), and the maximum of each
+   of ``GROUPS`` = 4·knn groups of them (group c: sub-keys c, c + GROUPS, c + 2·GROUPS, ...);
+2. **a threshold** τ that at least knn group maxima reach, by bisection (:data:`BISECT` steps from
+   the smallest to the largest maximum): knn distinct scores are >= τ, so every score of the
+   top-knn is;
+3. **the filter**: the scores again, :data:`SCORE_BLOCK` sub-keys a step; those >= τ (about
+   1.1·knn of them on random rows whatever n_keys: 35 of 512 at knn 32, 45 at most in 20,480
+   rows) packed with their ids into a ``TILE`` = 2·knn wide row of a scratch tile, in sub-key
+   order (a prefix sum gives each its place);
+4. their top-knn: a ``tl.topk`` of that tile, not of n_keys scores;
+5. **the exact fallback**: a block of tokens with a row that kept more than ``TILE`` (ties at τ:
+   equal scores, many within a few ulps) takes the top-knn of all its scores instead, 32 sub-keys
+   at a time merged into a running top-knn (scores recomputed): the same answer, slower (``_search``
+   counts how often, for the tests and the benchmark).
+
+``_pairs_kernel``: the candidate pairs (a, b) of the two sorted lists that can win, (a+1)(b+1) <=
+knn (the reference's set, 119 of 1024 at knn 32), scored ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ in float32 (the
+reference's arithmetic), their top-knn and its softmax (float32). Only the answer reaches global
+memory: the softmax weights ``[N, H, knn]`` (float32), the slots a·n_keys + b (int32) and the
+chosen sub-key ids ``[N, H, 2, knn]`` (int32); the lists and the tiles are scratch.
 
 A top-k carries its indices in one integer per element: the score's float32 bits mapped to an
 integer of the same order (negative floats' magnitude bits flipped; -0 counted as +0) in the high
 32 bits, and ``MAX - index`` in the low 31 bits, so the packed int64 keys of a row are distinct and
 ordered by score with **ties going to the lower index** (the sub-key id within a half; the slot
-among the candidate pairs) -- the tie rule of this kernel; ``tl.topk`` (a bitonic network) sorts
+among the candidate pairs) -- the tie rule of these kernels; ``tl.topk`` (a bitonic network) sorts
 them. On random inputs the slots equal the reference's but for near-ties that the two summation
-orders round apart (11-25 of 65,536 rows at the paper shape on an H200 with the first kernel,
+orders round apart (11-25 of 65,536 rows at the paper shape on an H200 with the previous kernel,
 each within 5e-8 of the top score); the reference's own ties go wherever ``torch.topk`` puts them
-(undocumented). A token's scores are summed in a fixed order whatever the batch: a token searched
-alone and inside a batch gets the same slots and weights.
+(undocumented). A token's scores are summed in an order that does not depend on the other tokens:
+a token searched alone and inside a batch gets the same slots and bit-equal weights.
 
-Backward (``g`` = ∂L/∂score = w ⊙ (∂L/∂w − Σ w ∂L/∂w), the softmax's backward, in float32), with
-no sort, no atomics and no ``[H, N, n_keys]`` buffer:
+**Backward** (``g`` = ∂L/∂score = w ⊙ (∂L/∂w − Σ w ∂L/∂w), the softmax's backward, in float32), with
+no sort, no atomics and no ``[H, N, n_keys]`` buffer, deterministic:
 
-* per block of tokens and head, ``g`` of a sub-key chosen by several of a token's knn pairs is
-  summed once (the distinct ids first, in pair order), and ∂L/∂q^i = Σ g C_i[id] over the
-  distinct ids, a gather-sum (the sub-keys, 0.5 MiB in bf16 at the paper shape, stay in cache);
-* per head, half, block of ``KEY_BLOCK`` sub-keys and chunk of ``CHUNK_TOKENS`` tokens, the
-  sparse score gradient ``dSᵀ`` [KEY_BLOCK × BLOCK_T] is built on chip from those ids and sums,
-  and ∂L/∂C_i += dSᵀ · q^i is a ``tl.dot`` (dS in the inputs' dtype, float32 accumulation); the
-  chunks' partial sums are added in chunk order (``torch.sum``): a run repeats bit for bit.
+* ``_grad_query_kernel``, per block of :data:`GRAD_BLOCK_N` (32) tokens and one head: g; for each
+  half, the block's (token, pair) reads written in key-block order (a counting pass over the
+  blocks of :data:`KEY_BLOCK` sub-keys, pair order within one) with where each key block's reads
+  start, and ∂L/∂q^i = [tokens × pairs] of g · [pairs × k_dim/2] of the chosen sub-keys, a
+  ``tl.dot`` (g rounded to the inputs' dtype first, as the reference does; float32 accumulation);
+* ``_grad_keys_kernel``, per head, half, block of KEY_BLOCK sub-keys and chunk of
+  :data:`CHUNK_TOKENS` tokens: for each token block, dSᵀ [sub-keys × tokens] built on chip from
+  the block's reads of these sub-keys (a ``tl.dot`` of [sub-keys × reads] of g with [reads ×
+  tokens] of ones), then ∂L/∂C_i += dSᵀ · q^i (``tl.dot``); the chunks' partial sums are added in
+  chunk order (``torch.sum``, the chunks a function of the shape only): a run repeats bit for bit.
 
-The custom ops ``attnzoo::pkm_search`` / ``attnzoo::pkm_search_backward`` (fake implementations
-and an autograd rule, so ``torch.compile`` traces a layer through them without a graph break) are
+The custom ops ``attnzoo::pkm_search`` / ``attnzoo::pkm_search_backward`` (fake implementations and
+an autograd rule, so ``torch.compile`` traces a layer through them without a graph break) are
 registered on first use, not at import. Triton is imported on first use; ``TRITON_INTERPRET=1``
-runs the kernels on CPU tensors in Triton's interpreter (the tests).
+runs the kernels on CPU tensors in Triton's interpreter (the tests). The expected time of every
+kernel: ``python -m scripts.costmodel search`` (docs/performance.md).
 """
 
 import logging
@@ -67,9 +75,9 @@ logger = logging.getLogger(__name__)
 
 #: the search kernel choices (``ProductKeyMemory(search_kernel=...)``, ``--pkm-search-kernel``)
 SEARCH_KERNELS = ("auto", "triton", "torch")
-#: the widest half-query a program holds ([BLOCK_N, k_dim/2] and a [k_dim/2, SCORE_BLOCK] block)
+#: the widest half-query the kernels take
 MAX_HALF = 512
-#: the largest knn (the candidate top-k holds [BLOCK_N, pairs] packed keys; 512 pairs at 128)
+#: the largest knn (the candidate top-k holds [PAIRS_BLOCK_N, pairs] packed keys; 512 at 128)
 MAX_KNN = 128
 #: the most sub-keys a half (slot ids a·n_keys + b must fit the packed key's low 31 bits)
 MAX_KEYS = 1 << 15
@@ -81,7 +89,7 @@ SCORE_BLOCK = 32
 DOT_MAX = 128
 #: bisection steps of τ (within 2^-10 of the group maxima's range of the knn-th largest)
 BISECT = 10
-#: backward: sub-keys of a key-gradient program, tokens a step of it, tokens of a chunk (whose
+#: backward: sub-keys of a key-gradient program (a key block), tokens of its chunk (the chunks'
 #: partial sums are added in chunk order: a function of the shape only, so of no device)
 KEY_BLOCK = 64
 CHUNK_TOKENS = 1024
@@ -95,9 +103,10 @@ QUERY_READS = 128
 #: tokens a query-gradient program takes, and its warps
 GRAD_BLOCK_N = 32
 GRAD_WARPS = 4
-#: float32 inputs: the tl.dot precision of the fused path (3xTF32: tensor cores, products within
-#: a few float32 ulps); ``auto`` takes the fused kernel for float32 queries only when this is not
-#: None (set from the spill check: tests/test_pkm_search_triton.py -k spill)
+#: float32 queries: the tl.dot precision ``auto`` would run the fused kernels in; None: ``auto``
+#: keeps float32 queries on the PyTorch path, because with 3xTF32 ("tf32x3") the float32
+#: specialisations spill (sm_90: 120-360 B a thread in the forward even at 8 warps, 480 and 840 B
+#: in the backward); ``search_kernel="triton"`` still runs them, in IEEE float32
 FP32_PRECISION: Optional[str] = None
 
 _SEARCH_KERNELS = []
