@@ -18,24 +18,16 @@ from fairseq_attnzoo.modules import pkm_search_triton as S
 from fairseq_attnzoo.modules import pkm_triton
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _ProductTopk
 
+from test_pkm_triton import DEVICE, DTYPES, _tol  # (the value kernels' device and tolerances)
+
 pytestmark = pytest.mark.skipif(not pkm_triton.HAS_TRITON,
                                 reason="Triton is not installed (make install adds it)")
-
-DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     assert DEVICE.type != "cpu" or pkm_triton.interpreted(), "conftest sets TRITON_INTERPRET"
     torch.manual_seed(0)
-
-
-def _tol(dtype):
-    # float32 accumulation, one rounding to the output's dtype; the reference rounds the score
-    # gradient to the keys' dtype too, so the difference is 1-2 ulps of the output
-    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
-            torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}[dtype]
 
 
 def _problem(dtype, heads=2, n=19, k_dim=16, n_keys=12, seed=5):
