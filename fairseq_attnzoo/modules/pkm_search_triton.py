@@ -662,8 +662,11 @@ def sm90_specializations(half: int = PAPER_SHAPE["half"], knn: int = PAPER_SHAPE
     dims a half (each dtype ``auto`` ships, the launch :func:`search_launch` picks), as
     ``(label, kernel, signature, constexprs, num_warps)`` for ``triton.compile(ASTSource(kernel,
     signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-    options=dict(num_warps=num_warps))``; :func:`sm90_attrs` gives the pointer and size
-    alignment the runtime specialises on (``ASTSource(..., attrs=sm90_attrs(signature))``)."""
+    options=dict(num_warps=num_warps))``. Compile them with :func:`sm90_attrs`
+    (``ASTSource(..., attrs=sm90_attrs(signature))``): the alignment Triton's runtime specialises
+    every launch of the layer on. Without it Triton assumes unaligned pointers and strides
+    (scalar loads), a specialisation the layer never launches (its tensors are torch allocations
+    and its strides multiples of 16 wherever k_dim is), and the forward then spills."""
     halves, pairs, grad_query, grad_keys = _search_kernels()
     block_d = max(16, _pow2(half))
     for dtype in shipped_dtypes():
