@@ -105,8 +105,8 @@ GRAD_BLOCK_N = 32
 GRAD_WARPS = 4
 #: float32 queries: the tl.dot precision ``auto`` would run the fused kernels in; None: ``auto``
 #: keeps float32 queries on the PyTorch path, because with 3xTF32 ("tf32x3") the float32
-#: specialisations spill (sm_90: 120-360 B a thread in the forward even at 8 warps, 480 and 840 B
-#: in the backward); ``search_kernel="triton"`` still runs them, in IEEE float32
+#: specialisations spill (sm_90: the forward 184 B a thread, 120 B still at 8 warps; the key and
+#: query gradients 840 B and 8.7 KB); ``search_kernel="triton"`` still runs them, in IEEE float32
 FP32_PRECISION: Optional[str] = None
 
 _SEARCH_KERNELS = []
