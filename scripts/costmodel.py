@@ -16,6 +16,11 @@ The tables sit in docs/pkm.md and docs/aop.md between ``<!-- costmodel: LAYER --
 
     python -m scripts.costmodel            # rewrite the tables
     python -m scripts.costmodel --check    # (a test runs this)
+
+The fused product-key search's kernels are modelled by their compiled code instead (ATen sees one
+custom op): :func:`search_model`, ``python -m scripts.costmodel search`` (the table between
+``<!-- kernelmodel: search -->`` and ``<!-- /kernelmodel -->`` in docs/performance.md; it compiles
+the kernels, a few minutes on a CPU, so no test runs it).
 """
 
 import contextlib
@@ -461,11 +466,229 @@ LAYERS = {l.name: l for l in [
           records=[("aop/sublayer-vs-ffn", ("heads 8, width 1, groups 1,",))])]}
 
 
+# ---- the fused search's kernels, from their compiled code ------------------------------------
+
+#: NVIDIA H200 SXM (GH100: 132 SMs of 4 warp schedulers, 1,980 MHz boost; 4.8 TB/s HBM3e), from
+#: NVIDIA's H200 datasheet and the H100 architecture whitepaper (the same SM configuration)
+H200 = {"sms": 132, "schedulers": 4, "clock": 1.98e9, "bandwidth": 4.8e12}
+H200_SOURCE = ("NVIDIA H200 SXM: 132 SMs × 4 warp schedulers × 1.98 GHz (one warp instruction a "
+               "scheduler a cycle), 4.8 TB/s HBM3e")
+#: the fused search forward of commit 7605095 (16 tokens a program, knn rounds of max-extraction
+#: over packed int64 tiles), the kernel of the record `pkm/search-forward` bf16 block 256 at the
+#: paper shape: 2.119 ms (H200, docs/benchmarks.jsonl). Compiled as :func:`search_model` compiles
+#: (sm_90, the runtime's alignment) it runs 72,344 instructions a warp (its loops weighted by
+#: their trip counts) on 16,384 warps: 1.185e9 warp instructions, so it issued at 53.5 % of the
+#: H200's peak rate; the same efficiency turns the new kernels' instruction counts into time.
+#: (:func:`old_search_forward_instructions` recomputes the count from git.)
+CALIBRATION = {"commit": "7605095", "ms": 2.119, "warp_instructions": 1.185e9}
+
+
+@dataclass
+class Kernel:
+    """One launch at a shape: ``spec`` (label, kernel, signature, constexprs, warps) as
+    :func:`~fairseq_attnzoo.modules.pkm_search_triton.sm90_specializations` yields it (the
+    constexprs may be overridden), its programs, the trip count of each loop of its SASS in
+    address order (a loop inside another runs its count each time the outer one turns), and the
+    bytes it moves to or from DRAM (first touch)."""
+    spec: tuple
+    programs: int
+    trips: List[float]
+    bytes: float
+    note: str = ""
+
+
+def sass(spec) -> Tuple[List[Tuple[int, str]], dict]:
+    """(address, instruction) of a specialisation compiled for sm_90 (as the spill check
+    compiles it: scripts/sm90.py), and its resource usage."""
+    import re
+    import subprocess
+    import tempfile
+
+    from scripts.sm90 import compile_sm90, tool
+
+    _, kernel, signature, constexprs, warps = spec
+    compiled = compile_sm90(kernel, signature, constexprs, warps)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool("cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    resources = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
+    resources["LDL/STL"] = sum(1 for _, op in code if re.search(r"\b(LDL|STL)\b", op))
+    return code, resources
+
+
+def loops(code) -> List[Tuple[int, int]]:
+    """(first, last) address of every loop: a branch back to an earlier address."""
+    import re
+
+    out = []
+    for address, op in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) <= address:
+            out.append((int(target.group(1), 16), address))
+    return sorted(out)
+
+
+def warp_instructions(code, trips: List[float]) -> float:
+    """Instructions a warp runs: each weighted by the trip counts of the loops around it."""
+    spans = loops(code)
+    if len(spans) != len(trips):
+        raise ValueError(f"the SASS has {len(spans)} loops, the model gives {len(trips)} trip "
+                         "counts: update the trip counts in search_model()")
+    total = 0.0
+    for address, _ in code:
+        weight = 1.0
+        for (first, last), n in zip(spans, trips):
+            if first <= address <= last:
+                weight *= n
+        total += weight
+    return total
+
+
+def _reads_steps(block_n: int, knn: int, n_keys: int, key_block: int, reads: int) -> float:
+    """E[⌈reads of a key block / READS⌉]: the tl.dot steps of a key-gradient program for one
+    token block, its block_n·knn pairs' sub-keys uniform over n_keys (random keys), sampled."""
+    import numpy as np
+
+    blocks = -(-n_keys // key_block)
+    counts = np.random.default_rng(0).multinomial(block_n * knn, [1 / blocks] * blocks, 20000)
+    return float(np.ceil(counts / reads).mean())
+
+
+def search_kernels(tokens=16384, heads=4, n_keys=512, knn=32, k_dim=256,
+                   dtype=torch.bfloat16) -> Dict[str, List[Kernel]]:
+    """The fused search's launches at a shape, forward and backward (random rows: no fallback;
+    the forward's kernel compiled with FALLBACK=False, the branch that does not run)."""
+    from fairseq_attnzoo.modules import pkm_search_triton as S
+
+    half, e = k_dim // 2, dtype.itemsize
+    specs = {label: spec for label, *spec in S.sm90_specializations(half, knn, n_keys)}
+    t = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    L = S.search_launch(half, knn, n_keys, dtype)
+    rows, pairs = tokens * heads, tokens * heads * L.KNN
+    search = specs[f"search {t}"]
+    search = (f"search {t}", search[0], search[1], dict(search[2], FALLBACK=False), search[3])
+    blocks = -(-tokens // S.GRAD_BLOCK_N)
+    buckets = -(-n_keys // S.KEY_BLOCK)
+    chunk = S.CHUNK_TOKENS // S.GRAD_BLOCK_N
+    chunks = -(-blocks // chunk)
+    reads = 12 * rows * 2 * L.KNN  # id, g, token (int32, float32, int32) of every pair
+    partial = 4 * chunks * heads * 2 * n_keys * half
+    return {"forward": [
+        Kernel(search, -(-tokens // L.BLOCK_N) * heads,
+               [n_keys / L.GROUPS, n_keys / L.KB] * 2 + [0],
+               rows * k_dim * e + rows * 2 * (L.TILE + L.KNN) * 8,
+               "per half: group maxima, τ, the scores >= τ to the tile, its top-k"),
+        Kernel(("search pairs",) + tuple(specs["search pairs"]),
+               -(-tokens // S.PAIRS_BLOCK_N) * heads, [knn, 0],
+               rows * 2 * L.KNN * 8 + rows * knn * (4 + 4 + 8),
+               "candidate pairs, their top-k, the softmax")],
+        "backward": [
+        Kernel((f"search backward query {t}",) + tuple(specs[f"search backward query {t}"]),
+               blocks * heads, [buckets, S.GRAD_BLOCK_N * L.KNN / S.QUERY_READS] * 2 + [0],
+               rows * knn * (4 + 4 + 8 + 4) + rows * k_dim * e + reads,
+               "∂L/∂score, the reads by key block, ∂L/∂q"),
+        Kernel((f"search backward keys {t}",) + tuple(specs[f"search backward keys {t}"]),
+               2 * heads * buckets * chunks,
+               [chunk, _reads_steps(S.GRAD_BLOCK_N, knn, n_keys, S.KEY_BLOCK, S.READS), 0],
+               reads + rows * k_dim * e + partial, "∂L/∂C per key block and chunk of tokens"),
+        Kernel(None, 0, [], partial + 4 * heads * 2 * n_keys * half,
+               "the chunks' partial sums (torch.sum)")]}
+
+
+def search_model(**shape) -> List[dict]:
+    """Per kernel of the fused search at ``shape`` (the paper's by default): registers, spills,
+    warp instructions, bytes, and the expected H200 time: the slower of the instructions at the
+    calibrated issue rate and the bytes at the DRAM bandwidth."""
+    rate = H200["sms"] * H200["schedulers"] * H200["clock"]
+    efficiency = CALIBRATION["warp_instructions"] / (CALIBRATION["ms"] * 1e-3 * rate)
+    out = []
+    for pass_, kernels in search_kernels(**shape).items():
+        for k in kernels:
+            row = {"pass": pass_, "kernel": k.spec[0] if k.spec else "torch.sum", "does": k.note}
+            issue_ms = 0.0
+            if k.spec:
+                code, res = sass(k.spec)
+                instructions = warp_instructions(code, k.trips) * k.programs * k.spec[4]
+                issue_ms = instructions / (rate * efficiency) * 1e3
+                row.update({"registers": res["REG"], "stack B": res["STACK"],
+                            "LDL/STL": res["LDL/STL"], "G warp instr": instructions / 1e9})
+            memory_ms = k.bytes / H200["bandwidth"] * 1e3
+            row.update({"MB": k.bytes / 1e6, "issue ms": issue_ms, "memory ms": memory_ms,
+                        "expected ms": max(issue_ms, memory_ms)})
+            out.append(row)
+    return out
+
+
+def old_search_forward_instructions() -> float:
+    """:data:`CALIBRATION`'s instruction count, recomputed from the kernel at its commit."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    source = subprocess.run(["git", "show", f"{CALIBRATION['commit']}:fairseq_attnzoo/modules/"
+                             "pkm_search_triton.py"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+        f.write(source)
+        f.flush()
+        spec = importlib.util.spec_from_file_location("fairseq_attnzoo.modules._old_search",
+                                                      f.name)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        kernel = old._kernels()[0]  # (Triton reads the source while the file exists)
+    block_d, dot_d, key_block, knn_p, pairs = old.search_launch(128, 32, 512)
+    names = ["q", "keys", "scratch", "w_out", "slot_out", "sub_out", "n", "heads", "n_keys",
+             "knn", "stride_qh", "stride_qn"]
+    types = ["*bf16", "*bf16", "*i64", "*fp32", "*i32", "*i32"] + ["i32"] * 6
+    constexprs = dict(HALF=128, BLOCK_N=16, BLOCK_D=block_d, DOT_D=dot_d, KEY_BLOCK=key_block,
+                      KNN=knn_p, PAIRS=pairs, PRECISION="tf32", UPCAST=False)
+    signature = dict(zip(names, types), **{k: "constexpr" for k in constexprs})
+    code, _ = sass(("old", kernel, signature, constexprs, 4))
+    # loops by first address: key blocks (half 1), the knn rounds in one, the same for half 2,
+    # the pair index, the candidate rounds, the exit trap
+    per_warp = warp_instructions(code, [512 / key_block, 32, 512 / key_block, 32, 32, 32, 0])
+    return per_warp * (16384 // 16) * 4 * 4
+
+
+def write_search_model(path: str) -> int:
+    rows = search_model()
+    total = {p: sum(r["expected ms"] for r in rows if r["pass"] == p)
+             for p in ("forward", "backward")}
+    cell = (lambda c, v: f"{v:.3f}" if isinstance(v, float) and c.endswith(("ms", "instr"))
+            else f"{v:,.1f}" if isinstance(v, float) else str(v))
+    text = (f"The model (not a measurement): {H200_SOURCE}; each kernel compiled for sm_90 at the "
+            "paper shape (bf16, 16,384 tokens, n_keys 512, 4 heads, knn 32, k_dim 256), its SASS "
+            "instructions weighted by the trip counts of their loops on random rows, at the issue "
+            f"efficiency the record of commit {CALIBRATION['commit']}'s forward gives "
+            f"({CALIBRATION['ms']} ms for {CALIBRATION['warp_instructions'] / 1e9:.3f} G warp "
+            "instructions); expected = the slower of that and the DRAM bytes at the bandwidth "
+            "(L2 traffic not modelled). `python -m scripts.costmodel search`.\n\n"
+            + tables.format_table(rows, cell=cell)
+            + f"\nExpected: forward {total['forward']:.2f} ms, backward {total['backward']:.2f} "
+            "ms.\n")
+    with open(path) as f:
+        old = f.read()
+    new = tables.update(old, [], "kernelmodel", lambda name, _: text)
+    if new != old:
+        with open(path, "w") as f:
+            f.write(new)
+        print(f"updated {path}")
+    return 0
+
+
 def update(text: str, records) -> str:
     return tables.update(text, records, "costmodel", lambda name, rs: render(LAYERS[name], rs))
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["search"]:
+        return write_search_model(os.path.join(REPO, "docs", "performance.md"))
     return tables.main(argv, __doc__, DOCS, update, "scripts.costmodel")
 
 

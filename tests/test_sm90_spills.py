@@ -1,14 +1,14 @@
 """The spill check: every Triton kernel specialisation that the layers and the benchmark launch,
 compiled for an H100 (sm_90) on the CPU, keeps its values in registers -- no stack frame, no
-local loads or stores (tests/sm90.py reads both from the cubin; the modules list their
-specialisations in ``sm90_specializations()``). ``python tests/sm90.py`` prints the registers
+local loads or stores (scripts/sm90.py reads both from the cubin; the modules list their
+specialisations in ``sm90_specializations()``). ``python -m scripts.sm90`` prints the registers
 and stack of each."""
 
 import os
 
 import pytest
 
-import sm90
+from scripts import sm90
 from fairseq_attnzoo.modules.pkm_triton import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON or os.environ.get("ATTNZOO_TEST_DEVICE", "cpu")
@@ -55,3 +55,25 @@ def test_spill_check_fails_on_a_kernel_that_spills():
     and local loads/stores (the check before read cuobjdump's ``LOCAL`` column, 0 for spills)."""
     [row] = sm90.report(["--spec", "test_sm90_spills:hoarding_kernel_specializations"])
     assert sm90.spills(row) and row["stack"] > 0 and row["local ops"] > 0, row
+
+
+def float32_search_specializations():
+    """The fused search's forward as ``auto`` would launch it on float32 inputs (not shipped)."""
+    import torch
+
+    from fairseq_attnzoo.modules import pkm_search_triton
+
+    yield next(pkm_search_triton.sm90_specializations(dtypes=(torch.float32,)))
+
+
+def test_spill_check_fails_on_the_float32_search_that_auto_does_not_ship():
+    """The check fails on a real kernel: the fused search's forward on float32 inputs (tl.dot in
+    IEEE float32) spills on sm_90 -- which is why ``auto`` keeps float32 searches on the PyTorch
+    path (``pkm_search_triton.FP32_PRECISION`` is None) and ships only bf16/fp16."""
+    import torch
+
+    from fairseq_attnzoo.modules import pkm_search_triton
+
+    assert torch.float32 not in pkm_search_triton.shipped_dtypes()
+    [row] = sm90.report(["--spec", "test_sm90_spills:float32_search_specializations"])
+    assert row["label"] == "search fp32" and sm90.spills(row), row

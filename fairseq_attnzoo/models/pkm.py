@@ -43,7 +43,7 @@ from fairseq.logging.meters import Meter
 
 from .. import compat
 from ..modules.pkm import SEARCH_DTYPES, ProductKeyMemory, slot_counts, usage_stats
-from ..modules.pkm_search_triton import SearchUnavailable
+from ..modules.pkm_search_triton import SEARCH_KERNELS, SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
 from ..optim.pkm_optimizer import values_lr
 from .llama import LLAMA, llama_post
@@ -122,14 +122,14 @@ class PKMConfig(FairseqDataclass):
         metadata={"help": "PKM value read and its gradients: auto = fused Triton kernels on CUDA "
                   "when Triton is importable, the PyTorch reference otherwise; triton / torch "
                   "force one (same function; the kernels accumulate in float32); default auto"})
-    pkm_search_kernel: ChoiceEnum(list(KERNELS)) = field(  # type: ignore
-        default="torch",
+    pkm_search_kernel: ChoiceEnum(list(SEARCH_KERNELS)) = field(  # type: ignore
+        default="auto",
         metadata={"help": "PKM product-key search (top-k of both halves, the candidate pairs, "
-                  "the softmax) and its backward: auto = one fused Triton kernel on CUDA when "
-                  "Triton is importable, the PyTorch reference otherwise; triton / torch force "
-                  "one (same slots; ties go to the lower index); default torch: with the "
-                  "layer's float32 queries the fused kernel measured slower on an H200 "
-                  "(docs/pkm.md, 'On the GPU')"})
+                  "the softmax) and its backward: auto = the fused Triton kernels on CUDA for "
+                  "bf16/fp16 queries (float32 ones where the kernel's float32 specialisation "
+                  "ships), the PyTorch reference otherwise (on the CPU always; said once in the "
+                  "log); triton / torch force one (same slots; ties go to the lower index); "
+                  "default auto"})
     pkm_search_dtype: ChoiceEnum(list(SEARCH_DTYPES)) = field(  # type: ignore
         default="model",
         metadata={"help": "dtype of the queries and sub-keys the PKM search scores (after the "
@@ -353,8 +353,8 @@ class FairseqProductKeyMemory(FlagErrors, ProductKeyMemory):
         f"--pkm-kernel triton cannot run: {e.why}; use --pkm-kernel auto (a checkpoint: "
         "--model-overrides \"{'pkm_kernel': 'auto'}\")"),
         SearchUnavailable: lambda e: (
-        f"--pkm-search-kernel triton cannot run: {e.why}; use --pkm-search-kernel torch (a "
-        "checkpoint: --model-overrides \"{'pkm_search_kernel': 'torch'}\")")}
+        f"--pkm-search-kernel triton cannot run: {e.why}; use --pkm-search-kernel auto or torch "
+        "(a checkpoint: --model-overrides \"{'pkm_search_kernel': 'auto'}\")")}
 
 
 @register_sublayer("pkm", slots=("ffn",), options=PKMConfig,

@@ -290,7 +290,7 @@ def sm90_specializations():
     """``(label, kernel, signature, constexprs, num_warps)`` of every specialisation the layer and
     the benchmark launch at the paper's shape (AOP₁ and AOP₂ at d 512: head dims 64, 1,536 or 512
     slots, 16,384 tokens; ``i32:16``: an integer the launcher specialises as divisible by 16), in
-    each dtype, for the spill check (tests/sm90.py). Launched with Triton's default 4 warps."""
+    each dtype, for the spill check (scripts/sm90.py). Launched with Triton's default 4 warps."""
     scalars = dict(n="i32:16", slots="i32:16", dk="i32:16", dv="i32:16", stride_qn="i32:16",
                    stride_qh="i32:16")
     for dt, precision in (("fp32", "ieee"), ("fp16", "tf32"), ("bf16", "tf32")):

@@ -456,7 +456,7 @@ class ProductKeyMemory(ZooFeedForward):
                  values: Optional[nn.EmbeddingBag] = None, gated: bool = False,
                  qk_norm: bool = False, swilu: str = "off", init: str = "xlm",
                  kernel: str = "auto", residual_dropout: bool = False,
-                 search_kernel: str = "torch", search_dtype: str = "model"):
+                 search_kernel: str = "auto", search_dtype: str = "model"):
         super().__init__()
         #: whether a host layer applies its residual dropout to this layer's output (read by
         #: the fairseq layers); off, as in both references: XLM adds the memory's output to the
@@ -467,9 +467,9 @@ class ProductKeyMemory(ZooFeedForward):
         #: Triton is importable, else the PyTorch reference; "triton" / "torch" force one
         self.kernel = pkm_triton.check_kernel(kernel)
         #: the product-key search and its backward: "auto" = the fused Triton kernel
-        #: (pkm_search_triton) on CUDA when it can run, else :class:`_ProductTopk`; "triton" /
-        #: "torch" force one
-        self.search_kernel = pkm_triton.check_kernel(search_kernel)
+        #: (pkm_search_triton) on CUDA for bf16/fp16 queries (float32 ones where its float32
+        #: specialisation ships), else :class:`_ProductTopk`; "triton" / "torch" force one
+        self.search_kernel = pkm_search_triton.check_search_kernel(search_kernel)
         if search_dtype not in SEARCH_DTYPES:
             raise ValueError(f"PKM search_dtype must be one of {', '.join(SEARCH_DTYPES)}, got "
                              f"{search_dtype!r}")
@@ -618,7 +618,7 @@ class ProductKeyMemory(ZooFeedForward):
         near-equal scores would tie or swap ranks)."""
         n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
         keys = self.sub_keys(dtype or query.dtype)
-        if pkm_search_triton.use_kernel(self.search_kernel, query, keys, self.knn):
+        if pkm_search_triton.use_search_kernel(self.search_kernel, query, keys, self.knn):
             weights, indices = pkm_search_triton.search(query.to(keys.dtype), keys, self.knn)
             return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
         with float32_region(query.device):
@@ -700,6 +700,6 @@ class ProductKeyMemory(ZooFeedForward):
                 + (f", init={self.init}" if self.init != "xlm" else "")
                 + (", qk_norm" if self.qk_norm else "")
                 + (f", kernel={self.kernel}" if self.kernel != "auto" else "")
-                + (f", search_kernel={self.search_kernel}" if self.search_kernel != "torch" else "")
+                + (f", search_kernel={self.search_kernel}" if self.search_kernel != "auto" else "")
                 + (f", search_dtype={self.search_dtype}" if self.search_dtype != "model" else "")
                 + (", residual_dropout" if self.residual_dropout else ""))

@@ -40,7 +40,7 @@ Triton is optional and imported on first use: without it (or on a CPU) the refer
 With ``TRITON_INTERPRET=1`` in the environment before Triton is imported, the kernels run on CPU
 tensors in Triton's interpreter -- that is how the tests compare them with the reference on
 machines without a GPU (tests/conftest.py sets it). :func:`sm90_specializations` lists what the
-layer and the benchmark launch, for the spill check (tests/sm90.py).
+layer and the benchmark launch, for the spill check (scripts/sm90.py).
 """
 
 import importlib.util
@@ -67,7 +67,7 @@ READ_COLS = 512
 #: widest column chunk of a blocks-backward program: its products hold a [cols, rows] float32
 #: accumulator and stage [reads, cols] tiles in shared memory; at 256 columns, 16 rows, 64 reads
 #: and 8 warps a thread takes 110 registers on sm_90 (2 programs an SM), no spill
-#: (tests/sm90.py); at 512 columns 171 (1 an SM)
+#: (scripts/sm90.py); at 512 columns 171 (1 an SM)
 BLOCK_COLS = 256
 
 
@@ -444,7 +444,7 @@ def sm90_specializations() -> Iterator[tuple]:
     and the benchmark launch at the paper's shapes (value dims 512 and 1024 -- the tiles stop
     growing at :data:`READ_COLS` / :data:`BLOCK_COLS` columns, so a wider row compiles the same
     code, a narrower one smaller tiles -- and 4 heads × knn 32 reads a token), for the spill
-    check (tests/sm90.py; ``i32:16``: an integer the launcher specialises as divisible by 16):
+    check (scripts/sm90.py; ``i32:16``: an integer the launcher specialises as divisible by 16):
     the read in each dtype; the blocks backward in fp16 and bf16, each gradient alone and both,
     dense and sparse; the rows backward likewise in float32 and, for the benchmark's one-run
     comparison, bf16 (dense, both gradients); the launches of ``pkm/launch-sweep``. A row split

@@ -308,9 +308,9 @@ def _same_search(q, k, slots, ref):
 
 
 def _search(p, device, dtype):
-    """The search alone, or its backward: today's (torch.topk) or the fused kernel (checked
-    against it here first; forward: in blocks of ``block`` sub-keys); queries [H, N, k_dim] as a
-    view of [N, H·k_dim], as the layer hands them over."""
+    """The search alone, or its backward: today's (torch.topk) or the fused kernels at the launch
+    ``auto`` uses (checked against it here first, with how often the forward's exact fallback
+    ran); queries [H, N, k_dim] as a view of [N, H·k_dim], as the layer hands them over."""
     from fairseq_attnzoo.modules import pkm_search_triton as fused
     from fairseq_attnzoo.modules.pkm import _ProductTopk
 
@@ -324,11 +324,15 @@ def _search(p, device, dtype):
             lambda: torch.autograd.grad(ref[0].softmax(-1), (q, k), ref[0], retain_graph=True))
     if "triton" not in _kernels(device):
         raise RuntimeError("no Triton on this device")
-    w, slots, sub = fused._search(q, k, p["knn"], p.get("block"), precision=p.get("dot"))
+    stats = {}
+    w, slots, sub = fused._search(q, k, p["knn"], stats=stats)
+    print(f"search check: the exact fallback ran for {stats['fallback']} of "
+          f"{2 * p['heads'] * -(-p['tokens'] // fused.BLOCK_N)} (token block, head, half)",
+          flush=True)
     _same_search(q, k, slots, ref[1])
     if p["pass"] == "forward":
-        return lambda: fused._search(q, k, p["knn"], p["block"], precision=p.get("dot"))
-    return lambda: fused.search_backward_op(w, w, sub, q, k, p["impl"])
+        return lambda: fused._search(q, k, p["knn"])
+    return lambda: fused.search_backward_op(w, w, sub, q, k)
 
 
 def _search_work(p, dtype):  # forward: the score GEMMs; backward: the rows gathered, q, ∂q
@@ -338,20 +342,14 @@ def _search_work(p, dtype):  # forward: the score GEMMs; backward: the rows gath
     return "bytes", (2 * n * p["knn"] * p["k_dim"] + 2 * n * p["k_dim"]) * e
 
 
-for _pass, _impls in (("forward", [dict(impl="fused", inputs="dtype", block=b)
-                                   for b in (64, 128, 256)]
-                       + [dict(impl="fused", inputs="float32", block=b, dot=p)
-                          for p in ("ieee", "tf32x3") for b in (64, 256)]),
-                      ("backward", [dict(impl=m, inputs=i) for m in ("segment", "atomic")
-                                    for i in ("float32", "dtype")])):
+for _pass, _impl in (("forward", "fused"), ("backward", "sortfree")):
     add(Kernel("pkm", f"search-{_pass}", {s: [
-        dict(base, n_keys=n, **m, **{"pass": _pass}) for n in keys for m in _impls]
+        dict(base, n_keys=n, impl=_impl, inputs="dtype", **{"pass": _pass}) for n in keys]
         for s, base, keys in (("paper", PKM_PAPER, (512, 1024)), ("tiny", PKM_TINY, (8,)))},
         _search, lambda p, dev, dt: _search(dict(p, impl="topk", inputs="float32"), dev, dt),
         work=_search_work, note=f"the product-key search's {_pass} vs today's (torch.topk, "
-        "float32): the fused Triton kernel (forward: blocks of 64-256 sub-keys, float32 inputs "
-        "by IEEE or 3xTF32 tl.dot; key gradient by segment sum or atomics) on float32 or --dtype "
-        "inputs"))
+        "float32): the fused Triton kernels on --dtype inputs (forward: the top-k that filters "
+        "before it sorts; backward: sort-free), the launch `auto` ships"))
 
 
 # ---- Synthesizer ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""What ptxas makes of our Triton kernels for an H100 (sm_90), compiled on the CPU (no GPU).
+"""What ptxas makes of our Triton kernels for an H100 (sm_90), compiled on the CPU (no GPU): the
+spill check (tests/test_sm90_spills.py) and the search's cost model (scripts/costmodel.py) read it.
 
 Each kernel module of ``fairseq_attnzoo.modules`` that defines ``sm90_specializations()`` yields
 ``(label, kernel, signature, constexprs, num_warps)`` for every specialisation the layer and the
@@ -17,9 +18,10 @@ A specialisation spills when its stack or its local loads/stores are not 0. The 
 ONE child process where Triton is not in interpreter mode (the tests' conftest sets
 ``TRITON_INTERPRET=1``), with a fresh Triton cache (nothing read from an earlier run)::
 
-    python tests/sm90.py                          # every module's specialisations, a table
-    python tests/sm90.py pkm_triton aop_triton    # some modules
-    python tests/sm90.py --spec MODULE:FUNCTION   # a function's (a test's own kernels)
+    python -m scripts.sm90                          # every module's specialisations, a table
+    python -m scripts.sm90 pkm_triton aop_triton    # some modules
+    python -m scripts.sm90 --spec MODULE:FUNCTION   # a function's (a test's own kernels; tests/
+                                                    # is on the path)
 """
 
 import importlib
@@ -32,8 +34,8 @@ import sys
 import tempfile
 from typing import Dict, Iterator, List, Optional, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
 
 
 def tool(name: str) -> str:
@@ -105,7 +107,7 @@ def _main(argv: List[str]):
     none), or of ``--spec MODULE:FUNCTION`` (a function returning specialisations, e.g. a test's
     own)."""
     assert os.environ.get("TRITON_INTERPRET", "0") in ("0", ""), "compile in a plain process"
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [REPO, TESTS]
     if argv[:1] == ["--spec"]:
         module, function = argv[1].split(":")
         specs = (("test", s) for s in getattr(importlib.import_module(module), function)())
@@ -121,10 +123,10 @@ def report(args: List[str] = (), timeout: int = 600) -> List[dict]:
     """Compile the specialisations (``args`` as :func:`_main` takes them) in a child process and
     return one dict per specialisation: module, label, warps, registers, stack, local ops."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, HERE] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([REPO, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache  # (every run compiles: nothing from an earlier one)
-        run = subprocess.run([sys.executable, os.path.join(HERE, "sm90.py"), "--child", *args],
+        run = subprocess.run([sys.executable, "-m", "scripts.sm90", "--child", *args],
                              env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if run.returncode:
         raise RuntimeError(f"compiling for sm_90 failed:\n{run.stderr[-4000:]}")
