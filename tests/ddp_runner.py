@@ -38,20 +38,22 @@ def main():
     p.add_argument("--setups", default='[["run", "legacy_ddp", "", 1]]',
                    help="JSON list of [name, --ddp-backend, more fairseq-train flags "
                         "(space-separated; {arch} = the arch's name), --update-freq of each of "
-                        "the --world processes]: each trains every arch, in this one process")
+                        "the --world processes(, archs: a subset of --archs)]: each trains "
+                        "every arch (or its own), in this one process")
     a = p.parse_args()
     setups = json.loads(a.setups)
-    if any(backend in ("pytorch_ddp", "c10d") for _, backend, _, _ in setups):
+    if any(setup[1] in ("pytorch_ddp", "c10d") for setup in setups):
         _pytorch_ddp_on_cpu()
     torch.set_num_threads(1)
+    _fail_fast()
     rank = int(os.environ.get("RANK", 0))
-    results = {name: {} for name, _, _, _ in setups}
+    results = {setup[0]: {} for setup in setups}
     steps = _record_value_tables() if a.sparse_values else None
     run = os.path.splitext(os.path.basename(a.out))[0]
     optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr", "0.01"]
                  if a.sparse_values else ["--optimizer", "adam"])
-    for name, backend, more, update_freq in setups:
-        for arch in a.archs.split(","):
+    for name, backend, more, update_freq, *archs in setups:
+        for arch in (archs[0] if archs else a.archs.split(",")):
             data = a.lm_data if is_lm(arch) else a.mt_data
             save = os.path.join(os.path.dirname(a.out), f"{run}-{name}-{arch}")  # one per run
             flags = tiny_flags(arch, data) + optimizer + [
@@ -96,6 +98,16 @@ def _train(flags, save, rank, steps):
                 "train_inner": inner, "ddp_ignored": list(DDP_IGNORED)}
     except BaseException as e:  # record and go on with the other runs
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
+
+
+def _fail_fast():
+    """A run that fails on one rank only leaves the others waiting in a collective: end that wait
+    after 5 minutes (gloo's default 30 would outlast the test's own timeout) with an error."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timedelta(minutes=5)
 
 
 def _pytorch_ddp_on_cpu():

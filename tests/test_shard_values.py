@@ -19,32 +19,51 @@ from zoo_testlib import USER_DIR, build, eval_flags, run_cli
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 
-UPDATES = 3
+#: updates of every run; each saves at updates 2 and 4 (--save-interval-updates) and trains on
+#: after each save: the saves are collectives that gather whole tables to rank 0, and the ranks
+#: must keep their own columns (model and optimizer state) through them
+UPDATES = 5
+SAVE = "--save-interval-updates 2"
+MID = "checkpoint_1_2.pt"  # the checkpoint of update 2 (mid-epoch, mid-run)
 ARCHS = ["transformer_lm_pkm", "transformer_lm_memplus", "transformer_pkm"]
 SPARSE = "--optimizer pkm_adam --pkm-sparse true --pkm-values-lr 0.01"
-#: a resumed run: the one-process "dense" run's checkpoint (3 updates), 3 more updates; rank 0
-#: reads the file and broadcasts it (the compat row fairseq_resume_broadcast)
-RESUME = ("--clip-norm 0.05 --restore-file {root}/single2-dense-{arch}/checkpoint_last.pt "
-          f"--reset-dataloader --max-update {2 * UPDATES}")
-#: (setup, --ddp-backend, flags of both modes, flags of the multi-process run only, processes).
-#: Every setup: Adam's eps at 1e-4, because a parameter whose gradient is zero but for rounding
-#: (the key biases of attention, a bias in front of a batch norm) moves by ±lr under Adam's
-#: g/(√v + 1e-8) whatever that rounding is: 1e-4 keeps those steps at rounding size and leaves
-#: the others (gradients ~1e-2) Adam's. Dense values with plain Adam, clipped (the norm of a split
-#: table must be the one-process norm); sparse values with pkm_adam and its own value clip;
-#: PyTorch DDP; a one-process checkpoint resumed on 2 processes; 4 processes, one column slice
-#: each; 4 processes in 2 groups of 2 (two copies of every column slice).
-SETUPS = [("dense", "legacy_ddp", "--clip-norm 0.05", "", 2),
-          ("sparse", "legacy_ddp", SPARSE + " --pkm-values-clip-norm 0.01", "", 2),
-          ("dense-pytorch_ddp", "pytorch_ddp", "", "", 2),
-          ("resume", "legacy_ddp", RESUME, "", 2),
-          ("dense-4", "legacy_ddp", "", "", 4),
-          ("sparse-4-group2", "legacy_ddp", SPARSE, "--pkm-shard-group-size 2", 4)]
+#: resumes from a mid-run checkpoint at another world size (--update-freq keeps the batches of an
+#: update): the one-process "dense" run's (1 process x 2 batches) on 2 processes; the 2-process
+#: "uf2" run's (2 processes x 2 batches) on 4 processes, and on one (its single-mode twin).
+#: Rank 0 reads the file and broadcasts it (the compat row fairseq_resume_broadcast); the data
+#: continue where the run saved (the compat row fairseq_resume_other_world_size)
+RESUMES = {"resume": ("single2-dense", "--clip-norm 0.05"), "resume-4": ("ddp2-uf2", "")}
+#: (setup, --ddp-backend, flags of both modes, flags of the multi-process run only, processes,
+#: --update-freq of each process). Every setup: Adam's eps at 1e-4, because a parameter whose
+#: gradient is zero but for rounding (the key biases of attention, a bias in front of a batch
+#: norm) moves by ±lr under Adam's g/(√v + 1e-8) whatever that rounding is: 1e-4 keeps those
+#: steps at rounding size and leaves the others (gradients ~1e-2) Adam's. Dense values with plain
+#: Adam, clipped (the norm of a split table must be the one-process norm); sparse values with
+#: pkm_adam and its own value clip; PyTorch DDP; the resumes above; 2 processes accumulating 2
+#: batches each; 4 processes, one column slice each; 4 processes in 2 groups of 2 (two copies of
+#: every column slice).
+SETUPS = [("dense", "legacy_ddp", "--clip-norm 0.05", "", 2, 1),
+          ("sparse", "legacy_ddp", SPARSE + " --pkm-values-clip-norm 0.01", "", 2, 1),
+          ("dense-pytorch_ddp", "pytorch_ddp", "", "", 2, 1),
+          ("resume", "legacy_ddp", "", "", 2, 1),
+          ("uf2", "legacy_ddp", "", "", 2, 2),
+          ("dense-4", "legacy_ddp", "", "", 4, 1),
+          ("sparse-4-group2", "legacy_ddp", SPARSE, "--pkm-shard-group-size 2", 4, 1),
+          ("resume-4", "legacy_ddp", "", "", 4, 1)]
 #: multi-process runs that must stop at build time, in one line: (setup, flags, message)
 MISTAKES = [("odd-width", "--pkm-value-dim 33",
              "the PKM value dim 33 is not divisible by the shard group size 2"),
             ("bad-group", "--pkm-shard-group-size 3",
              "--pkm-shard-group-size 3 does not divide the number of processes (2)")]
+
+
+def _flags(name, both, root):
+    """The flags of both modes of a setup: its own, a resume's --restore-file, the saves."""
+    flags = f"--adam-eps 1e-4 {SAVE} {both}"
+    if name in RESUMES:
+        source, more = RESUMES[name]
+        flags += f" {more} --restore-file {root}/{source}-{{arch}}/{MID}"
+    return flags
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +73,9 @@ def shard_runs(tmp_path_factory, mt_data, lm_data):
     runs = {"root": root}
     for world in sorted({s[4] for s in SETUPS}):
         for mode in ("single", "ddp"):
-            setups = [[name, backend, "--adam-eps 1e-4 " + both.replace("{root}", str(root))
-                       + (" --pkm-shard-values " + more if mode == "ddp" else ""), 1]
-                      for name, backend, both, more, w in SETUPS if w == world]
+            setups = [[name, backend, _flags(name, both, root)
+                       + (" --pkm-shard-values " + more if mode == "ddp" else ""), uf]
+                      for name, backend, both, more, w, uf in SETUPS if w == world]
             if mode == "ddp" and world == 2:
                 setups += [[name, "legacy_ddp", "--pkm-shard-values " + flags, 1]
                            for name, flags, _ in MISTAKES]
@@ -77,16 +96,26 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str):
     assert excess <= 1e-6, f"{what} differs by {excess:.2e} beyond 1e-5 relative"
 
 
+def _logged(run):
+    """Each update's loss, batch and gradient norm as fairseq logs them (3 decimals)."""
+    return [(r["num_updates"], r["loss"], r["bsz"], r["wpb"], r["gnorm"])
+            for r in run["train_inner"]]
+
+
 @pytest.mark.parametrize("setup", [s[0] for s in SETUPS])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_shard_values_match_one_process(arch, setup, shard_runs):
+def test_shard_values_after_save_match_one_process(arch, setup, shard_runs):
+    """Every update, through and after the saves at updates 2 and 4, equals one process; so do
+    the parameters and the tables' optimizer state after the last."""
     single, ddp = shard_runs[("single", setup)][arch], shard_runs[("ddp", setup)][arch]
     assert "error" not in single, single.get("error")
     assert "error" not in ddp, ddp.get("error")
-    # every update: same loss, batch and gradient norm (fairseq logs 3 decimals)
-    logged = [[(r["loss"], r["bsz"], r["wpb"], r["gnorm"]) for r in run["train_inner"]]
-              for run in (single, ddp)]
-    assert len(logged[0]) == UPDATES and logged[0] == logged[1], logged
+    logged = [_logged(run) for run in (single, ddp)]
+    first = 3 if setup in RESUMES else 1
+    assert [int(u) for u, *_ in logged[0]] == list(range(first, UPDATES + 1)), logged[0]
+    assert logged[0] == logged[1], logged
+    saved = os.path.join(os.path.dirname(ddp["params"]), MID)
+    assert setup in RESUMES or os.path.exists(saved), "no save before the last update"
     a = torch.load(single["params"], weights_only=False)
     b = torch.load(ddp["params"], weights_only=False)
     assert a.keys() == b.keys()
@@ -108,6 +137,20 @@ def test_shard_values_match_one_process(arch, setup, shard_runs):
                 _assert_close(value, sb["state"][i][name], f"{arch} {setup}: optimizer {name}")
                 full += 1
     assert full >= 2  # Adam's two moments of the table
+
+
+@pytest.mark.parametrize("setup", list(RESUMES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shard_values_after_save_resume_at_another_world_size(arch, setup, shard_runs):
+    """The checkpoint of update 2 of a run that went on training, resumed on another number of
+    processes (and, for the 2-process run's, on one): updates 3 to 5 are the original run's."""
+    source, _ = RESUMES[setup]
+    mode, name = ("single" if source.startswith("single") else "ddp"), source.split("-", 1)[1]
+    original = _logged(shard_runs[(mode, name)][arch])[2:]
+    for resumed_mode in ("single", "ddp"):
+        resumed = shard_runs[(resumed_mode, setup)][arch]
+        assert "error" not in resumed, resumed.get("error")
+        assert _logged(resumed) == original, (resumed_mode, _logged(resumed), original)
 
 
 def test_shard_values_tables_are_split_and_out_of_ddp(shard_runs):

@@ -147,10 +147,13 @@ def gathering_state(state_dict):
             if not hasattr(p, SHARD_TAG) or i not in out.get("state", {}):
                 continue
             layout = getattr(p, SHARD_TAG)
-            for name, value in list(out["state"][i].items()):
+            # torch's state_dict hands out the optimizer's own per-parameter dicts: the gathered
+            # tables go into a copy, the running optimizer keeps its columns
+            entry = out["state"][i] = dict(out["state"][i])
+            for name, value in list(entry.items()):
                 if torch.is_tensor(value) and value.shape == p.shape and layout.saves:
                     full = gather_columns(value, layout)  # one tensor at a time
-                    out["state"][i][name] = full.cpu() if full is not None else value
+                    entry[name] = full.cpu() if full is not None else value
         return out
 
     return state_dict_with_full_tables
