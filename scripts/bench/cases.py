@@ -589,3 +589,17 @@ for _task, _data in (("translation", "mt"), ("language_modeling", "lm"),
                 updates={"paper": 100, "tiny": 2},
                 note="every zoo arch of the task at the demo size, in --precision: valid loss, "
                      "loss-scale overflows"))
+
+
+#: --ddp-backend fully_sharded (fairscale's FSDP: CUDA only) against pytorch_ddp on one GPU for
+#: the memory archs whose tables FSDP may hold (a shared pool is refused), plain Adam (pkm_adam
+#: takes no flat parameters), fp32 (fairseq's FSDP refuses --bf16): equal losses (docs/pkm.md,
+#: "Which --ddp-backend"); fairscale wants a process group even on one GPU: both sides make one
+_GROUP = ("--distributed-init-method tcp://127.0.0.1:29517 --distributed-no-spawn "
+          "--distributed-rank 0")
+for _data, _common, _arch in (("lm", LM, "transformer_lm_pkm"), ("mt", MT, "transformer_pkm")):
+    add(Quality("pkm", f"fsdp-{_data}", _data, _common, {f"{_arch}, {ddp}": {
+        s: f"{f} {_GROUP} --ddp-backend {ddp}" + (" --distributed-backend gloo" * (s == "tiny"))
+        for s, f in _zoo(_arch, "pkm", {}).items()} for ddp in ("pytorch_ddp", "fully_sharded")},
+        updates={"paper": 20, "tiny": 2}, cuda_only="fully_sharded",
+        note=f"{_arch}: --ddp-backend fully_sharded vs pytorch_ddp, one GPU, fp32, 20 updates"))

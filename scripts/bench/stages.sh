@@ -33,7 +33,7 @@ fi
 # 10-40 ms a sample plus the Triton compiles: minutes, not a visit's 8), in four processes, each
 # with its own rooflines: a kernel that faults on its first device takes only its own call's rows)
 ORDER=(memory gpu-bound-bf16 gpu-bound-fp16 baseline mt-bf16-synth mt-bf16-rest host-bound
-       mt-fp16-synth mt-fp16-rest lm span kernels decode attention sweep memory-lm precision)
+       mt-fp16-synth mt-fp16-rest lm span kernels decode attention sweep memory-lm precision fsdp)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
 # calls of it skip that extra run. mt-bf16-rest profiles 10 warm updates of every run (AOP's
 # sublayer missed its kernel target: where its time goes end to end). host-bound: the same model
@@ -59,7 +59,8 @@ declare -A STAGES=(
     [attention]="device synthesizer/table-kernel adaptive_span/sublayer-vs-example"
     [sweep]="device pkm/launch-sweep"
     [memory-lm]="pkm/memory-lm"
-    [precision]="precision/*")
+    [precision]="precision/*"
+    [fsdp]="pkm/fsdp-* --precision fp32")  # (fairscale: install_offline.sh --download carries it)
 calls() { IFS=';' read -ra CALLS <<< "${STAGES[$1]}"; }  # a stage's harness calls, in CALLS
 case "${1:-}" in
 plan)  # each stage, its calls and the fairseq processes each starts
