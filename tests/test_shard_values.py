@@ -467,6 +467,6 @@ def test_shard_values_memory_and_bytes_per_rank(tmp_path):
             0 if dtype == "fp32" else 65536 * 256 * 4)  # (fp32: the parameter is the master)
         assert rep["bytes_sent"] > 10 * split["bytes_sent"] > 0, m
     # bf16 sends the table's gradient in 2 bytes an entry, the split read's weights and
-    # activations too (the slot indices stay int64)
+    # activations too (the slot indices stay int32)
     assert m["bf16"]["replicated"]["bytes_sent"] * 2 < m["fp32"]["replicated"]["bytes_sent"] * 1.01
     assert m["bf16"]["sharded"]["bytes_sent"] < m["fp32"]["sharded"]["bytes_sent"]
