@@ -348,11 +348,7 @@ def test_shard_values_checkpoint_scored_by_one_process_warns_nothing(lm_data, tm
         "--max-update", "1", "--save-dir", save, "--no-epoch-checkpoints", "--seed", "1",
         "--disable-validation"])
     assert sum("--pkm-shard-values with one process" in line for line in trained) == 1, trained
-    scored = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path",
-                                 os.path.join(save, "checkpoint_last.pt"), "--cpu",
-                                 "--max-tokens", "4096", "--gen-subset", "valid"]
-                     + eval_flags(arch))
-    assert any("Loss (base 2)" in line for line in scored), scored[-5:]
+    scored = _scored(os.path.join(save, "checkpoint_last.pt"), arch, lm_data)[0]
     assert not [line for line in scored if "--pkm-shard-values" in line], scored
 
 
@@ -411,14 +407,7 @@ def test_shard_values_checkpoint_of_4_processes_in_one(shard_runs, lm_data, mt_d
         # a checkpoint of 4 processes in groups of 2 (its stored config names the group size)
         paths.append(os.path.join(os.path.dirname(
             shard_runs[("ddp", "sparse-4-group2")][arch]["params"]), "checkpoint_last.pt"))
-        losses = []
-        for path in paths:
-            lines = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path", path, "--cpu",
-                                        "--max-tokens", "4096", "--gen-subset", "valid"]
-                            + eval_flags(arch))
-            said = [line for line in lines if "Loss (base 2)" in line]
-            assert said, lines[-5:]
-            losses.append(float(said[-1].split("Loss (base 2): ")[1].split(",")[0]))
+        losses = [_scored(path, arch, lm_data)[1] for path in paths]
         assert abs(losses[0] - losses[1]) <= (1e-3 if arch == "transformer_lm_memplus" else
                                               0.1), losses
         assert 0 < losses[2] < 10, losses
@@ -430,17 +419,19 @@ def test_shard_values_bf16_checkpoint_scored_in_one_process(shard_runs, lm_data)
     (Memory+, no batch norm), and a loss at all where the query batch norm's statistics are
     rank 0's."""
     for arch, tol in ((MEMPLUS, 0.02), (PKM, 0.1)):
-        losses = []
-        for mode in ("single", "ddp"):
-            path = os.path.join(os.path.dirname(shard_runs[(mode, "bf16")][arch]["params"]),
-                                "checkpoint_last.pt")
-            lines = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path", path, "--cpu",
-                                        "--max-tokens", "4096", "--gen-subset", "valid"]
-                            + eval_flags(arch))
-            said = [line for line in lines if "Loss (base 2)" in line]
-            assert said, lines[-5:]
-            losses.append(float(said[-1].split("Loss (base 2): ")[1].split(",")[0]))
+        losses = [_scored(os.path.join(os.path.dirname(shard_runs[(mode, "bf16")][arch]["params"]),
+                                       "checkpoint_last.pt"), arch, lm_data)[1]
+                  for mode in ("single", "ddp")]
         assert abs(losses[0] - losses[1]) <= tol, (arch, losses)
+
+
+def _scored(path, arch, lm_data):
+    """One-process fairseq-eval-lm of a checkpoint: (its log lines, the loss in bits)."""
+    lines = run_cli("eval_lm", [lm_data, "--user-dir", USER_DIR, "--path", path, "--cpu",
+                                "--max-tokens", "4096", "--gen-subset", "valid"] + eval_flags(arch))
+    said = [line for line in lines if "Loss (base 2)" in line]
+    assert said, lines[-5:]
+    return lines, float(said[-1].split("Loss (base 2): ")[1].split(",")[0])
 
 
 def test_shard_values_memory_and_bytes_per_rank(tmp_path):

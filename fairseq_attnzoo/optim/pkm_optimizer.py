@@ -42,14 +42,14 @@ Multi-process training with sparse values: the DDP wrappers leave the sparse val
 model lists in ``_ddp_params_and_buffers_to_ignore``), and :meth:`PKMAdam.all_reduce_grads` --
 which fairseq's trainer calls after the last backward pass of an update (all ``--update-freq``
 micro-batches accumulated) and before ``multiply_grads`` -- exchanges their rows instead
-(:func:`all_reduce_sparse_rows`): every rank ends with the same coalesced gradient over the union
-of the rows read on any rank, divided by the world size exactly as the DDP wrappers divide dense
-gradients (the trainer then multiplies everything by world size / sample size), and runs the same
-lazy Adam step on the same rows, so the tables stay identical and the update is the one a single
-process with ``--update-freq W`` makes. ``--pkm-exchange``: all-gather the (row, gradient) lists
-(cheap when few rows are read), or all-reduce a dense [|K|, d + 1] buffer (rows + a "read" count;
-what a dense all-reduce costs), or ``auto``: the cheaper of the two, per update. The bytes each
-rank receives are logged as ``pkm_xchg_mb``.
+(:func:`~fairseq_attnzoo.modules.pkm_shard.all_reduce_sparse_rows`): every rank ends with the same
+coalesced gradient over the union of the rows read on any rank, divided by the world size exactly
+as the DDP wrappers divide dense gradients (the trainer then multiplies everything by world size /
+sample size), and runs the same lazy Adam step on the same rows, so the tables stay identical and
+the update is the one a single process with ``--update-freq W`` makes. ``--pkm-exchange``:
+all-gather the (row, gradient) lists (cheap when few rows are read), or all-reduce a dense
+[|K|, d + 1] buffer (rows + a "read" count; what a dense all-reduce costs), or ``auto``: the
+cheaper of the two, per update. The bytes each rank receives are logged as ``pkm_xchg_mb``.
 
 Gradient scaling, clipping and the gradient norm fairseq logs are done here too, because fairseq's
 versions do not handle sparse gradients: ``multiply_grads`` (the division by the number of tokens)
