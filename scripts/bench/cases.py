@@ -550,8 +550,9 @@ add(Quality("pkm", "memory-lm", "lm", MEMORY_LM, {
     # what separates Memory+ from PKM: the value-lr ratio (MEMPLUS: 0.5x --lr, the reference's
     # 10x) and the memory count (3 of 6 layers, Memory+'s "spread"; the reference 3 of 24)
     **{f"transformer_lm_memplus_llama, memory-code recipe, {what}": {
-        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} {MEMPLUS} {flags[s]}"
-        for s in _MEM} for what, flags in _MEMPLUS_SPLITS.items()},
+        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} " + (  # (ratio or 1e-3)
+            MEMPLUS.replace("--pkm-values-lr 1e-3", flags[s]) if _RATIO in flags[s] else
+            f"{MEMPLUS} {flags[s]}") for s in _MEM} for what, flags in _MEMPLUS_SPLITS.items()},
     "transformer_lm_pkm, Llama host, XLM recipe, three memory layers (as Memory+)": {
         s: _PKM_LLAMA[s].replace(_PKM_LLAMA_FFN[s], _PKM3_LLAMA_FFN[s]) for s in _MEM}},
     updates={"paper": 1000, "tiny": 4},
