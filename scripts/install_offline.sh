@@ -18,7 +18,7 @@ if [ "${1:-}" = --download ]; then
       local-attention hyper-connections torch-einops-utils frozendict
   # (the sdists' metadata is built here: PYBIN needs setuptools and wheel, e.g. the .venv's python)
   "${DL[@]}" --no-binary :all: --no-build-isolation antlr4-python3-runtime==4.9.3 \
-      fairseq-fixed==0.12.3.1
+      fairseq-fixed==0.12.3.1 fairscale==0.4.13  # (fairscale: --ddp-backend fully_sharded)
   exit 0
 fi
 WHL=${1:-.whl}
@@ -32,8 +32,8 @@ PIP=(python3 -m pip install -q --no-index --no-deps --no-cache-dir --disable-pip
      --target "$TARGET")
 "${PIP[@]}" --no-compile "$WHL"/*.whl
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
-for sdist in "$WHL"/antlr4-python3-runtime-*.tar.gz; do
-  "${PIP[@]}" --no-build-isolation "$sdist"
+for sdist in "$WHL"/antlr4-python3-runtime-*.tar.gz "$WHL"/fairscale-*.tar.gz; do
+  [ ! -e "$sdist" ] || "${PIP[@]}" --no-build-isolation "$sdist"  # (fairscale: if carried)
 done
 # fairseq's extensions compile against the torch already there (ninja, all cores); the CUDA
 # extensions (NAT edit distance, n-gram blocking) are not needed by this plugin: CUDA_HOME unset.

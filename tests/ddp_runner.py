@@ -38,20 +38,33 @@ def main():
     p.add_argument("--setups", default='[["run", "legacy_ddp", "", 1]]',
                    help="JSON list of [name, --ddp-backend, more fairseq-train flags "
                         "(space-separated; {arch} = the arch's name), --update-freq of each of "
-                        "the --world processes]: each trains every arch, in this one process")
+                        "the --world processes(, archs: a subset of --archs or null, {'inf': "
+                        "[RANK, UPDATE]}: an inf in the value tables' gradient of that rank "
+                        "-- every table of one process -- at that update's gradient "
+                        "all-reduce)]: each trains every arch (or its own), in this one process")
     a = p.parse_args()
     setups = json.loads(a.setups)
-    if any(backend in ("pytorch_ddp", "c10d") for _, backend, _, _ in setups):
+    if any(setup[1] in ("pytorch_ddp", "c10d") for setup in setups):
         _pytorch_ddp_on_cpu()
     torch.set_num_threads(1)
+    _fail_fast()
     rank = int(os.environ.get("RANK", 0))
-    results = {name: {} for name, _, _, _ in setups}
+    results = {setup[0]: {} for setup in setups}
     steps = _record_value_tables() if a.sparse_values else None
     run = os.path.splitext(os.path.basename(a.out))[0]
     optimizer = (["--optimizer", "pkm_adam", "--pkm-sparse", "true", "--pkm-values-lr", "0.01"]
                  if a.sparse_values else ["--optimizer", "adam"])
-    for name, backend, more, update_freq in setups:
-        for arch in a.archs.split(","):
+    if any("--amp" in setup[2].split() for setup in setups):
+        _amp_scaler_on_cpu()
+    if not torch.cuda.is_available():
+        # fairseq's loss-scale overflow branch sets the norm to torch.tensor(0.0).cuda(): on a
+        # machine without CUDA the tensor stays where it is
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    inf = _inject_inf()
+    for name, backend, more, update_freq, *rest in setups:
+        archs, opts = (rest + [None, None])[:2]
+        for arch in (archs or a.archs.split(",")):
+            inf.update(at=(opts or {}).get("inf"), calls=0)
             data = a.lm_data if is_lm(arch) else a.mt_data
             save = os.path.join(os.path.dirname(a.out), f"{run}-{name}-{arch}")  # one per run
             flags = tiny_flags(arch, data) + optimizer + [
@@ -96,6 +109,62 @@ def _train(flags, save, rank, steps):
                 "train_inner": inner, "ddp_ignored": list(DDP_IGNORED)}
     except BaseException as e:  # record and go on with the other runs
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
+
+
+def _fail_fast():
+    """A run that fails on one rank only leaves the others waiting in a collective: end that wait
+    after 5 minutes (gloo's default 30 would outlast the test's own timeout) with an error."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timedelta(minutes=5)
+
+
+def _amp_scaler_on_cpu():
+    """fairseq's --amp builds ``torch.cuda.amp.GradScaler``, which on a machine without CUDA
+    disables itself (loss scale 1, no inf check); give it torch's CPU GradScaler, so that the
+    loss is scaled, the gradients unscaled and checked for inf/NaN and a step skipped as on a
+    GPU (autocast stays CUDA's: the arithmetic is float32)."""
+    from fairseq.optim import amp_optimizer
+
+    class Torch:  # the module as amp_optimizer sees it, but for the scaler
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        class cuda:  # noqa: N801
+            class amp:  # noqa: N801
+                @staticmethod
+                def GradScaler(**kwargs):  # noqa: N802
+                    return torch.amp.GradScaler("cpu", **kwargs)
+
+    amp_optimizer.torch = Torch()
+
+
+def _inject_inf():
+    """Wrap the split tables' gradient hook (called once an update after the all-reduce, in both
+    modes): at the update ``state["at"] = [RANK, UPDATE]`` names, put an inf into the first
+    entry of every value table's gradient on that rank (one process: every table, which holds
+    every rank's columns). Returns the state to set per setup."""
+    from fairseq_attnzoo.models import pkm_shard
+    from fairseq_attnzoo.modules.pkm import VALUES_GROUP
+
+    state = {"at": None, "calls": 0}
+    finish = pkm_shard.finish_gradients
+
+    def finishing_with_inf(params):
+        params = list(params)
+        finish(params)
+        state["calls"] += 1
+        rank, update = state["at"] or (None, None)
+        one = os.environ.get("WORLD_SIZE") is None
+        if update == state["calls"] and (one or int(os.environ["RANK"]) == rank):
+            for p in params:
+                if getattr(p, "param_group", None) == VALUES_GROUP and p.grad is not None:
+                    (p.grad._values() if p.grad.is_sparse else p.grad).view(-1)[0] = float("inf")
+
+    pkm_shard.finish_gradients = finishing_with_inf
+    return state
 
 
 def _pytorch_ddp_on_cpu():

@@ -1,16 +1,20 @@
-"""What each rank holds and sends per update: a product-key memory whose value table dominates
-(262,144 slots × d 256 by default), replicated under PyTorch DDP with dense values against split
-by columns (--pkm-shard-values' module, :mod:`fairseq_attnzoo.modules.pkm_shard`).
+"""What each rank holds and sends per update, in float32 and in bfloat16: a product-key memory
+whose value table dominates (262,144 slots × d 256 by default), replicated under PyTorch DDP with
+dense values against split by columns (--pkm-shard-values' module,
+:mod:`fairseq_attnzoo.modules.pkm_shard`).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/shard_measure.py --out M.json
 
-Bytes are what this rank sends to the other ranks, counted where they leave: DDP's buckets through
-a communication hook (an all-reduce counted as a ring all-reduce, 2(W-1)/W of the bucket), the split
-read's collectives through a dispatch mode over torch's functional collectives (all-gather: the
-input to each of the G-1 others; all-to-all: the rows for other ranks; reduce-scatter: (G-1)/G of
-the input). Memory: the value table's elements on this rank and its Adam state. Seconds: one
-update (forward, backward, gradient exchange, Adam step), median of ``--repeats`` after one
-warm-up; on the CPU under gloo only their ratio means anything. Rank 0 writes the JSON.
+bfloat16 as fairseq's --bf16 trains: the memory in bfloat16, fp32 master copies of its parameters
+(fairseq's FP16Optimizer), Adam over the masters. Bytes are what this rank sends to the other
+ranks, counted where they leave: DDP's buckets through a communication hook (an all-reduce
+counted as a ring all-reduce, 2(W-1)/W of the bucket), the split read's collectives through a
+dispatch mode over torch's functional collectives (all-gather: the input to each of the G-1
+others; all-to-all: the rows for other ranks; reduce-scatter: (G-1)/G of the input). Memory, of
+the value table on this rank: its parameter, its fp32 master copy (bf16 only: in fp32 the
+parameter is the master) and Adam's state, in bytes. Seconds: one update (forward, backward,
+gradient exchange, Adam step), median of ``--repeats`` after one warm-up; on the CPU under gloo
+only their ratio means anything. Rank 0 writes the JSON: {dtype: {replicated, sharded}}.
 """
 
 import argparse
@@ -69,9 +73,9 @@ def build(a):
                             query_batchnorm=False)
 
 
-def measure(a, sharded: bool) -> dict:
+def measure(a, sharded: bool, dtype: torch.dtype) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    memory = build(a)
+    memory = build(a).to(dtype)
     if sharded:
         memory.values = ShardedValueTable(memory.values,
                                           ShardLayout(dist.group.WORLD, world, rank, world))
@@ -80,9 +84,13 @@ def measure(a, sharded: bool) -> dict:
     model = DistributedDataParallel(memory)
     ddp_bytes = {"sent": 0}
     model.register_comm_hook(None, counting_hook(ddp_bytes, world))
-    optimizer = torch.optim.Adam(memory.parameters(), lr=1e-3)
+    params = list(memory.parameters())
+    # fp32 masters of a bf16 model, as fairseq's FP16Optimizer keeps them (fp32: the parameters)
+    masters = params if dtype == torch.float32 else [
+        torch.nn.Parameter(p.detach().float()) for p in params]
+    optimizer = torch.optim.Adam(masters, lr=1e-3)
     torch.manual_seed(1 + rank)  # this rank's tokens
-    x = torch.randn(a.tokens, 1, a.dim)
+    x = torch.randn(a.tokens, 1, a.dim).to(dtype)
     seconds, sent = [], []
     for step in range(a.repeats + 1):
         ddp_bytes["sent"] = 0
@@ -92,16 +100,28 @@ def measure(a, sharded: bool) -> dict:
         with counter:
             loss = model(x).float().pow(2).mean()
             loss.backward()
-        finish_gradients(memory.parameters())
+        finish_gradients(params)
+        if masters is not params:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float()
         optimizer.step()
+        if masters is not params:
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
         optimizer.zero_grad(set_to_none=True)
+        memory.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
         sent.append(ddp_bytes["sent"] + counter.sent)
     table = memory.values.weight
-    state = optimizer.state[table]
-    return {"value_params": table.numel(),
-            "value_optimizer_state": sum(v.numel() for v in state.values()
+    master = next(m for p, m in zip(params, masters) if p is table)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return {"value_params": table.numel(), "value_param_bytes": nbytes(table),
+            "value_master_bytes": 0 if master is table else nbytes(master),
+            "value_optimizer_state": sum(v.numel() for v in optimizer.state[master].values()
                                          if torch.is_tensor(v) and v.dim() == 2),
+            "value_optimizer_state_bytes": sum(nbytes(v) for v in optimizer.state[master].values()
+                                               if torch.is_tensor(v) and v.dim() == 2),
             "bytes_sent": sent[-1], "seconds": statistics.median(seconds[1:])}
 
 
@@ -118,8 +138,9 @@ def main():
     dist.init_process_group("gloo")
     result = {"world": dist.get_world_size(), "slots": a.n_keys ** 2, "dim": a.dim,
               "tokens_per_rank": a.tokens, "torch": torch.__version__}
-    for name, sharded in (("replicated", False), ("sharded", True)):
-        result[name] = measure(a, sharded)
+    for kind, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        result[kind] = {name: measure(a, sharded, dtype)
+                        for name, sharded in (("replicated", False), ("sharded", True))}
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

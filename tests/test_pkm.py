@@ -1128,10 +1128,11 @@ def test_one_warning_when_memplus_llama_values_depart_from_the_reference_lr_rati
 
 
 def test_value_lr_ratio_scales_with_the_model_lr():
-    """--pkm-values-lr-ratio R: the values peak at R × --lr (whatever --pkm-values-lr says),
-    follow the schedule, and survive a state dict round trip; a negative ratio is one line."""
+    """--pkm-values-lr-ratio R: the values peak at R × --lr, follow the schedule, and survive a
+    state dict round trip; a negative ratio is one line (so is a ratio with --pkm-values-lr:
+    tests/test_pkm_adam_rates.py)."""
     m = _memory()
-    cfg = dict(lr=[3e-4], pkm_values_lr=1e-3, pkm_values_lr_ratio=10.0)
+    cfg = dict(lr=[3e-4], pkm_values_lr_ratio=10.0)
     opt = PKMAdam(PKMAdamConfig(**cfg), list(m.parameters()))
     assert [g["lr"] for g in opt.param_groups] == [3e-4, pytest.approx(3e-3)]
     opt.set_lr(1e-4)  # e.g. warmup

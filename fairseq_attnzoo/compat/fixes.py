@@ -199,3 +199,10 @@ fix("fairseq_resume_broadcast", trainer.BROADCAST,
     "others unpickle it with torch>=2.6's weights-only loader; they load this job's own object "
     "in full (before, only --load-checkpoint-on-all-dp-ranks resumed)",
     trainer.trusting_broadcast, "9fc3ef1939a94874", version="fairseq 0.12.3, torch >= 2.6")
+fix("fairseq_resume_other_world_size",
+    {f"{trainer.ITERATOR}.state_dict": trainer.recording_shards,
+     f"{trainer.ITERATOR}.load_state_dict": trainer.rescaling_position},
+    "a mid-epoch checkpoint resumed on another number of processes skipped the wrong number of "
+    "batches (fairseq's position counts one rank's batches: resumed on W' processes from W it "
+    "skipped W'/W times the batches read); the position is kept in batches of all processes",
+    None, "9ca3004ba26d6279", "a0f27922a05bd774", version="fairseq 0.12.3")

@@ -100,3 +100,44 @@ def trusting_broadcast(broadcast_object_slow):
                           weights_only=False)
 
     return _broadcast_object_slow
+
+
+# ---- a mid-epoch resume on another number of processes ------------------------------------------
+
+ITERATOR = "fairseq.data.iterators:EpochBatchIterator"
+
+
+def recording_shards(state_dict):
+    """``EpochBatchIterator.state_dict`` that also records the number of processes (shards) the
+    position ``iterations_in_epoch`` counts batches of (fairseq's loader ignores the key)."""
+
+    def state_dict_with_shards(self):
+        out = state_dict(self)
+        out["num_shards"] = self.num_shards
+        return out
+
+    return state_dict_with_shards
+
+
+def rescaling_position(load_state_dict):
+    """``EpochBatchIterator.load_state_dict`` that continues the epoch where a run on another
+    number of processes saved it: fairseq's position counts the batches ONE rank consumed, so a
+    run resumed on W' processes from W skipped W'/W times the batches the saved run had read
+    (replaying or skipping data). The position becomes the same number of batches in all."""
+    import logging
+
+    def load_state_dict_at_any_world_size(self, state_dict):
+        saved, position = state_dict.get("num_shards"), state_dict.get("iterations_in_epoch", 0)
+        if saved and position and saved != self.num_shards:
+            consumed = position * saved
+            if consumed % self.num_shards:
+                logging.getLogger("fairseq_attnzoo.compat").warning(
+                    f"resumed on {self.num_shards} processes from a run on {saved} that had read "
+                    f"{consumed} batches of epoch {state_dict['epoch']}, not a multiple of "
+                    f"{self.num_shards}: the epoch goes on from batch "
+                    f"{consumed // self.num_shards * self.num_shards} (the last "
+                    f"{consumed % self.num_shards} read are read again)")
+            state_dict = dict(state_dict, iterations_in_epoch=consumed // self.num_shards)
+        return load_state_dict(self, state_dict)
+
+    return load_state_dict_at_any_world_size

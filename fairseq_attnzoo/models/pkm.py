@@ -47,7 +47,7 @@ from ..modules.pkm_search_triton import SEARCH_KERNELS, SearchUnavailable
 from ..modules.pkm_triton import KERNELS, KernelUnavailable
 from ..optim.pkm_optimizer import values_lr
 from .llama import LLAMA, llama_post
-from .pkm_shard import refuse_unsupported, shard_values
+from .pkm_shard import shard_values
 from .registry import Derived, register_arch
 from .sublayers import FlagErrors, register_sublayer, require, to_bool
 
@@ -243,6 +243,11 @@ def sparse_values(args, mode: Optional[str] = None) -> bool:
     mode = str(mode or getattr(args, "pkm_sparse", None) or "auto")
     optimizer = _optimizer_name(args)
     low_precision = [f"--{f.replace('_', '-')}" for f in _FP_FLAGS if getattr(args, f, False)]
+    # --memory-efficient-* step the half parameters themselves (fairseq also sets --fp16/--bf16
+    # for them); --fp16/--bf16 copy gradients into dense fp32 masters, --amp scales them with
+    # fairseq's dense rule
+    in_place = [f for f in low_precision if f.startswith("--memory-efficient")]
+    blocking = [f for f in low_precision if f == "--amp"] if in_place else low_precision
     blocker = _multi_process_blocker(args)
     if mode == "false":
         return False
@@ -256,10 +261,11 @@ def sparse_values(args, mode: Optional[str] = None) -> bool:
             "gradient clipping) cannot take: use --optimizer pkm_adam, or --pkm-sparse false")
     if blocker is not None:
         raise ValueError(f"--pkm-sparse true does not work with {blocker}: use --pkm-sparse false")
-    if low_precision:
+    if blocking:
         raise ValueError(
-            f"--pkm-sparse true does not work with {' '.join(low_precision)} (the mixed-precision "
-            "optimizers copy gradients into dense fp32 buffers): use --pkm-sparse false")
+            f"--pkm-sparse true does not work with {' '.join(blocking)} (fairseq's wrapper copies "
+            "or scales the gradients as dense ones): use --pkm-sparse false, or "
+            "--memory-efficient-bf16 / --memory-efficient-fp16")
     return True
 
 
@@ -366,7 +372,8 @@ class FairseqProductKeyMemory(FlagErrors, ProductKeyMemory):
 def build_pkm(spec):
     """product-key memory: exact top-k over n_keys² product keys, sparse value reads"""
     o = spec.options
-    pool = spec.shared.get(POOL) if o.pkm_shared_values else None  # the first memory's table
+    owner = spec.shared.get(POOL) if o.pkm_shared_values else None  # the first memory
+    pool = owner.values if owner is not None else None  # its table (split, when splitting)
     v_dim = o.pkm_value_dim or spec.embed_dim
     if pool is not None and pool.embedding_dim != v_dim:
         raise ValueError(f"--pkm-shared-values needs one value dim for every memory, got "
@@ -374,8 +381,6 @@ def build_pkm(spec):
     if o.pkm_shared_values and str(getattr(spec.args, "ddp_backend", "")) == "fully_sharded":
         raise ValueError("--pkm-shared-values cannot be used with --ddp-backend fully_sharded "
                          "(FSDP wraps layers separately): use another --ddp-backend")
-    if o.pkm_shard_values:
-        refuse_unsupported(spec.args)
     memory = FairseqProductKeyMemory(
         spec.embed_dim, spec.embed_dim, n_keys=o.pkm_n_keys, heads=o.pkm_heads, knn=o.pkm_knn,
         k_dim=o.pkm_k_dim, v_dim=v_dim, query_batchnorm=o.pkm_query_batchnorm,
@@ -384,15 +389,15 @@ def build_pkm(spec):
         values=pool, swilu=output_form(o), init=o.pkm_init, qk_norm=o.pkm_qk_norm,
         kernel=str(o.pkm_kernel), residual_dropout=o.pkm_residual_dropout,
         search_kernel=str(o.pkm_search_kernel), search_dtype=str(o.pkm_search_dtype))
-    shard_values(spec, o, memory)  # --pkm-shard-values (before a pool is shared)
     if o.pkm_shared_values and pool is None:
-        spec.shared[POOL] = memory.values
+        spec.shared[POOL] = memory  # (the others read its table, once split)
     memory.usage_callback = UsageLogger(f"pkm_{spec.side[:3]}{spec.layer_idx}", memory.size,
                                         POOL if o.pkm_shared_values else None)
-    # one line per model, at its first training step (not when a checkpoint is loaded to
+    # one line each per model, at its first training step (not when a checkpoint is loaded to
     # evaluate: that model never trains)
-    for key, text in optimizer_notices(spec.args):
-        memory.register_forward_pre_hook(spec.shared.setdefault(key, TrainingNotice(text)))
+    memory.register_forward_pre_hook(spec.shared.setdefault(
+        "pkm_training_notices", TrainingNotice(spec.args)))
+    shard_values(spec, o, memory)  # --pkm-shard-values: the table (a pool: its owner's) split
     return memory
 
 
@@ -431,17 +436,19 @@ def optimizer_notices(args) -> List[Tuple[str, str]]:
 
 
 class TrainingNotice:
-    """Forward pre-hook of a model's memories: one warning line at the first forward in
-    training mode."""
+    """Forward pre-hook of a model's memories: at the first forward in training mode, one
+    warning line for each of :func:`optimizer_notices` (the flags ``args`` leave different from
+    the references)."""
 
-    def __init__(self, text: str):
-        self.text, self.done = text, False
+    def __init__(self, args):
+        self.args, self.done = args, False
 
     def __call__(self, module, inputs):
         if self.done or not module.training:
             return
         self.done = True
-        logger.warning(self.text)
+        for _, text in optimizer_notices(self.args):
+            logger.warning(text)
 
 
 # ---- archs: memory in the selected layers -------------------------------------------------------

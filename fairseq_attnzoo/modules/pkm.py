@@ -290,11 +290,13 @@ class _WeightedRowSum(torch.autograd.Function):
         size = table.size(0)
         # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs when it
         # has fewer batches than the others, an OOM skip) reads no rows of a sparse gradient:
-        # the lazy optimizer must not decay their moments, as one process would not
+        # the lazy optimizer must not decay their moments, as one process would not. Per token:
+        # a table split over processes reads the tokens of every rank at once, a dummy batch's
+        # among them (a real token's output gradient is never exactly 0)
         sparse = ctx.sparse and ctx.needs_input_grad[0]
         dead = None
         if sparse:  # reads that count nowhere (sorted after every row, keyed row + |K|)
-            dead = ~grad.any().expand(n)
+            dead = ~grad.any(-1)
             if keep is not None:
                 dead = dead | ~keep
         if ctx.fused:  # the Triton kernels (the same rows, the same one sync)

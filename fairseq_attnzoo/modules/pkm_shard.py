@@ -20,18 +20,32 @@ kernels on CUDA) on the local column slice.
 
 Gradient convention (data parallelism averages over ranks): the local gradient is the sum over
 the tokens of the shard group; :func:`finish_gradients` sums it over the replicas of this column
-slice (when the shard group is smaller than the data-parallel world) and divides by the
-data-parallel world size, as a DDP wrapper does for every other parameter.
+slice (when the shard group is smaller than the data-parallel world; a sparse gradient through
+:func:`all_reduce_sparse_rows`) and divides by the data-parallel world size, as a DDP wrapper does
+for every other parameter. :func:`grad_norm` is the norm of the whole tables (a slice's squares
+summed over its group), the same on every rank: clipping, and a loss scaler's overflow check,
+decide alike everywhere.
+
+Mixed precision: a trainer that steps fp32 master copies of a half model (fairseq's
+``FP16Optimizer``: one copy per parameter, or one flat buffer) learns where the split tables lie
+in them from :func:`describe_masters`; the norm and the optimizer state then treat those parts as
+the slices they copy.
 
 State dicts hold the full table (``weight`` [|K|, d]) so that a checkpoint loads at any world
 size: saving gathers the columns to the group's first rank, one table at a time (every rank of
-the group must call ``state_dict``); loading keeps this rank's columns of a full table.
+the group must call ``state_dict``); loading keeps this rank's columns of a full table. The
+optimizer state of a split table (or of a master holding one) goes the same way:
+:func:`whole_state` gathers it, :func:`local_state` keeps this rank's part.
+
+The sparse-row exchange of the tables that are NOT split (:func:`all_reduce_sparse_rows`: every
+rank holds the whole table and sends the rows its tokens read) lives here too: the replicas of a
+split slice use it.
 
 Plain PyTorch (``torch.distributed``), usable without fairseq.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,8 +55,9 @@ from torch import Tensor
 
 from .pkm import VALUES_GROUP, ValueTable, mark_sparse
 
-#: the attribute that marks a split value table's parameter (its :class:`ShardLayout`)
-SHARD_TAG = "pkm_shard"
+#: the attribute that marks a split value table's parameter (its :class:`ShardLayout`) and, on an
+#: fp32 master copy, the split parts it holds (:func:`describe_masters`)
+_LAYOUT, _PARTS = "_pkm_shard_layout", "_pkm_shard_parts"
 
 # torch >= 2.12 names the gather along a dim ``all_gather_single_autograd``; 2.3-2.11 only
 # ``all_gather_tensor_autograd`` (same op, deprecated since)
@@ -101,7 +116,7 @@ class ShardedValueTable(nn.Module):
         self.layout = layout
         self.weight = nn.Parameter(split_columns(table.weight.detach(), layout))
         self.weight.param_group = VALUES_GROUP
-        setattr(self.weight, SHARD_TAG, layout)
+        setattr(self.weight, _LAYOUT, layout)
         # out of the DDP wrappers' buckets whether sparse or not (``expert``: fairseq's tag;
         # PyTorch DDP: the zoo model's ignore list); sparse: pkm_adam's lazy updates
         self.split = True
@@ -165,51 +180,281 @@ def _pad(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros((rows - t.size(0),) + t.shape[1:])])
 
 
-def sharded_params(params: Iterable[Tensor]) -> List[Tensor]:
-    return [p for p in params if hasattr(p, SHARD_TAG)]
+# ---- where the split tables lie: in the model, and in fp32 master copies of it -------------------
+
+@dataclass(frozen=True)
+class _Part:
+    """A column slice [rows, cols] of a table split by ``layout``, stored as the elements
+    [start, start + rows·cols) of a parameter's flattened data."""
+
+    start: int
+    rows: int
+    cols: int
+    layout: ShardLayout
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows * self.cols
 
 
-def finish_gradients(params: Iterable[Tensor],
-                     sparse_mean: Optional[Callable[[Tensor, object, int], Tensor]] = None):
+def _parts(p) -> List[_Part]:
+    layout = getattr(p, _LAYOUT, None)
+    if layout is not None:  # a split table's own parameter: one part, all of it
+        return [_Part(0, p.size(0), p.size(1), layout)]
+    return getattr(p, _PARTS, [])
+
+
+def is_split(p) -> bool:
+    """Whether ``p`` is a column slice of a split table, or an fp32 master copy holding some."""
+    return bool(_parts(p))
+
+
+def describe_masters(params: List[Tensor], masters) -> None:
+    """Record on ``masters`` -- fp32 copies of the parameters ``params`` that a mixed-precision
+    trainer steps: one per parameter (a list in the same order), or ``{device index: flat
+    buffer}`` holding the parameters of that device that require gradients, one after another
+    (the two layouts of fairseq's ``FP16Optimizer``) -- where the split tables' slices lie."""
+    if isinstance(masters, dict):
+        offsets = dict.fromkeys(masters, 0)
+        parts: Dict[object, List[_Part]] = {device: [] for device in masters}
+        for p in params:
+            device = p.device.index
+            if not p.requires_grad or device not in masters:
+                continue
+            parts[device] += [_Part(offsets[device] + q.start, q.rows, q.cols, q.layout)
+                              for q in _parts(p)]
+            offsets[device] += p.numel()
+        for device, flat in masters.items():
+            if parts[device]:
+                setattr(flat, _PARTS, parts[device])
+    else:  # a master of a split table is a split table's parameter, as the table's is
+        for p, master in zip(params, masters):
+            if getattr(p, _LAYOUT, None) is not None:
+                setattr(master, _LAYOUT, getattr(p, _LAYOUT))
+
+
+def _pieces(t: Tensor, parts: List[_Part]) -> List[Tuple[Tensor, Optional[_Part]]]:
+    """``t`` (a parameter's data, gradient or optimizer state) flattened and cut at ``parts``:
+    [(piece, its part, or None for the elements between parts)], in order; a part's piece as its
+    [rows, cols] view."""
+    flat, out, at = t.reshape(-1), [], 0
+    for q in parts:
+        if q.start > at:
+            out.append((flat[at:q.start], None))
+        out.append((flat[q.start:q.stop].view(q.rows, q.cols), q))
+        at = q.stop
+    if at < flat.numel():
+        out.append((flat[at:], None))
+    return out
+
+
+# ---- gradients: the mean over ranks, and the norm of the whole tables -------------------------
+
+def finish_gradients(params: Iterable[Tensor]):
     """After the last backward of an update: each split table's gradient (the sum over its shard
     group's tokens) summed over the replicas of its columns and divided by the data-parallel
-    world size -- the mean over ranks a DDP wrapper makes of every other gradient.
-    ``sparse_mean(grad, group, size)``: the mean of a sparse gradient over a group (needed only
-    when there are replicas)."""
-    for p in sharded_params(params):
-        if p.grad is None:
+    world size -- the mean over ranks a DDP wrapper makes of every other gradient."""
+    for p in params:
+        layout = getattr(p, _LAYOUT, None)
+        if layout is None or p.grad is None:
             continue
-        layout = getattr(p, SHARD_TAG)
         replicas = layout.world // layout.size
+        scale = 1.0 / layout.world
         if layout.replicas is not None and replicas > 1:
-            if p.grad.is_sparse:
-                p.grad = sparse_mean(p.grad, layout.replicas, replicas)
+            if p.grad.is_sparse:  # (the exchange returns the mean over the replicas)
+                p.grad = all_reduce_sparse_rows(p.grad, layout.replicas, replicas, "gather")[0]
                 scale = 1.0 / layout.size
             else:
                 dist.all_reduce(p.grad, group=layout.replicas)
-                scale = 1.0 / layout.world
-        else:
-            scale = 1.0 / layout.world
         if p.grad.is_sparse:
             p.grad = torch.sparse_coo_tensor(p.grad._indices(), p.grad._values() * scale,
-                                             p.grad.shape, is_coalesced=p.grad.is_coalesced())
+                                             p.grad.shape, is_coalesced=p.grad.is_coalesced(),
+                                             check_invariants=False)  # (the gradient's own)
         else:
             p.grad.mul_(scale)
 
 
-def squared_norm(grads: List[Tensor], layout: ShardLayout) -> Tensor:
-    """Σ of the squared entries of the FULL tables whose column slices' gradients are ``grads``
-    (sparse or dense): the local squares summed over the shard group (float32)."""
-    local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for g in grads:
-        v = g.coalesce()._values() if g.is_sparse else g
-        local = local + v.float().square().sum()
-    dist.all_reduce(local, group=layout.group)
-    return local
+def _norm(tensors: List[Tensor], device) -> Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]))
 
 
-def sharded_state(full: Tensor, param: Tensor) -> bool:
-    """Whether an optimizer-state tensor is the full-table form of split parameter ``param``."""
-    layout = getattr(param, SHARD_TAG)
-    return (torch.is_tensor(full) and full.dim() == 2 and full.size(0) == param.size(0)
-            and full.size(1) == param.size(1) * layout.size)
+def grad_norm(params: Iterable[Tensor], aggregate=None) -> Tensor:
+    """The L2 norm (float32) of the gradients of ``params`` that one process would compute over
+    the whole tables: a split slice's squares summed over its shard group (a collective: every
+    rank of the groups calls it with the same parameters), the rest local (identical on every
+    rank once the data-parallel all-reduce ran; ``aggregate``, if given, maps that part's norm,
+    e.g. fairseq's reduction over model-parallel ranks). Sparse gradients count their coalesced
+    values. So the norm, the clipping and a loss scaler's overflow check (an inf or NaN in any
+    rank's slice) are the same on every rank."""
+    local: List[Tensor] = []
+    split: Dict[int, Tuple[ShardLayout, List[Tensor]]] = {}
+    device = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        device, parts = g.device, _parts(p)
+        if g.is_sparse:  # (only a split table's own parameter has a sparse gradient)
+            pieces = [(coalesced(g)._values(), parts[0] if parts else None)]
+        else:
+            pieces = _pieces(g, parts)
+        for piece, part in pieces:
+            if part is None:
+                local.append(piece)
+            else:
+                split.setdefault(id(part.layout.group), (part.layout, []))[1].append(piece)
+    if device is None:
+        return torch.zeros((), dtype=torch.float32)
+    rest = _norm(local, device)
+    if aggregate is not None and local:
+        rest = aggregate(rest)
+    total = rest.float() ** 2
+    for layout, pieces in split.values():
+        squares = _norm(pieces, device) ** 2
+        dist.all_reduce(squares, group=layout.group)
+        total = total + squares.to(total.device)
+    return total.sqrt()
+
+
+# ---- optimizer state in the whole tables' form -------------------------------------------------
+
+def whole_state(p: Tensor, value):
+    """Optimizer state ``value`` of ``p`` (a tensor shaped like ``p``) in the form it has for the
+    whole tables: a split table's [rows, cols] state gathered to [rows, cols·G], a master's flat
+    state with each part gathered -- on the rank that saves (the first rank of the shard group
+    holding data-parallel rank 0), on the CPU; ``value`` itself elsewhere and for anything else.
+    A collective of the shard group (one part at a time)."""
+    parts = _parts(p)
+    if not parts or not (torch.is_tensor(value) and value.shape == p.shape) or \
+            not parts[0].layout.saves:
+        return value
+    pieces = [piece if part is None else gather_columns(piece, part.layout)  # (every part)
+              for piece, part in _pieces(value, parts)]
+    if any(piece is None for piece in pieces):  # not the group's first rank
+        return value
+    if getattr(p, _LAYOUT, None) is not None:
+        return pieces[0].cpu()
+    return torch.cat([t.reshape(-1) for t in pieces]).cpu()
+
+
+def local_state(p: Tensor, value):
+    """This rank's part of optimizer state ``value`` of ``p`` given in the whole tables' form
+    (:func:`whole_state`'s, saved at any world size); ``value`` itself when it is not in that
+    form (this run's own, or not a tensor)."""
+    parts = _parts(p)
+    if not parts or not torch.is_tensor(value):
+        return value
+    if getattr(p, _LAYOUT, None) is not None:
+        layout = parts[0].layout
+        whole = (value.dim() == 2 and value.size(0) == p.size(0)
+                 and value.size(1) == p.size(1) * layout.size and layout.size > 1)
+        return split_columns(value, layout) if whole else value
+    grown = sum(q.rows * q.cols * (q.layout.size - 1) for q in parts)
+    if value.dim() != 1 or not grown or value.numel() != p.numel() + grown:
+        return value
+    out, at = [], 0  # (at: the position in the whole form)
+    for piece, part in _pieces(torch.empty(p.numel(), device="meta"), parts):
+        if part is None:
+            out.append(value[at:at + piece.numel()])
+            at += piece.numel()
+        else:
+            size = part.rows * part.cols * part.layout.size
+            out.append(split_columns(value[at:at + size].view(part.rows, -1),
+                                     part.layout).reshape(-1))
+            at += size
+    return torch.cat(out)
+
+
+# ---- the rows a sparse gradient read, exchanged between ranks ---------------------------------
+
+#: how :func:`all_reduce_sparse_rows` exchanges the rows (``auto``: the one that moves fewer bytes)
+EXCHANGES = ("auto", "gather", "all_reduce")
+
+
+def coalesced(grad: Tensor) -> Tensor:
+    """A coalesced view of a sparse gradient (duplicate rows summed). PKM's gradients already
+    have sorted distinct rows but autograd drops the flag; checking is O(nnz) where coalescing
+    sorts and copies the values. Accumulated gradients (--update-freq > 1) are really coalesced."""
+    if grad.is_coalesced():
+        return grad
+    rows = grad._indices()[0]
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return torch.sparse_coo_tensor(grad._indices(), grad._values(), grad.shape,
+                                       is_coalesced=True, check_invariants=False)
+    return grad.coalesce()
+
+
+def _rows_of(grad: Tensor):
+    """(rows, values) of a value-table gradient: sparse, or dense (a table that no read touched
+    on this rank gets a dense zero gradient from fairseq's legacy DDP)."""
+    if grad.is_sparse:
+        grad = coalesced(grad)
+        return grad._indices()[0], grad._values()
+    rows = grad.abs().sum(-1).nonzero().squeeze(1)
+    return rows, grad.index_select(0, rows)
+
+
+def all_reduce_sparse_rows(grad: Tensor, group=None, world_size: Optional[int] = None,
+                           method: str = "auto"):
+    """Average a row-sparse gradient [R, d] over the ranks of ``group``; returns (the coalesced
+    sparse mean over the union of the rows read on any rank, the bytes this rank received).
+
+    Two exchanges, same result (both NCCL- and gloo-safe, no object collectives):
+
+    * ``gather``: rows and gradients all-gathered (padded to the longest list) and summed in rank
+      order into the sorted union of rows, one ``index_add_`` over distinct rows per rank, so every
+      rank gets the same bits. Receives (W-1)·U_max·(8 + 4d) bytes.
+    * ``all_reduce``: the rows scattered into a dense [|K|, d + 1] buffer whose last column counts
+      the ranks that read the row, then one all-reduce: ≈ 2(W-1)/W·|K|·(d + 1)·4 bytes, the dense
+      all-reduce's cost, paid when many rows are read.
+
+    ``auto`` takes the one that receives fewer bytes (every rank decides from the same all-gathered
+    row counts)."""
+    if method not in EXCHANGES:
+        raise ValueError(f"--pkm-exchange must be one of {', '.join(EXCHANGES)}, got {method!r}")
+    world = world_size or dist.get_world_size(group)
+    rows, vals = _rows_of(grad)
+    device = vals.device
+    size, d = grad.shape
+    count = torch.tensor([rows.numel()], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    longest = max(counts)
+    received = (world - 1) * 8
+    gather_bytes = (world - 1) * longest * (8 + d * vals.element_size())
+    reduce_bytes = int(2 * (world - 1) / world * size * (d + 1) * vals.element_size())
+    if method == "auto":
+        method = "gather" if gather_bytes <= reduce_bytes else "all_reduce"
+    if longest == 0:  # no rank read anything
+        union, total = rows.new_zeros(0), vals.new_zeros(0, d)
+    elif method == "gather":
+        received += gather_bytes
+        padded_rows = rows.new_zeros(longest)
+        padded_rows[: rows.numel()] = rows
+        padded_vals = vals.new_zeros(longest, d)
+        padded_vals[: rows.numel()] = vals
+        all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
+        all_vals = [torch.empty_like(padded_vals) for _ in range(world)]
+        dist.all_gather(all_rows, padded_rows, group=group)
+        dist.all_gather(all_vals, padded_vals, group=group)
+        all_rows = [r[:n] for r, n in zip(all_rows, counts)]
+        union = torch.unique(torch.cat(all_rows))  # sorted
+        total = vals.new_zeros(union.numel(), d)
+        for r, v, n in zip(all_rows, all_vals, counts):
+            total.index_add_(0, torch.searchsorted(union, r), v[:n])
+    else:
+        received += reduce_bytes
+        buf = vals.new_zeros(size, d + 1)
+        buf[rows, :d] = vals
+        buf[rows, d] = 1  # "read on this rank": a read row with a zero gradient still counts
+        dist.all_reduce(buf, group=group)
+        union = buf[:, d].nonzero().squeeze(1)
+        total = buf[union, :d]
+    total.div_(world)
+    out = torch.sparse_coo_tensor(union.unsqueeze(0), total, grad.shape, is_coalesced=True,
+                                  check_invariants=False)
+    return out, received

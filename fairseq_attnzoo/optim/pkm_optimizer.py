@@ -42,14 +42,14 @@ Multi-process training with sparse values: the DDP wrappers leave the sparse val
 model lists in ``_ddp_params_and_buffers_to_ignore``), and :meth:`PKMAdam.all_reduce_grads` --
 which fairseq's trainer calls after the last backward pass of an update (all ``--update-freq``
 micro-batches accumulated) and before ``multiply_grads`` -- exchanges their rows instead
-(:func:`all_reduce_sparse_rows`): every rank ends with the same coalesced gradient over the union
-of the rows read on any rank, divided by the world size exactly as the DDP wrappers divide dense
-gradients (the trainer then multiplies everything by world size / sample size), and runs the same
-lazy Adam step on the same rows, so the tables stay identical and the update is the one a single
-process with ``--update-freq W`` makes. ``--pkm-exchange``: all-gather the (row, gradient) lists
-(cheap when few rows are read), or all-reduce a dense [|K|, d + 1] buffer (rows + a "read" count;
-what a dense all-reduce costs), or ``auto``: the cheaper of the two, per update. The bytes each
-rank receives are logged as ``pkm_xchg_mb``.
+(:func:`~fairseq_attnzoo.modules.pkm_shard.all_reduce_sparse_rows`): every rank ends with the same
+coalesced gradient over the union of the rows read on any rank, divided by the world size exactly
+as the DDP wrappers divide dense gradients (the trainer then multiplies everything by world size /
+sample size), and runs the same lazy Adam step on the same rows, so the tables stay identical and
+the update is the one a single process with ``--update-freq W`` makes. ``--pkm-exchange``:
+all-gather the (row, gradient) lists (cheap when few rows are read), or all-reduce a dense
+[|K|, d + 1] buffer (rows + a "read" count; what a dense all-reduce costs), or ``auto``: the
+cheaper of the two, per update. The bytes each rank receives are logged as ``pkm_xchg_mb``.
 
 Gradient scaling, clipping and the gradient norm fairseq logs are done here too, because fairseq's
 versions do not handle sparse gradients: ``multiply_grads`` (the division by the number of tokens)
@@ -74,46 +74,12 @@ from omegaconf import II, OmegaConf
 
 from .. import compat
 from ..modules.pkm import VALUES_GROUP
-from ..modules.pkm_shard import SHARD_TAG, squared_norm
+from ..modules.pkm_shard import EXCHANGES, all_reduce_sparse_rows, coalesced, grad_norm, is_split
 
 logger = logging.getLogger(__name__)
 
 
-def coalesced(grad: torch.Tensor) -> torch.Tensor:
-    """A coalesced view of a sparse gradient (duplicate rows summed). PKM's gradients already
-    have sorted distinct rows but autograd drops the flag; checking is O(nnz) where coalescing
-    sorts and copies the values. Accumulated gradients (--update-freq > 1) are really coalesced."""
-    if grad.is_coalesced():
-        return grad
-    rows = grad._indices()[0]
-    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
-        return torch.sparse_coo_tensor(grad._indices(), grad._values(), grad.shape,
-                                       is_coalesced=True, check_invariants=False)
-    return grad.coalesce()
-
-
-def _rows_of(grad: torch.Tensor):
-    """(rows, values) of a value-table gradient: sparse, or dense (a table that no read touched
-    on this rank gets a dense zero gradient from fairseq's legacy DDP)."""
-    if grad.is_sparse:
-        grad = coalesced(grad)
-        return grad._indices()[0], grad._values()
-    rows = grad.abs().sum(-1).nonzero().squeeze(1)
-    return rows, grad.index_select(0, rows)
-
-
-EXCHANGES = ("auto", "gather", "all_reduce")
 VALUE_SCHEDULES = ("follow", "constant")
-
-
-def _total_norm(grads, aggregate_norm_fn=None) -> torch.Tensor:
-    """L2 norm over a list of gradient tensors (0 for none), aggregated like fairseq's."""
-    if not grads:
-        total = torch.tensor(0.0)
-    else:
-        total = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-    return aggregate_norm_fn(total) if aggregate_norm_fn is not None and grads else total
 
 
 def _parse_betas(value, flag: str):
@@ -128,76 +94,21 @@ def _parse_betas(value, flag: str):
     return betas
 
 
-def all_reduce_sparse_rows(grad: torch.Tensor, group=None, world_size: Optional[int] = None,
-                           method: str = "auto"):
-    """Average a row-sparse gradient [R, d] over the ranks of ``group``; returns (the coalesced
-    sparse mean over the union of the rows read on any rank, the bytes this rank received).
-
-    Two exchanges, same result (both NCCL- and gloo-safe, no object collectives):
-
-    * ``gather``: rows and gradients all-gathered (padded to the longest list) and summed in rank
-      order into the sorted union of rows, one ``index_add_`` over distinct rows per rank, so every
-      rank gets the same bits. Receives (W-1)·U_max·(8 + 4d) bytes.
-    * ``all_reduce``: the rows scattered into a dense [|K|, d + 1] buffer whose last column counts
-      the ranks that read the row, then one all-reduce: ≈ 2(W-1)/W·|K|·(d + 1)·4 bytes, the dense
-      all-reduce's cost, paid when many rows are read.
-
-    ``auto`` takes the one that receives fewer bytes (every rank decides from the same all-gathered
-    row counts)."""
-    if method not in EXCHANGES:
-        raise ValueError(f"--pkm-exchange must be one of {', '.join(EXCHANGES)}, got {method!r}")
-    dist = torch.distributed
-    world = world_size or dist.get_world_size(group)
-    rows, vals = _rows_of(grad)
-    device = vals.device
-    size, d = grad.shape
-    count = torch.tensor([rows.numel()], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    counts = [int(c) for c in counts]
-    longest = max(counts)
-    received = (world - 1) * 8
-    gather_bytes = (world - 1) * longest * (8 + d * vals.element_size())
-    reduce_bytes = int(2 * (world - 1) / world * size * (d + 1) * vals.element_size())
-    if method == "auto":
-        method = "gather" if gather_bytes <= reduce_bytes else "all_reduce"
-    if longest == 0:  # no rank read anything
-        union, total = rows.new_zeros(0), vals.new_zeros(0, d)
-    elif method == "gather":
-        received += gather_bytes
-        padded_rows = rows.new_zeros(longest)
-        padded_rows[: rows.numel()] = rows
-        padded_vals = vals.new_zeros(longest, d)
-        padded_vals[: rows.numel()] = vals
-        all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
-        all_vals = [torch.empty_like(padded_vals) for _ in range(world)]
-        dist.all_gather(all_rows, padded_rows, group=group)
-        dist.all_gather(all_vals, padded_vals, group=group)
-        all_rows = [r[:n] for r, n in zip(all_rows, counts)]
-        union = torch.unique(torch.cat(all_rows))  # sorted
-        total = vals.new_zeros(union.numel(), d)
-        for r, v, n in zip(all_rows, all_vals, counts):
-            total.index_add_(0, torch.searchsorted(union, r), v[:n])
-    else:
-        received += reduce_bytes
-        buf = vals.new_zeros(size, d + 1)
-        buf[rows, :d] = vals
-        buf[rows, d] = 1  # "read on this rank": a read row with a zero gradient still counts
-        dist.all_reduce(buf, group=group)
-        union = buf[:, d].nonzero().squeeze(1)
-        total = buf[union, :d]
-    total.div_(world)
-    out = torch.sparse_coo_tensor(union.unsqueeze(0), total, grad.shape, is_coalesced=True,
-                                  check_invariants=False)
-    return out, received
+#: the values' rate when neither --pkm-values-lr nor --pkm-values-lr-ratio is given (XLM's value
+#: Adam and facebookresearch/memory's value_fixed_lr: 1e-3)
+DEFAULT_VALUES_LR = 1e-3
 
 
 def values_lr(cfg, lr: float) -> float:
     """The values' peak rate under pkm_adam's flags ``cfg`` (its config, or fairseq's args) and
     the model's peak ``lr``: --pkm-values-lr-ratio × lr when a ratio is given, else
-    --pkm-values-lr."""
-    ratio = getattr(cfg, "pkm_values_lr_ratio", 0)
-    return ratio * lr if ratio > 0 else cfg.pkm_values_lr
+    --pkm-values-lr (default :data:`DEFAULT_VALUES_LR`)."""
+    ratio = getattr(cfg, "pkm_values_lr_ratio", 0) or 0
+    absolute = getattr(cfg, "pkm_values_lr", None)
+    if ratio > 0 and absolute is not None:
+        raise ValueError(f"--pkm-values-lr {absolute} and --pkm-values-lr-ratio {ratio} both set "
+                         "the values' rate: give one (the ratio carries over to another --lr)")
+    return ratio * lr if ratio > 0 else (DEFAULT_VALUES_LR if absolute is None else absolute)
 
 
 @dataclass
@@ -211,17 +122,18 @@ class PKMAdamConfig(FairseqDataclass):
         metadata={"help": "multi-process sparse values: how the rows read are exchanged -- "
                   "'gather' (all-gather rows + gradients), 'all_reduce' (dense [|K|, d+1] "
                   "all-reduce), 'auto' = whichever moves fewer bytes this update (default auto)"})
-    pkm_values_lr: float = field(
-        default=1e-3,
+    pkm_values_lr: Optional[float] = field(
+        default=None,
         metadata={"help": "learning rate of the product-key memory values (XLM and "
-                  "facebookresearch/memory: 1e-3); see --pkm-values-lr-schedule"})
+                  "facebookresearch/memory: 1e-3); see --pkm-values-lr-schedule; not with "
+                  "--pkm-values-lr-ratio (default 1e-3)"})
     pkm_values_lr_ratio: float = field(
         default=0.0,
         metadata={"help": "the values' learning rate as a multiple of --lr (the peak), instead of "
                   "--pkm-values-lr: a ratio carries over to another --lr, an absolute rate does "
                   "not (facebookresearch/memory's pkplus_373m_1024k.yaml: value_fixed_lr 0.001 "
-                  "at optim.lr 1e-4, one LambdaLR scaling both: 10); 0 = use --pkm-values-lr "
-                  "(default 0)"})
+                  "at optim.lr 1e-4, one LambdaLR scaling both: 10); not with --pkm-values-lr; "
+                  "0 = use --pkm-values-lr (default 0)"})
     pkm_values_lr_schedule: str = field(
         default="follow",
         metadata={"help": "values lr: 'follow' = the --lr-scheduler shape scaled by "
@@ -313,11 +225,12 @@ class PKMAdam(FairseqOptimizer):
         if cfg.pkm_exchange not in EXCHANGES:
             raise ValueError(f"--pkm-exchange must be one of {', '.join(EXCHANGES)}, got "
                              f"{cfg.pkm_exchange!r}")
-        if cfg.pkm_values_lr <= 0:
+        if cfg.pkm_values_lr is not None and cfg.pkm_values_lr <= 0:
             raise ValueError(f"--pkm-values-lr must be positive, got {cfg.pkm_values_lr}")
         if cfg.pkm_values_lr_ratio < 0:
             raise ValueError(f"--pkm-values-lr-ratio must be positive (or 0: use "
                              f"--pkm-values-lr), got {cfg.pkm_values_lr_ratio}")
+        values_lr(cfg, 1.0)  # (refuses both rates given)
         if cfg.pkm_values_lr_schedule not in VALUE_SCHEDULES:
             raise ValueError(f"--pkm-values-lr-schedule must be one of "
                              f"{', '.join(VALUE_SCHEDULES)}, got {cfg.pkm_values_lr_schedule!r}")
@@ -329,10 +242,9 @@ class PKMAdam(FairseqOptimizer):
                              f"positive, got {cfg.pkm_values_clip_norm}")
         values = [p for p in params if getattr(p, "param_group", None) == VALUES_GROUP]
         others = [p for p in params if getattr(p, "param_group", None) != VALUES_GROUP]
-        if not values:
-            logger.warning("pkm_adam: no product-key memory values among the parameters; "
-                           "every parameter uses --lr (plain Adam)")
-        main_lr = self.optimizer_config["lr"]
+        #: said at the first step, not here: fairseq also builds optimizers it never steps (the
+        #: --bf16 wrapper's probe of whether flat parameters are taken, on one dummy parameter)
+        self._no_values_notice = not values
         groups = [{"params": others}]
         if values:
             groups.append(dict(self._values_group_settings(), params=values,
@@ -380,6 +292,13 @@ class PKMAdam(FairseqOptimizer):
                 if group["lr_constant"] is not None:
                     group["lr"] = group["lr_constant"]
 
+    def step(self, closure=None, scale=1.0, groups=None):
+        if self._no_values_notice:
+            self._no_values_notice = False
+            logger.warning("pkm_adam: no product-key memory values among the parameters; "
+                           "every parameter uses --lr (plain Adam)")
+        super().step(closure, scale, groups)
+
     def all_reduce_grads(self, module):
         """fairseq's gradient all-reduce (the DDP wrapper's, for the dense gradients), then the
         sparse value tables' row exchange: each rank ends with the mean gradient over ranks."""
@@ -394,10 +313,10 @@ class PKMAdam(FairseqOptimizer):
         received = 0
         for p in module.parameters():
             if (getattr(p, "pkm_sparse", False) and getattr(p, "param_group", None) == VALUES_GROUP
-                    and not hasattr(p, SHARD_TAG)):  # a split table: finish_gradients did it
+                    and not is_split(p)):  # a split table: fairseq_sharded_value_grads did it
                 grad = p.grad if p.grad is not None else torch.sparse_coo_tensor(
                     torch.zeros(1, 0, dtype=torch.long, device=p.device),
-                    p.new_zeros(0, p.size(1)), p.shape)
+                    p.new_zeros(0, p.size(1)), p.shape, check_invariants=False)
                 p.grad, nbytes = all_reduce_sparse_rows(grad, group, world,
                                                         self.cfg.pkm_exchange)
                 received += nbytes
@@ -422,41 +341,40 @@ class PKMAdam(FairseqOptimizer):
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         """L2 norms over dense and (coalesced) sparse gradients; clip in place: the value tables
         separately (to --pkm-values-clip-norm, -1 = max_norm), the rest to max_norm. Returns the
-        norm over all gradients (fairseq's logged ``gnorm`` and inf/NaN check)."""
-        model, values, split = [], [], []
+        norm over all gradients (fairseq's logged ``gnorm`` and inf/NaN check). A table split
+        over processes counts as the whole table (``grad_norm``: its columns summed over the
+        ranks that hold them)."""
+        model, values = [], []
         for p in self.params:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 p.grad = coalesced(p.grad)
-                g = p.grad._values()
-            else:
-                g = p.grad
-            (values if getattr(p, "param_group", None) == VALUES_GROUP else model).append(g)
-            if hasattr(p, SHARD_TAG):  # a column slice: its norm is summed over its group
-                split.append((g, getattr(p, SHARD_TAG)))
+            (values if getattr(p, "param_group", None) == VALUES_GROUP else model).append(p)
         if not model and not values:
             return torch.tensor(0.0)
         value_max = self.cfg.pkm_values_clip_norm
         value_max = max_norm if value_max == -1 else value_max
         norms = []
-        for grads, limit in ((model, max_norm), (values, value_max)):
-            if grads is values and split:  # whole tables' norms: slices' squares over the group
-                ids = {id(g) for g, _ in split}
-                norm = (_total_norm([g for g in grads if id(g) not in ids], aggregate_norm_fn)
-                        ** 2 + squared_norm([g for g, _ in split], split[0][1])).sqrt()
-            else:
-                norm = _total_norm(grads, aggregate_norm_fn)
+        for params, limit in ((model, max_norm), (values, value_max)):
+            norm = grad_norm(params, aggregate_norm_fn)
             norms.append(norm)
-            if grads and limit > 0:
+            if params and limit > 0:
                 coef = (float(limit) / (norm + 1e-6)).clamp_(max=1)
-                for g in grads:
+                for p in params:
+                    g = p.grad._values() if p.grad.is_sparse else p.grad
                     g.mul_(coef.to(g.dtype))
         if values:
             metrics.log_scalar("pkm_values_gnorm", norms[1], round=3)
-        device = (model or values)[0].device
+        device = (model or values)[0].grad.device
         return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]))
 
     @property
     def supports_flat_params(self):
         return False  # the value tables must stay separate parameters
+
+    @property
+    def supports_memory_efficient_fp16(self):
+        """--memory-efficient-fp16/-bf16 step the half parameters themselves: Adam's moments are
+        float32 and each update is computed in float32 and rounded once (sparse rows too)."""
+        return True

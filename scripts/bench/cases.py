@@ -601,8 +601,9 @@ add(Quality("pkm", "memory-lm", "lm", MEMORY_LM, {
     # what separates Memory+ from PKM: the value-lr ratio (MEMPLUS: 0.5x --lr, the reference's
     # 10x) and the memory count (3 of 6 layers, Memory+'s "spread"; the reference 3 of 24)
     **{f"transformer_lm_memplus_llama, memory-code recipe, {what}": {
-        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} {MEMPLUS} {flags[s]}"
-        for s in _MEM} for what, flags in _MEMPLUS_SPLITS.items()},
+        s: f"--arch transformer_lm_memplus_llama {_LLAMA[s]} {_MEM[s]} " + (  # (ratio or 1e-3)
+            MEMPLUS.replace("--pkm-values-lr 1e-3", flags[s]) if _RATIO in flags[s] else
+            f"{MEMPLUS} {flags[s]}") for s in _MEM} for what, flags in _MEMPLUS_SPLITS.items()},
     "transformer_lm_pkm, Llama host, XLM recipe, three memory layers (as Memory+)": {
         s: _PKM_LLAMA[s].replace(_PKM_LLAMA_FFN[s], _PKM3_LLAMA_FFN[s]) for s in _MEM}},
     updates={"paper": 1000, "tiny": 4},
@@ -640,3 +641,17 @@ for _task, _data in (("translation", "mt"), ("language_modeling", "lm"),
                 updates={"paper": 100, "tiny": 2},
                 note="every zoo arch of the task at the demo size, in --precision: valid loss, "
                      "loss-scale overflows"))
+
+
+#: --ddp-backend fully_sharded (fairscale's FSDP: CUDA only) against pytorch_ddp on one GPU for
+#: the memory archs whose tables FSDP may hold (a shared pool is refused), plain Adam (pkm_adam
+#: takes no flat parameters), fp32 (fairseq's FSDP refuses --bf16): equal losses (docs/pkm.md,
+#: "Which --ddp-backend"); fairscale wants a process group even on one GPU: both sides make one
+_GROUP = ("--distributed-init-method tcp://127.0.0.1:29517 --distributed-no-spawn "
+          "--distributed-rank 0")
+for _data, _common, _arch in (("lm", LM, "transformer_lm_pkm"), ("mt", MT, "transformer_pkm")):
+    add(Quality("pkm", f"fsdp-{_data}", _data, _common, {f"{_arch}, {ddp}": {
+        s: f"{f} {_GROUP} --ddp-backend {ddp}" + (" --distributed-backend gloo" * (s == "tiny"))
+        for s, f in _zoo(_arch, "pkm", {}).items()} for ddp in ("pytorch_ddp", "fully_sharded")},
+        updates={"paper": 20, "tiny": 2}, cuda_only="fully_sharded",
+        note=f"{_arch}: --ddp-backend fully_sharded vs pytorch_ddp, one GPU, fp32, 20 updates"))

@@ -549,6 +549,9 @@ def run_quality(case: Quality, a, record):
     common = shlex.split(sized(case.common, a.size))
     for i, seed in enumerate(a.seeds):
         for label in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            if case.cuda_only and case.cuda_only in label and a.device == "cpu":  # (a dry run)
+                record(case, {"run": label, "seed": seed, "skipped": "needs CUDA"})
+                continue
             flags = common + shlex.split(sized(runs[label], a.size)) + PRECISIONS[a.precision]
             t0 = time.time()
             text = fairseq_train(flags, data, a, seed, [

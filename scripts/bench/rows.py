@@ -80,6 +80,8 @@ class Quality:
     updates: Dict[str, int] = field(default_factory=lambda: {"paper": 1000, "tiny": 4})
     note: str = ""
     level: str = "quality"
+    #: runs whose label holds this need CUDA: on the CPU (a dry run) they are recorded as such
+    cuda_only: str = ""
 
 
 @dataclass

@@ -35,7 +35,7 @@ fi
 # slots, the peer), the layer's parts; about 5 minutes by the H200 rows of 2026-11-28 (16 rows in
 # 40-60 s a process, ~3.5 s a layer row), AOP's 56 rows (4 minutes) left to the stage kernels)
 ORDER=(memory gpu-bound-bf16 gpu-bound-fp16 baseline mt-bf16-synth mt-bf16-rest host-bound
-       mt-fp16-synth mt-fp16-rest lm span kernels decode attention sweep memory-lm precision)
+       mt-fp16-synth mt-fp16-rest lm span kernels decode attention sweep memory-lm precision fsdp)
 # the stock transformer-base's profile below its floor is taken by the first two stages; later
 # calls of it skip that extra run. mt-bf16-rest profiles 10 warm updates of every run (AOP's
 # sublayer missed its kernel target: where its time goes end to end). host-bound: the same model
@@ -61,7 +61,8 @@ declare -A STAGES=(
     [attention]="device synthesizer/table-kernel adaptive_span/sublayer-vs-example"
     [sweep]="device pkm/launch-sweep"
     [memory-lm]="pkm/memory-lm"
-    [precision]="precision/*")
+    [precision]="precision/*"
+    [fsdp]="pkm/fsdp-* --precision fp32")  # (fairscale: install_offline.sh --download carries it)
 calls() { IFS=';' read -ra CALLS <<< "${STAGES[$1]}"; }  # a stage's harness calls, in CALLS
 case "${1:-}" in
 plan)  # each stage, its calls and the fairseq processes each starts
