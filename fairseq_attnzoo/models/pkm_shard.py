@@ -215,29 +215,10 @@ compat.fix("fairseq_sharded_value_masters", "fairseq.optim.fp16_optimizer:FP16Op
            "flat buffer) record where the split tables' columns lie in them, so the norm sums "
            "those columns over the shard group and checkpoints hold their state whole",
            describing_masters, "c7ac9b724be2cb2b", version="fairseq 0.12.3")
-
-
-_CHECKPOINT_HOOKS = {STATE_CALL: _always_call_state_dict, f"{OPT}.state_dict": gathering_state,
-                     f"{OPT}.load_state_dict": splitting_state}
-
-
-def _checkpoint_hooks():
-    """Install the three hooks; returns their undo (the originals back, the last first). (Not
-    ``compat.fix``: one target is a property, whose source digest is its getter's.)"""
-    for path, wrap in _CHECKPOINT_HOOKS.items():
-        compat.replace(path, wrap)
-    return lambda: [compat.restore(path) for path in reversed(list(_CHECKPOINT_HOOKS))]
-
-
-def _checkpoint_targets_known() -> Optional[str]:
-    return (compat.known_source(lambda: compat.lookup(STATE_CALL).fget, "3c7d32776378e123")()
-            or compat.known_source(lambda: compat.lookup(f"{OPT}.state_dict"), "fc8e18f8d0c260e7")()
-            or compat.known_source(lambda: compat.lookup(f"{OPT}.load_state_dict"), "c898c7b2f01de389")())
-
-
-compat.register(compat.Patch(
-    "fairseq_sharded_value_checkpoints",
-    f"{STATE_CALL}, {OPT}.state_dict and load_state_dict",
+compat.fix("fairseq_sharded_value_checkpoints", {
+    STATE_CALL: _always_call_state_dict, f"{OPT}.state_dict": gathering_state,
+    f"{OPT}.load_state_dict": splitting_state},
     "--pkm-shard-values: checkpoints hold whole value tables and their optimizer state "
     "(gathered to rank 0 while every rank calls state_dict; split again on loading), so they "
-    "load at any world size", _checkpoint_targets_known, _checkpoint_hooks, "fairseq 0.12.3"))
+    "load at any world size", None, "3c7d32776378e123", "fc8e18f8d0c260e7", "c898c7b2f01de389",
+    version="fairseq 0.12.3")
