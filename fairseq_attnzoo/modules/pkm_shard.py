@@ -39,7 +39,7 @@ import torch.distributed._functional_collectives as fc
 import torch.nn as nn
 from torch import Tensor
 
-from .pkm import VALUES_GROUP, ValueTable, mark_sparse
+from .pkm_values import VALUES_GROUP, ValueTable, mark_sparse
 
 #: the attribute that marks a split value table's parameter (its :class:`ShardLayout`)
 SHARD_TAG = "pkm_shard"
