@@ -347,14 +347,14 @@ def _pkm(p):
 def _pkm_setup():
     """The search as it runs on CUDA (meta tensors are not CUDA ones): one chunk of tokens, the
     half-precision score GEMM writing float32 itself."""
-    from fairseq_attnzoo.modules import pkm
+    from fairseq_attnzoo.modules import pkm_search as search
 
-    saved = pkm._SCORE_CHUNK, pkm.HALF_GEMM_ON
-    pkm._SCORE_CHUNK, pkm.HALF_GEMM_ON = 1 << 62, pkm.HALF_GEMM_ON + ("meta",)
+    saved = search._SCORE_CHUNK, search.HALF_GEMM_ON
+    search._SCORE_CHUNK, search.HALF_GEMM_ON = 1 << 62, search.HALF_GEMM_ON + ("meta",)
     try:
         yield
     finally:
-        pkm._SCORE_CHUNK, pkm.HALF_GEMM_ON = saved
+        search._SCORE_CHUNK, search.HALF_GEMM_ON = saved
 
 
 def _aop(p):

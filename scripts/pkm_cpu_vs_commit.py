@@ -1,18 +1,20 @@
-"""The PKM layer on the CPU: a commit's ``fairseq_attnzoo/modules/pkm.py`` against this
-checkout's, in one process, alternating (the layer's forward + backward, same weights, same
+"""The PKM layer on the CPU: a commit's layer files (``fairseq_attnzoo/modules/pkm.py``, and its
+``pkm_search.py`` and ``pkm_values.py`` where the commit has them) against this checkout's, in one
+process, alternating (the layer's forward + backward, same weights, same
 input; PyTorch value read and search, as on a CPU). For a quiet machine: the ratio is what
 counts, and only in one run.
 
     python -m scripts.pkm_cpu_vs_commit 7605095 --tokens 4096 --repeats 10
 
 The other modules (pkm_triton, precision, ...) are this checkout's for both: a commit whose
-pkm.py needs other versions of them does not load here.
+layer files need other versions of them does not load here.
 """
 
 import argparse
 import importlib.util
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -21,14 +23,35 @@ import fairseq_attnzoo.modules as package
 from fairseq_attnzoo.modules import pkm as ours
 
 
+#: the layer's files, each importing the ones before it (before the split of issue 65: pkm.py alone)
+LAYER_FILES = ("pkm_search", "pkm_values", "pkm")
+
+
 def load(commit: str):
-    """``modules/pkm.py`` of ``commit`` as a module of the package (its relative imports)."""
-    source = subprocess.run(["git", "show", f"{commit}:fairseq_attnzoo/modules/pkm.py"],
-                            capture_output=True, text=True, check=True).stdout
-    then = importlib.util.module_from_spec(importlib.util.spec_from_loader(
-        f"{package.__name__}._pkm_{commit}", loader=None))
-    then.__package__ = package.__name__
-    exec(compile(source, f"{commit}:pkm.py", "exec"), then.__dict__)
+    """The layer's files of ``commit`` as modules of the package (their relative imports), each
+    importing the commit's versions of the others; ``modules/pkm.py`` of it is returned."""
+    saved = {}
+    try:
+        for name in LAYER_FILES:
+            found = subprocess.run(["git", "show", f"{commit}:fairseq_attnzoo/modules/{name}.py"],
+                                   capture_output=True, text=True)
+            if found.returncode and name != "pkm":  # a file the commit does not have
+                continue
+            found.check_returncode()
+            then = importlib.util.module_from_spec(importlib.util.spec_from_loader(
+                f"{package.__name__}._{name}_{commit}", loader=None))
+            then.__package__ = package.__name__
+            # while it loads, the commit's file is the one the next file's ``from .name`` finds
+            full = f"{package.__name__}.{name}"
+            saved.setdefault(full, sys.modules.get(full))
+            sys.modules[full] = then
+            exec(compile(found.stdout, f"{commit}:{name}.py", "exec"), then.__dict__)
+    finally:
+        for full, module in saved.items():
+            if module is None:
+                sys.modules.pop(full, None)
+            else:
+                sys.modules[full] = module
     return then
 
 

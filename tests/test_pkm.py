@@ -74,7 +74,7 @@ def test_product_topk_in_token_chunks_equals_one_block(monkeypatch):
     """The CPU search runs in chunks of tokens (cache-sized score blocks): 7 tokens a chunk
     (a ragged last one) selects the same keys as one block, with the same scores and gradients up
     to float rounding (the GEMM of a smaller block may sum in another order)."""
-    import fairseq_attnzoo.modules.pkm as pkm
+    import fairseq_attnzoo.modules.pkm_search as search
 
     g = torch.Generator().manual_seed(3)
     h, n, half, n_keys, knn = 3, 50, 4, 12, 5
@@ -86,9 +86,9 @@ def test_product_topk_in_token_chunks_equals_one_block(monkeypatch):
         scores, idx = product_topk(*leaves, knn)
         return (scores, idx) + torch.autograd.grad((scores.softmax(-1) * up).sum(), leaves)
 
-    monkeypatch.setattr(pkm, "_SCORE_CHUNK", h * n_keys * n)
+    monkeypatch.setattr(search, "_SCORE_CHUNK", h * n_keys * n)
     whole = run()
-    monkeypatch.setattr(pkm, "_SCORE_CHUNK", h * n_keys * 7)
+    monkeypatch.setattr(search, "_SCORE_CHUNK", h * n_keys * 7)
     chunked = run()
     assert torch.equal(whole[1], chunked[1])
     for a, b in zip(whole[:1] + whole[2:], chunked[:1] + chunked[2:]):
@@ -100,9 +100,9 @@ def test_the_search_answers_token_major_and_its_key_gradient_is_a_gemm_per_half(
     chunk, as on CUDA) hands the value read its weights and (int32) slot ids as views, with no
     transposed copies, and the sub-key gradient is one scatter and one batched GEMM per half for
     all heads (not one per head and half)."""
-    import fairseq_attnzoo.modules.pkm as pkm
+    import fairseq_attnzoo.modules.pkm_search as search
 
-    monkeypatch.setattr(pkm, "_SCORE_CHUNK", 1 << 62)
+    monkeypatch.setattr(search, "_SCORE_CHUNK", 1 << 62)
     m = _memory(heads=4)
     q = m.query(torch.randn(9, 16)).detach().requires_grad_()
     m.lookup(q)  # the candidate-pair table is made once per knn and device
@@ -135,7 +135,7 @@ def test_memory_read_equals_explicit_weighted_sum_of_values():
 def test_value_read_gradients_equal_plain_autograd(sparse):
     """The compact table gradient (coalesced rows) and the weight gradient equal autograd through
     an explicit gather, duplicates included."""
-    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+    from fairseq_attnzoo.modules.pkm_values import _WeightedRowSum
 
     g = torch.Generator().manual_seed(2)
     table = torch.randn(20, 6, generator=g, requires_grad=True)
@@ -160,7 +160,7 @@ def test_zeroed_loss_reads_no_sparse_rows():
     """fairseq multiplies the loss of a DDP rank's padding (dummy) batch by 0; its sparse table
     gradient must hold no rows, or the lazy value optimiser decays the moments of rows that one
     process never read (update 3 of the 2-rank --update-freq 2 run differed by 6e-4)."""
-    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+    from fairseq_attnzoo.modules.pkm_values import _WeightedRowSum
 
     g = torch.Generator().manual_seed(4)
     table = torch.randn(20, 6, generator=g, requires_grad=True)
@@ -180,7 +180,7 @@ def test_zeroed_loss_reads_no_sparse_rows():
 def test_dense_table_gradient_equals_embedding_bag_autograd(dtype):
     """The dense gradient (one bag per table row, empty bags = the unread rows) equals the stock
     ``F.embedding_bag`` backward, unread rows exactly zero; bf16 within bf16 rounding."""
-    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+    from fairseq_attnzoo.modules.pkm_values import _WeightedRowSum
 
     g = torch.Generator().manual_seed(3)
     table = torch.randn(50, 8, generator=g).to(dtype).requires_grad_(True)
@@ -207,7 +207,7 @@ def test_dense_table_gradient_equals_embedding_bag_autograd(dtype):
 def test_weight_gradient_fallback_equals_the_kernel(dtype):
     """CUDA has no bfloat16 kernel for the embedding-bag weight gradient (found on an H100: a bf16
     PKM model could not train); the chunked gather fallback computes the same dots."""
-    from fairseq_attnzoo.modules.pkm import read_dots
+    from fairseq_attnzoo.modules.pkm_values import read_dots
 
     g = torch.Generator().manual_seed(5)
     n, m, d = 7, 5, 16
@@ -299,10 +299,11 @@ def test_a_training_step_syncs_with_the_device_only_for_sparse_rows(layer, expec
     path and the Triton kernels' alike (before: the kernels' path read the loss back and took
     the rows in a second op). Counted on the CPU with the benchmark's CUDA classification
     (``tests/syncs_testlib.py``; the kernels in Triton's interpreter)."""
-    from fairseq_attnzoo.modules import pkm
+    from fairseq_attnzoo.modules import pkm, pkm_search
     from syncs_testlib import syncs
 
-    pkm._candidate_pairs.cache_clear()  # built again inside the count, as by a layer's first step
+    # the candidate pairs: built again inside the count, as by a layer's first step
+    pkm_search._candidate_pairs.cache_clear()
     monkeypatch.setattr(pkm, "SKIP_PADS_ON", ())  # pads masked, as on CUDA
     kw, padded = LAYERS[layer]
     if kernel == "triton" and not (pkm_triton.HAS_TRITON and pkm_triton.interpreted()):

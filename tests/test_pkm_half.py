@@ -1,7 +1,7 @@
 """The product-key search in half precision (issue 62, item 1): queries and sub-keys enter the
 search in the model's dtype (bf16/fp16 under --bf16/--fp16/--amp; ``--pkm-search-dtype float32``
 keeps float32), the scores are summed in float32 and the top-k, candidate sums and softmax are
-float32 (modules/pkm.py, ``_ProductTopk`` and the fused kernel of pkm_search_triton.py).
+float32 (modules/pkm_search.py, ``_ProductTopk`` and the fused kernel of pkm_search_triton.py).
 
 * ``half_search``: the slots and weights against a float64 search on fixed inputs, beside the
   two references' half-precision formulations computed here (Memory+'s bf16 scores, XLM's fp16
@@ -22,7 +22,8 @@ import torch
 
 from fairseq_attnzoo.modules import pkm as pkm_module
 from fairseq_attnzoo.modules import pkm_search_triton, pkm_triton
-from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _ProductTopk, product_topk
+from fairseq_attnzoo.modules.pkm import ProductKeyMemory, product_topk
+from fairseq_attnzoo.modules.pkm_search import _ProductTopk
 
 DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
 HALF = [torch.bfloat16, torch.float16]

@@ -1,7 +1,7 @@
 """The fused product-key search (modules/pkm_search_triton.py) against its PyTorch reference
-(modules/pkm.py ``_ProductTopk``): the forward's top-k that filters before it sorts (tests named
-``topk_filter``), the sort-free backward (``sortfree``), the ``auto`` rule, the custom ops
-(registered on first use) and the specialisations handed to the sm_90 spill check.
+(modules/pkm_search.py ``_ProductTopk``): the forward's top-k that filters before it sorts
+(tests named ``topk_filter``), the sort-free backward (``sortfree``), the ``auto`` rule, the custom
+ops (registered on first use) and the specialisations handed to the sm_90 spill check.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set
 by conftest); ``ATTNZOO_TEST_DEVICE=cuda`` runs the same tests on a GPU's compiled kernels."""
@@ -16,7 +16,8 @@ import torch
 
 from fairseq_attnzoo.modules import pkm_search_triton as S
 from fairseq_attnzoo.modules import pkm_triton
-from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _ProductTopk
+from fairseq_attnzoo.modules.pkm import ProductKeyMemory
+from fairseq_attnzoo.modules.pkm_search import _ProductTopk
 
 from test_pkm_triton import DEVICE, DTYPES, _tol  # (the value kernels' device and tolerances)
 

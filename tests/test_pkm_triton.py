@@ -1,5 +1,5 @@
 """The fused Triton kernels of the PKM value read (modules/pkm_triton.py) against their PyTorch
-reference (modules/pkm.py ``_WeightedRowSum``), in fp32, fp16 and bf16, dense and sparse.
+reference (modules/pkm_values.py ``_WeightedRowSum``), in fp32, fp16 and bf16, dense and sparse.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set
 here per test); ``ATTNZOO_TEST_DEVICE=cuda`` runs the same tests on a GPU's compiled kernels. The
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fairseq_attnzoo.modules import pkm_triton
-from fairseq_attnzoo.modules.pkm import ProductKeyMemory, _WeightedRowSum
+from fairseq_attnzoo.modules.pkm import ProductKeyMemory
+from fairseq_attnzoo.modules.pkm_values import _WeightedRowSum
 
 pytestmark = pytest.mark.skipif(not pkm_triton.HAS_TRITON,
                                 reason="Triton is not installed (make install adds it)")

@@ -9,12 +9,17 @@ per-half top-k lists -- an exact search over n_keys² keys at the cost of 2·n_k
     I_1 = top_k(q¹ C), I_2 = top_k(q² C'),  I = top_k{ ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩ : a ∈ I_1, b ∈ I_2 }
     w = softmax over I of the scores,        m(x) = Σ_{i ∈ I} w_i v_i      (summed over heads)
 
-The value table is an ``nn.EmbeddingBag(n_keys², v_dim, mode="sum")`` read with per-sample weights
-(:class:`_WeightedRowSum`: the bag's forward, a backward that returns one gradient row per distinct
-slot read), so only the k·heads selected rows get a gradient; ``sparse=True`` makes that gradient a
-sparse tensor (needs an optimizer that takes sparse gradients: ``--optimizer pkm_adam``). On CUDA
-the read and both of its gradients run as fused Triton kernels (:mod:`.pkm_triton`; ``kernel=``
-switches), with this PyTorch path as their reference and as the CPU path.
+The layer in parts, each read on its own: :class:`QueryNetwork` (q(x): the query projection,
+the float32 batch norm :class:`Float32BatchNorm1d` and its masked form, qk-norm's gain, query
+dropout); :class:`~.pkm_search.ProductKeySearch` (:mod:`.pkm_search`: the sub-keys, the search's
+dtype, the fused kernel or :class:`~.pkm_search._ProductTopk`, the softmax);
+:class:`~.pkm_values.ValueRead` (:mod:`.pkm_values`: the value table, shared pools, sparse or
+dense gradients, the value kernels or :class:`~.pkm_values._WeightedRowSum`); :class:`MemoryOutput`
+(plain, the Memory+ "swilu" reference or the legacy gated output); and :class:`ProductKeyMemory`
+(the options, checked; the parts in order, :meth:`ProductKeyMemory.values_read`; the padding).
+The value table is an ``nn.EmbeddingBag(n_keys², v_dim, mode="sum")`` whose selected rows alone
+get a gradient (``sparse=True``: a sparse one, for ``--optimizer pkm_adam``); on CUDA the search
+and the read run as fused Triton kernels, with the PyTorch paths as their reference.
 
 Choices (XLM's ``pq_fast`` memory is the reference; this is an independent implementation):
 
@@ -52,8 +57,7 @@ Memory+ options (Berges et al., 2024, "Memory Layers at Scale"; independent impl
   scaled to unit L2 norm, so a half score is ``⟨g ⊙ q/rms(q), c/‖c‖⟩`` (computed in fp32).
 """
 
-import math
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -61,294 +65,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import pkm_search_triton, pkm_triton
-from .constants import cached_constant
 from .feedforward import ZooFeedForward
-from .precision import HALF_DTYPES, Float32Module, compute_dtype, float32_region
-
-#: ``param_group`` tag of the value tables (fairseq's convention for per-group optimizer
-#: settings; FP16Optimizer copies it onto its fp32 parameters). ``pkm_adam`` looks for it.
-VALUES_GROUP = "pkm_values"
+# (SEARCH_DTYPES, product_topk, VALUES_GROUP: imported from here by the fairseq wiring and users)
+from .pkm_search import SEARCH_DTYPES, ProductKeySearch, product_topk  # noqa: F401
+from .pkm_values import VALUES_GROUP, ValueRead  # noqa: F401
+from .precision import Float32Module, compute_dtype, float32_region
 
 #: output forms: plain m(x); the reference's SiLU-gated "swilu" output; this project's pre-issue-23
 #: gated output (kept for its checkpoints)
 SWILU_FORMS = ("off", "reference", "legacy")
 #: initialisations: XLM's (Lample et al.) or facebookresearch/memory's (Memory+)
 INITS = ("xlm", "memplus")
-#: the dtype queries and sub-keys enter the search in: "model" = the layer's compute dtype
-#: (:func:`~.precision.compute_dtype` of its input: the parameters' dtype under --fp16/--bf16,
-#: autocast's under --amp, float32 in fp32 training); "float32" = float32 whatever the model's
-#: (the search before issue 62). Scores, top-k, candidate sums and softmax are float32 in both
-SEARCH_DTYPES = ("model", "float32")
-
-
-def product_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, knn: int
-                 ) -> Tuple[Tensor, Tensor]:
-    """Exact top-k over the n_keys² product keys, per head.
-
-    q1, q2 ``[H, N, k_dim/2]``; keys1, keys2 ``[H, n_keys, k_dim/2]`` -> scores, indices
-    ``[H, N, knn]`` (sorted, largest first; index = a·n_keys + b, int32). Scores are float32
-    whatever the inputs' dtype (half inputs: float32 products and sums), and
-    differentiable with respect to queries and keys (:class:`_ProductTopk`, which takes both
-    halves joined and answers token-major: :meth:`ProductKeyMemory.lookup` calls it directly)."""
-    scores, indices = _ProductTopk.apply(torch.cat([q1, q2], -1), torch.stack([keys1, keys2], 1),
-                                         knn)
-    return scores.transpose(0, 1), indices.transpose(0, 1)
-
-
-class _ProductTopk(torch.autograd.Function):
-    """``(query [H, N, k_dim], keys [H, 2, n_keys, k_dim/2], knn) -> scores, indices [N, H, knn]``:
-    half-query i of ``query`` is scored against ``keys[:, i]``; the answer is token-major, the
-    layout of the value read (no transposed copies of either). Indices are int32 from the
-    per-half top-k on (slot ids < 2³¹; half the bytes of every gather, stack and saved tensor
-    after it); only ``scatter_add_``, which takes int64 indices alone, gets an int64 copy.
-
-    The search runs in the keys' dtype, float32 or half (float16 / bfloat16: the search of a
-    half-precision layer, :data:`SEARCH_DTYPES`): the query is rounded to it here (a float32
-    query from the batch norm: its gradient comes back float32, with no cast either way), and
-    the scores are float32 whatever it is (:func:`_half_scores`: the half inputs' products
-    summed in float32), as are the top-k, the candidate sums and everything the backward
-    computes (the gradients are cast to the inputs' dtypes at the end).
-
-    Forward: the search runs without autograd, in chunks of tokens whose [H, chunk, n_keys] scores
-    stay cache-resident between their GEMM and their top-k (on CUDA one chunk, so no per-chunk
-    launches and no copies into preallocated outputs). Backward: straight to the knn chosen
-    sub-key pairs. Score (a, b) = ⟨q¹, c_a⟩ + ⟨q², c'_b⟩, so with g = ∂L/∂score:
-
-        ∂L/∂q¹ = Σ_j g_j c_{a_j}    (an embedding bag over the sub-keys: knn reads a token)
-        ∂L/∂C  = Gᵀ q¹              (G [N, n_keys] = g scattered to the chosen a_j; a GEMM)
-
-    and the same for the second half. Both half-query gradients are one embedding bag whose bags
-    are ordered (token, head, half), so its output is the query gradient already in the query
-    net's [N, H·k_dim] layout (no slice/transpose copies to join them). The sub-key gradient
-    scatters g into one [H, N, n_keys] buffer per half, re-zeroed for the second (the size of
-    the forward's score block for one half, so the backward needs no more scratch than the
-    forward did), and multiplies it with the half-queries in one batched GEMM per half. Stock
-    autograd instead back-propagates through the candidate gather, the second top-k and the
-    first top-k (three zero-fills and scatters, one of them [H, N, n_keys]) and then runs both
-    bmm backward products on that dense gradient."""
-
-    @staticmethod
-    def forward(ctx, query: Tensor, keys: Tensor, knn: int):
-        ctx.query_dtype = query.dtype
-        query = query.to(keys.dtype)  # (the search's inputs; a no-op in float32)
-        h, n, _ = query.shape
-        n_keys, half = keys.size(2), keys.size(3)
-        a, b = _candidate_pairs(knn, query.device)
-        scores_of = _half_scores(keys)
-        # CPU: cache-sized chunks; GPU: one chunk (no per-chunk kernel launches)
-        chunk = n if query.is_cuda else max(1, _SCORE_CHUNK // (h * n_keys))
-        parts = []
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            # per half: [H, c, n_keys] float32 scores -> sorted top-knn values and (int32)
-            # sub-key ids, read token-major [c, H, knn] from here on
-            (s1, i1), (s2, i2) = (
-                (top.values.transpose(0, 1), top.indices.transpose(0, 1).to(torch.int32))
-                for top in (scores_of(query[:, s:e, i * half:(i + 1) * half], i)
-                            .topk(knn, dim=-1) for i in range(2)))
-            # the overall top-k is among the pairs (a, b) of the two sorted lists; pair (a, b)
-            # is beaten by every (a' <= a, b' <= b), so only pairs with (a+1)(b+1) <= knn can
-            # make it (~k·ln k of the k² pairs: 119 of 1024 for k = 32)
-            # (gather with an expanded index / index_select: faster than advanced indexing)
-            cand = (s1.gather(-1, a.expand(e - s, h, -1))
-                    + s2.gather(-1, b.expand(e - s, h, -1)))  # ⟨q¹,c_a⟩ + ⟨q²,c'_b⟩
-            best_s, best = cand.topk(knn, dim=-1)
-            best_flat = best.view(-1)
-            sub1 = i1.gather(-1, a.index_select(0, best_flat).view_as(best))  # chosen sub-keys
-            sub2 = i2.gather(-1, b.index_select(0, best_flat).view_as(best))
-            parts.append((best_s, torch.add(sub2, sub1, alpha=n_keys),  # slot a·n_keys + b
-                          torch.stack([sub1, sub2], 2)))
-        scores, indices, sub = (parts[0] if len(parts) == 1 else
-                                [torch.cat(p) for p in zip(*parts)])
-        ctx.save_for_backward(query, keys, sub)  # sub [N, H, 2, knn]: the chosen a, b
-        ctx.mark_non_differentiable(indices)
-        ctx.set_materialize_grads(False)  # (no zero gradient of the indices is made)
-        return scores, indices
-
-    @staticmethod
-    def backward(ctx, grad: Optional[Tensor], _):
-        if grad is None:
-            return None, None, None
-        query, keys, sub = ctx.saved_tensors
-        n, h, _, k = sub.shape
-        n_keys, half = keys.size(2), keys.size(3)
-        acc = torch.promote_types(keys.dtype, torch.float32)  # float32 (float64 stays)
-        g = grad.to(acc)  # [N, H, knn]; everything below in acc (no-ops in fp32)
-        grad_query = grad_keys = None
-        if ctx.needs_input_grad[0]:  # Σ_j g_j c_{sub_j}; bag (n, h, i) reads keys[h, i]
-            rows = sub + _set_offsets(h, n_keys, sub.device)
-            weights = g.unsqueeze(2).expand(n, h, 2, k)
-            grad_query = F.embedding_bag(rows.view(-1, k), keys.to(acc).reshape(-1, half),
-                                         mode="sum", per_sample_weights=weights.reshape(-1, k))
-            grad_query = grad_query.view(n, h, 2 * half).transpose(0, 1).to(ctx.query_dtype)
-        if ctx.needs_input_grad[1]:  # Gᵀ q per half, all heads at once (a sub-key chosen
-            dense = g.new_empty(h, n, n_keys)  # twice gets both g)
-            grad_keys = []
-            for i in range(2):  # (scatter_add_ takes int64 indices only)
-                dense.zero_().scatter_add_(-1, sub[:, :, i].transpose(0, 1).long(),
-                                           g.transpose(0, 1))
-                grad_keys.append(torch.bmm(dense.transpose(1, 2),
-                                           query[:, :, i * half:(i + 1) * half].to(acc)))
-            grad_keys = torch.stack(grad_keys, 1).to(keys.dtype)
-        return grad_query, grad_keys, None
-
-
-#: devices whose half-precision score GEMM writes float32 itself (``torch.bmm(..., out_dtype=
-#: torch.float32)``: cuBLAS's half GEMM, float32 accumulation and output; torch 2.13 has it on
-#: CUDA only); elsewhere the half inputs are widened to float32 first: the same products (a
-#: product of two bf16 or fp16 numbers is exact in float32) in a float32 GEMM
-HALF_GEMM_ON = ("cuda",)
-
-
-def _half_scores(keys: Tensor) -> Callable[[Tensor, int], Tensor]:
-    """``scores(q, i)``: the scores [H, c, n_keys] of half-queries q [H, c, k_dim/2] (in the
-    keys' dtype) against sub-key set i of ``keys`` [H, 2, n_keys, k_dim/2], float32 for half
-    inputs: multiplied as they are and summed in float32 (never rounded to half: near-equal
-    scores would tie or swap ranks; the Memory+ reference's bfloat16 scores change a slot in
-    several times as many rows as bfloat16 inputs with float32 sums, tests/test_pkm_half.py)."""
-    keys_t = keys.transpose(2, 3)  # [H, 2, half, n_keys]
-    if keys.dtype not in HALF_DTYPES:  # float32 (or float64) as it is
-        return lambda q, i: torch.bmm(q, keys_t[:, i])
-    if keys.device.type in HALF_GEMM_ON:
-        return lambda q, i: torch.bmm(q, keys_t[:, i], out_dtype=torch.float32)
-    keys_t = keys_t.float()  # (once, not per chunk)
-    return lambda q, i: torch.bmm(q.float(), keys_t[:, i])
-
 
 #: devices where :meth:`ProductKeyMemory.forward` removes the pads (a ``nonzero``, no sync on
 #: the host's own device; the pads' query, search and read are skipped: measured faster on the
 #: CPU) instead of masking them (everywhere else, and under torch.compile)
 SKIP_PADS_ON = ("cpu",)
-
-#: elements of one CPU chunk of search scores [H, chunk, n_keys] (4 MB in float32; 512 tokens
-#: at H = 4, n_keys = 512: chunks of 128-1024 tokens time alike, ahead of one [H, N, n_keys] block)
-_SCORE_CHUNK = 1 << 20
-
-
-def candidate_pairs(knn: int) -> Tuple[list, list]:
-    """The pairs (a, b) of places in the two sorted per-half top-knn lists that can hold one of
-    the knn best product keys, (a+1)(b+1) <= knn, as two lists of ints (row-major: a, then b).
-    Their number is known from knn alone (Σ_a ⌊knn/(a+1)⌋), so no op sizes anything by data."""
-    pairs = [(a, b) for a in range(knn) for b in range(knn // (a + 1))]
-    return [a for a, _ in pairs], [b for _, b in pairs]
-
-
-@cached_constant
-def _candidate_pairs(knn: int, device) -> Tuple[Tensor, Tensor]:
-    """:func:`candidate_pairs` as two int64 tensors on ``device`` (``gather`` takes int64
-    indices only), made once: a constant, no ``nonzero`` (a host sync on CUDA, a graph break
-    under ``torch.compile``)."""
-    a, b = candidate_pairs(knn)
-    return (torch.tensor(a, dtype=torch.int64, device=device),
-            torch.tensor(b, dtype=torch.int64, device=device))
-
-
-@cached_constant
-def _set_offsets(heads: int, n_keys: int, device) -> Tensor:
-    """[1, H, 2, 1] int32: the first row of sub-key set (head, half) in the flattened sub-keys
-    (an arange kernel per layer and backward otherwise)."""
-    return torch.arange(0, heads * 2 * n_keys, n_keys, dtype=torch.int32,
-                        device=device).view(1, heads, 2, 1)
-
-
-class _WeightedRowSum(torch.autograd.Function):
-    """``out[n] = Σ_j w[n, j] · table[idx[n, j]]`` (an embedding bag) with a backward that visits
-    the reads sorted by table row.
-
-    ``nn.EmbeddingBag``'s own backward materialises one d-vector per read -- N·heads·knn rows,
-    uncoalesced (1 GB at 4096 tokens, d = 512) -- and reads the table rows for the weight gradient
-    in token order, i.e. at random. Here the reads are sorted by row once (one ``sort``), and
-    both gradients are embedding-bag kernels over that order:
-
-    * ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩ walks the table rows in increasing order (each read
-      row streamed once, repeats adjacent) instead of at random;
-    * the table gradient Σ_{idx[n,j] = r} w[n, j] · grad[n] is itself a bag over ``grad`` per
-      row r: one bag per distinct row read (sparse: U × d, coalesced) or, for a dense gradient,
-      one bag per table row, empty bags giving the zero rows -- the dense |K| × d gradient is
-      written once, with no zero-fill and no scatter of a compact copy.
-
-    ``keep`` [N] (bool, optional): the tokens whose reads count. With a sparse gradient the reads
-    of the other tokens (pads, whose output the caller masks to 0) are not among its rows; a dense
-    gradient needs nothing (their output gradient is 0). The sparse gradient holds the rows of the
-    reads kept, found by ONE op sized by the data (``nonzero``: a host sync on CUDA; no ``bool()``
-    of a loss that fairseq multiplied by 0: such a gradient drops every read the same way)."""
-
-    @staticmethod
-    def forward(ctx, table: Tensor, indices: Tensor, weights: Tensor, sparse: bool,
-                fused: bool = False, keep: Optional[Tensor] = None) -> Tensor:
-        ctx.save_for_backward(table, indices, weights, keep)
-        ctx.sparse, ctx.fused = sparse, fused
-        if fused:  # the Triton kernels (pkm_triton); this class is their reference
-            return pkm_triton.read(table, indices, weights)
-        return F.embedding_bag(indices, table, mode="sum", per_sample_weights=weights)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        table, indices, weights, keep = ctx.saved_tensors
-        grad = grad.contiguous()
-        n, m = indices.shape
-        size = table.size(0)
-        # a batch whose loss fairseq multiplied by 0 (the dummy batch a DDP rank runs when it
-        # has fewer batches than the others, an OOM skip) reads no rows of a sparse gradient:
-        # the lazy optimizer must not decay their moments, as one process would not. Per token:
-        # a table split over processes reads the tokens of every rank at once, a dummy batch's
-        # among them (a real token's output gradient is never exactly 0)
-        sparse = ctx.sparse and ctx.needs_input_grad[0]
-        dead = None
-        if sparse:  # reads that count nowhere (sorted after every row, keyed row + |K|)
-            dead = ~grad.any(-1)
-            if keep is not None:
-                dead = dead | ~keep
-        if ctx.fused:  # the Triton kernels (the same rows, the same one sync)
-            grad_table, grad_weights = pkm_triton.backward(
-                grad, table, indices, weights, ctx.sparse, ctx.needs_input_grad[0],
-                ctx.needs_input_grad[2], dead=dead)
-            return grad_table, None, grad_weights, None, None, None
-        keys, order = torch.sort(pkm_triton.dead_last(indices, dead, size, indices.dtype))
-        # (keys: the table row of each read, ascending; dead reads last, keyed row + |K|)
-        rows_read = keys.remainder(size) if sparse else keys
-        token = order // m  # the bag (token) of each sorted read
-        grad_table = grad_weights = None
-        if ctx.needs_input_grad[2]:  # ∂/∂w[n, j] = ⟨grad[n], table[idx[n, j]]⟩, in row order
-            sorted_grad = read_dots(grad, table, rows_read, token, n, m)
-            grad_weights = torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad)
-            grad_weights = grad_weights.view(n, m)
-        if ctx.needs_input_grad[0]:
-            w = weights.reshape(-1).index_select(0, order)
-            if ctx.sparse:  # one bag per distinct row among the reads kept (keys < |K|)
-                starts, offsets = pkm_triton.live_runs(keys, size)
-                rows_grad = F.embedding_bag(token, grad, offsets, mode="sum",
-                                            per_sample_weights=w, include_last_offset=True)
-                grad_table = torch.sparse_coo_tensor(
-                    keys.index_select(0, starts).long().unsqueeze(0), rows_grad, table.shape,
-                    is_coalesced=True, check_invariants=False)
-            else:  # bag r = the reads of row r (empty for unread rows -> zero row)
-                starts = pkm_triton.row_ranges(rows_read, table.size(0))[0]
-                grad_table = F.embedding_bag(token, grad, starts, mode="sum",
-                                             per_sample_weights=w)
-        return grad_table, None, grad_weights, None, None, None
-
-
-def read_dots(grad: Tensor, table: Tensor, rows: Tensor, token: Tensor, n: int, m: int,
-              kernel: Optional[bool] = None) -> Tensor:
-    """⟨grad[token_i], table[rows_i]⟩ for each of the n·m reads i (in the given order).
-
-    ATen's embedding-bag weight-gradient kernel, except where it does not exist -- bfloat16 on
-    CUDA (``_embedding_bag_per_sample_weights_backward_cuda not implemented for 'BFloat16'``) --
-    where the rows are gathered in chunks of ~16M elements and the dots taken in float32.
-    ``kernel`` forces one path (tests)."""
-    if kernel is None:
-        kernel = not (table.is_cuda and table.dtype == torch.bfloat16)
-    if kernel:
-        offsets = torch.arange(0, n * m, m, device=grad.device)  # unused by mode "sum"
-        return torch.ops.aten._embedding_bag_per_sample_weights_backward(
-            grad, table, rows, offsets, token, 0, -1)
-    out = torch.empty(rows.numel(), dtype=grad.dtype, device=grad.device)
-    step = max(1, (1 << 24) // max(1, table.size(1)))
-    for s in range(0, rows.numel(), step):
-        r, t = rows[s: s + step], token[s: s + step]
-        out[s: s + step] = (table[r].float() * grad[t].float()).sum(-1).to(out.dtype)
-    return out
 
 
 def slot_counts(indices: Tensor, weights: Tensor, size: int) -> Tensor:
@@ -412,44 +144,126 @@ class Float32BatchNorm1d(Float32Module, nn.BatchNorm1d):
             return out * self.weight + self.bias if self.affine else out
 
 
-class ValueTable(nn.EmbeddingBag):
-    """The value table V [|K|, v_dim] (an ``nn.EmbeddingBag``, same state-dict key ``weight``)
-    with the weighted read the memory calls: :meth:`read`. A table split over processes
-    (:class:`.pkm_shard.ShardedValueTable`) replaces it with the same ``read``."""
+class QueryNetwork:
+    """The query network of :class:`ProductKeyMemory` (a part of it, read on its own): per-head
+    queries q(x) = Drop_q(qk-norm(BN(W_q Drop_in(x)))), W_q ``query_proj`` [d -> H·k_dim], BN
+    ``query_bn`` (:class:`Float32BatchNorm1d`, statistics over the real tokens alone), qk-norm's
+    gain ``query_gain``; :meth:`_init_query` makes them, :meth:`reset_query` initialises them.
+    It reads the module's ``input_dim``, ``heads``, ``k_dim``, ``init`` and dropouts."""
 
-    def read(self, indices: Tensor, weights: Tensor, fused: bool,
-             keep: Optional[Tensor] = None) -> Tensor:
-        """``out[n] = Σ_j weights[n, j] · V[indices[n, j]]`` -> [N, v_dim]; ``keep`` [N] (bool):
-        the real tokens, whose reads alone a sparse gradient holds."""
-        return _WeightedRowSum.apply(self.weight, indices, weights.to(self.weight.dtype),
-                                     self.sparse, fused, keep)
+    def _init_query(self, batchnorm: bool, qk_norm: bool):
+        width = self.heads * self.k_dim
+        self.query_proj = nn.Linear(self.input_dim, width)  # q(x)
+        self.query_bn = Float32BatchNorm1d(width) if batchnorm else None
+        # qk-norm: the learned gain g of the RMS-normalised half-queries
+        self.query_gain = nn.Parameter(torch.ones(width)) if qk_norm else None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.query_gain is not None
+
+    def reset_query(self):
+        self.query_proj.reset_parameters()
+        if self.init == "memplus":  # facebookresearch/memory: Xavier-uniform query weight
+            nn.init.xavier_uniform_(self.query_proj.weight)
+        if self.query_bn is not None:
+            self.query_bn.reset_parameters()
+        if self.query_gain is not None:
+            nn.init.ones_(self.query_gain)
+
+    def query(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None) -> Tensor:
+        """[N, d] -> per-head queries [H, N, k_dim] in float32: the batch norm's float32 output
+        (and qk-norm, query dropout, in float32) goes on as it is, not rounded through the
+        model's dtype and cast back; :meth:`lookup` rounds it once to the search's dtype.
+        ``dropped``: input dropout already done. ``keep`` [N] (bool): the real tokens; the
+        others (pads) stay out of the batch statistics."""
+        if not dropped:
+            x = F.dropout(x, self.input_dropout, self.training)
+        q = self.query_proj(x)
+        if self.query_bn is not None:
+            if keep is not None and self.training:
+                q = self.query_bn.masked(q, keep)
+            elif self.training and q.size(0) < 2:  # batch statistics need two tokens
+                bn = self.query_bn
+                with float32_region(q.device):
+                    q = F.batch_norm(q.float(), bn.running_mean, bn.running_var, bn.weight,
+                                     bn.bias, False, 0.0, bn.eps)
+            else:
+                q = self.query_bn(q, keep_float32=True)
+        q = q.float()
+        if self.query_gain is not None:
+            q = self._normalize_query(q)
+        q = F.dropout(q, self.query_dropout, self.training)
+        return q.view(-1, self.heads, self.k_dim).transpose(0, 1)
+
+    def _normalize_query(self, q: Tensor) -> Tensor:
+        """qk-norm, query side: each half-query [N, H·k_dim] -> g ⊙ q / rms(q), in fp32."""
+        half = q.float().view(q.size(0), -1, self.k_dim // 2)
+        half = half * torch.rsqrt(half.square().mean(-1, keepdim=True) + 1e-6)
+        return (half.view_as(q) * self.query_gain.float()).to(q.dtype)
 
 
-def value_table(size: int, v_dim: int, sparse: bool = False) -> nn.EmbeddingBag:
-    """The value table V [|K|, v_dim] of one memory, or of a pool shared by several memories."""
-    table = ValueTable(size, v_dim, mode="sum")
-    table.weight.param_group = VALUES_GROUP
-    mark_sparse(table, sparse)
-    return table
+class MemoryOutput:
+    """The output form of :class:`ProductKeyMemory` (a part of it, read on its own), one of
+    :data:`SWILU_FORMS`: m(x) as it is (through ``out_proj`` when v_dim != d_out), the Memory+
+    reference's SiLU-gated output W₂(m(x̃) ⊙ SiLU(W₁ x̃)) (W₁ ``gate_proj``, W₂ ``gate_out``,
+    with biases) or the legacy gated form; :meth:`_init_output` makes the maps,
+    :meth:`reset_output` initialises them, :meth:`transform` is the layer's output for the real
+    tokens. It reads the module's ``swilu``, ``input_dim``, ``v_dim``, ``output_dim``, dropouts
+    and m(x) (:meth:`ProductKeyMemory.values_read`)."""
+
+    def _init_output(self):
+        v_dim, output_dim = self.v_dim, self.output_dim
+        if self.swilu != "off":  # Memory+: out = W₂(m(x̃) ⊙ SiLU(W₁ x̃)); biases in the reference
+            bias = self.swilu == "reference"
+            self.gate_proj = nn.Linear(self.input_dim, v_dim, bias=bias)  # W₁
+            self.out_proj = None
+            self.gate_out = nn.Linear(v_dim, output_dim, bias=bias)  # W₂
+        else:
+            self.gate_proj = self.gate_out = None
+            self.out_proj = (nn.Linear(v_dim, output_dim, bias=False) if v_dim != output_dim
+                             else None)
+
+    @property
+    def gated(self) -> bool:
+        return self.gate_proj is not None
+
+    def reset_output(self):
+        for lin in (self.gate_proj, self.gate_out):
+            if lin is not None:
+                lin.reset_parameters()  # legacy: nn.Linear's init; reference: biases keep it
+                if self.swilu == "reference":  # W₁, W₂ ~ N(0, d_out^-½) as in the reference
+                    nn.init.normal_(lin.weight, 0.0, self.output_dim ** -0.5)
+
+    def read(self, x: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+        """m(x) for tokens x [N, d] -> [N, d_out] (plain output; with swilu the [N, v_dim] read
+        that the gate multiplies), value dropout on the read as in XLM. ``keep``: as in
+        :meth:`values_read`."""
+        out = F.dropout(self.values_read(x, keep=keep), self.value_dropout, self.training)
+        return out if self.out_proj is None else self.out_proj(out)
+
+    def transform(self, x: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+        """The layer's output for tokens x [N, d] -> [N, d_out]; ``keep`` [N] (bool): the real
+        tokens (the rows of the others are garbage: :meth:`forward` masks them)."""
+        if self.swilu == "reference":  # Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃))), x̃ = Drop_in(x)
+            x = F.dropout(x, self.input_dropout, self.training)
+            out = self.gate_out(self.values_read(x, dropped=True, keep=keep)
+                                * F.silu(self.gate_proj(x)))
+            return F.dropout(out, self.value_dropout, self.training)
+        out = self.read(x, keep)
+        if self.swilu == "legacy":  # W₂(Drop_v(m(x)) ⊙ SiLU(W₁ x)), no biases
+            out = self.gate_out(out * F.silu(self.gate_proj(x)))
+        return out
 
 
-def mark_sparse(table: nn.EmbeddingBag, sparse: bool):
-    """Switch a value table between dense and sparse (row) gradients.
+class ProductKeyMemory(QueryNetwork, ProductKeySearch, ValueRead, MemoryOutput, ZooFeedForward):
+    """Product-key memory layer: ``forward(x [T, B, d], padding_mask [B, T]) -> [T, B, d_out]``.
 
-    Sparse tables are tagged ``pkm_sparse`` (``pkm_adam`` exchanges their rows across processes
-    and updates them lazily) and ``expert``: fairseq's tag for parameters that its legacy DDP
-    wrapper must not all-reduce (the zoo models also hand these names to PyTorch DDP to ignore),
-    as is a table split over processes (``split``, :mod:`.pkm_shard`) either way."""
-    table.sparse = bool(sparse)
-    table.weight.pkm_sparse = bool(sparse)
-    if sparse or getattr(table, "split", False):  # a table split over processes: always
-        table.weight.expert = True
-    elif hasattr(table.weight, "expert"):
-        del table.weight.expert
-
-
-class ProductKeyMemory(ZooFeedForward):
-    """Product-key memory layer: ``forward(x [T, B, d], padding_mask [B, T]) -> [T, B, d_out]``."""
+    Its parts (see the module): :class:`QueryNetwork`, :class:`~.pkm_search.ProductKeySearch`,
+    :class:`~.pkm_values.ValueRead`, :class:`MemoryOutput`. Here: the options, checked; the
+    parts made and initialised in the order that names their parameters and draws their
+    initial values (checkpoints and same-seed runs depend on both); m(x) through the parts
+    (:meth:`values_read`); the pads, masked or removed (:meth:`forward`)."""
 
     def __init__(self, input_dim: int, output_dim: Optional[int] = None, n_keys: int = 512,
                  heads: int = 4, knn: int = 32, k_dim: int = 256, v_dim: Optional[int] = None,
@@ -470,7 +284,8 @@ class ProductKeyMemory(ZooFeedForward):
         self.kernel = pkm_triton.check_kernel(kernel)
         #: the product-key search and its backward: "auto" = the fused Triton kernel
         #: (pkm_search_triton) on CUDA for bf16/fp16 queries (float32 ones where its float32
-        #: specialisation ships), else :class:`_ProductTopk`; "triton" / "torch" force one
+        #: specialisation ships), else :class:`~.pkm_search._ProductTopk`; "triton" / "torch"
+        #: force one
         self.search_kernel = pkm_search_triton.check_search_kernel(search_kernel)
         if search_dtype not in SEARCH_DTYPES:
             raise ValueError(f"PKM search_dtype must be one of {', '.join(SEARCH_DTYPES)}, got "
@@ -497,169 +312,31 @@ class ProductKeyMemory(ZooFeedForward):
         self.size = n_keys ** 2  # |K|
         self.input_dropout, self.query_dropout, self.value_dropout = (
             input_dropout, query_dropout, value_dropout)
-
-        self.query_proj = nn.Linear(input_dim, heads * k_dim)  # q(x)
-        self.query_bn = Float32BatchNorm1d(heads * k_dim) if query_batchnorm else None
-        # qk-norm: the learned gain g of the RMS-normalised half-queries
-        self.query_gain = nn.Parameter(torch.ones(heads * k_dim)) if qk_norm else None
-        self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, k_dim // 2))  # C, C' per head
-        #: False when ``values`` is another memory's table (shared pool): not registered here, so
-        #: it appears once among the model's parameters and once in its state dict
-        self.owns_values = values is None
-        if values is None:
-            self.values = value_table(self.size, v_dim, sparse)
-        else:
-            shape = (values.num_embeddings, values.embedding_dim)  # of a split table too
-            if shape != (self.size, v_dim):
-                raise ValueError(f"a shared PKM value table must be [n_keys² = {self.size}, "
-                                 f"v_dim = {v_dim}], got {list(shape)}")
-            object.__setattr__(self, "values", values)  # a reference, not a submodule
-        if swilu != "off":  # Memory+: out = W₂(m(x̃) ⊙ SiLU(W₁ x̃)); biases in the reference
-            bias = swilu == "reference"
-            self.gate_proj = nn.Linear(input_dim, v_dim, bias=bias)  # W₁
-            self.out_proj = None
-            self.gate_out = nn.Linear(v_dim, output_dim, bias=bias)  # W₂
-        else:
-            self.gate_proj = self.gate_out = None
-            self.out_proj = (nn.Linear(v_dim, output_dim, bias=False) if v_dim != output_dim
-                             else None)
-        #: called as ``fn(indices [N, heads·knn], weights [N, heads·knn])`` after every read in
-        #: eval mode (usage diagnostics); None = off
-        self.usage_callback: Optional[Callable[[Tensor, Tensor], None]] = None
-        self.sparse = sparse
+        # the parts, in the order their parameters were always created (the state dict's order;
+        # nn.Linear draws its own init from the RNG as it is made)
+        self._init_query(query_batchnorm, qk_norm)
+        self._init_search()
+        self._init_values(values, sparse)
+        self._init_output()
         self.reset_parameters()
 
-    @property
-    def sparse(self) -> bool:
-        return self.values.sparse
-
-    @sparse.setter
-    def sparse(self, value: bool):
-        mark_sparse(self.values, value)
-
-    @property
-    def gated(self) -> bool:
-        return self.gate_proj is not None
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.query_gain is not None
-
     def reset_parameters(self):
-        # XLM: uniform(±1/√(k_dim/2)), nn.Linear's rule for a sub-key; memory: ±1/√k_dim
-        bound = 1 / math.sqrt(self.k_dim if self.init == "memplus" else self.k_dim // 2)
-        nn.init.uniform_(self.keys, -bound, bound)
-        if self.owns_values:  # a shared table is initialised once, by its owner
-            nn.init.normal_(self.values.weight, 0.0, self.v_dim ** -0.5)
-        self.query_proj.reset_parameters()
-        if self.init == "memplus":  # facebookresearch/memory: Xavier-uniform query weight
-            nn.init.xavier_uniform_(self.query_proj.weight)
-        if self.query_bn is not None:
-            self.query_bn.reset_parameters()
-        if self.query_gain is not None:
-            nn.init.ones_(self.query_gain)
-        for lin in (self.gate_proj, self.gate_out):
-            if lin is not None:
-                lin.reset_parameters()  # legacy: nn.Linear's init; reference: biases keep it
-                if self.swilu == "reference":  # W₁, W₂ ~ N(0, d_out^-½) as in the reference
-                    nn.init.normal_(lin.weight, 0.0, self.output_dim ** -0.5)
+        # the parts' inits in the order they always drew from the RNG
+        self.reset_keys()
+        self.reset_values()
+        self.reset_query()
+        self.reset_output()
 
     # ---- the memory read ---------------------------------------------------------------------
-    def query(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None) -> Tensor:
-        """[N, d] -> per-head queries [H, N, k_dim] in float32: the batch norm's float32 output
-        (and qk-norm, query dropout, in float32) goes on as it is, not rounded through the
-        model's dtype and cast back; :meth:`lookup` rounds it once to the search's dtype.
-        ``dropped``: input dropout already done. ``keep`` [N] (bool): the real tokens; the
-        others (pads) stay out of the batch statistics."""
-        if not dropped:
-            x = F.dropout(x, self.input_dropout, self.training)
-        q = self.query_proj(x)
-        if self.query_bn is not None:
-            if keep is not None and self.training:
-                q = self.query_bn.masked(q, keep)
-            elif self.training and q.size(0) < 2:  # batch statistics need two tokens
-                bn = self.query_bn
-                with float32_region(q.device):
-                    q = F.batch_norm(q.float(), bn.running_mean, bn.running_var, bn.weight,
-                                     bn.bias, False, 0.0, bn.eps)
-            else:
-                q = self.query_bn(q, keep_float32=True)
-        q = q.float()
-        if self.query_gain is not None:
-            q = self._normalize_query(q)
-        q = F.dropout(q, self.query_dropout, self.training)
-        return q.view(-1, self.heads, self.k_dim).transpose(0, 1)
-
-    def search_dtype_for(self, x: Tensor) -> torch.dtype:
-        """The dtype the queries and sub-keys of input ``x`` enter the search in: the layer's
-        compute dtype (``x``'s, or autocast's for a float32 ``x`` in an autocast region) when it
-        is float16 or bfloat16 and ``search_dtype`` is "model"; float32 otherwise."""
-        dtype = compute_dtype(x)
-        return dtype if self.search_dtype == "model" and dtype in HALF_DTYPES else torch.float32
-
-    def _normalize_query(self, q: Tensor) -> Tensor:
-        """qk-norm, query side: each half-query [N, H·k_dim] -> g ⊙ q / rms(q), in fp32."""
-        half = q.float().view(q.size(0), -1, self.k_dim // 2)
-        half = half * torch.rsqrt(half.square().mean(-1, keepdim=True) + 1e-6)
-        return (half.view_as(q) * self.query_gain.float()).to(q.dtype)
-
-    def sub_keys(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The two sub-key sets C, C' ``[H, 2, n_keys, k_dim/2]`` searched by :meth:`lookup`, in
-        ``dtype`` (the queries'); with qk-norm each sub-key is scaled to unit L2 norm (in
-        float32, then rounded once)."""
-        keys = self.keys
-        if self.query_gain is not None:
-            keys = F.normalize(keys.float(), dim=-1, eps=1e-6)
-        return keys.to(dtype)
-
-    def lookup(self, query: Tensor, dtype: Optional[torch.dtype] = None
-               ) -> Tuple[Tensor, Tensor]:
-        """Per-head queries [H, N, k_dim] -> (softmax weights, slot indices), each [N, H·knn],
-        searched in ``dtype`` (:meth:`search_dtype_for`; default: the query's): queries and
-        sub-keys rounded to it once; scores, top-k and softmax in float32 (in fp16/bf16
-        near-equal scores would tie or swap ranks)."""
-        n = query.size(1)  # token-major already: [N, H, knn] -> [N, H·knn] are views
-        keys = self.sub_keys(dtype or query.dtype)
-        if pkm_search_triton.use_search_kernel(self.search_kernel, query, keys, self.knn):
-            weights, indices = pkm_search_triton.search(query.to(keys.dtype), keys, self.knn)
-            return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
-        with float32_region(query.device):
-            scores, indices = _ProductTopk.apply(query, keys, self.knn)
-            weights = torch.softmax(scores, dim=-1)  # over each head's k, float32
-        return weights.view(n, self.heads * self.knn), indices.view(n, self.heads * self.knn)
-
     def values_read(self, x: Tensor, dropped: bool = False, keep: Optional[Tensor] = None
                     ) -> Tensor:
-        """Σ_i w_i v_i for tokens x [N, d] -> [N, v_dim] (no value dropout); ``keep`` [N]
-        (bool): the real tokens (the others' rows are garbage, which the caller masks)."""
+        """m(x) = Σ_i w_i v_i for tokens x [N, d] -> [N, v_dim] (no value dropout): the query
+        network, the search, the value read. ``dropped``: input dropout already done; ``keep``
+        [N] (bool): the real tokens (the others' rows are garbage, which the caller masks)."""
         weights, indices = self.lookup(self.query(x, dropped, keep), self.search_dtype_for(x))
-        out = self.values.read(indices, weights,
-                               pkm_triton.use_value_kernel(self.kernel, self.values.weight), keep)
-        if not self.training and self.usage_callback is not None:
-            weights = weights if keep is None else torch.where(keep.unsqueeze(1), weights, 0.0)
-            self.usage_callback(indices.detach(), weights.detach())
+        out = self.read_slots(indices, weights, keep)
         # the dtype the layer computes in: autocast's for a float32 x inside autocast
         return out.to(compute_dtype(x))
-
-    def read(self, x: Tensor, keep: Optional[Tensor] = None) -> Tensor:
-        """m(x) for tokens x [N, d] -> [N, d_out] (plain output; with swilu the [N, v_dim] read
-        that the gate multiplies), value dropout on the read as in XLM. ``keep``: as in
-        :meth:`values_read`."""
-        out = F.dropout(self.values_read(x, keep=keep), self.value_dropout, self.training)
-        return out if self.out_proj is None else self.out_proj(out)
-
-    def transform(self, x: Tensor, keep: Optional[Tensor] = None) -> Tensor:
-        """The layer's output for tokens x [N, d] -> [N, d_out]; ``keep`` [N] (bool): the real
-        tokens (the rows of the others are garbage: :meth:`forward` masks them)."""
-        if self.swilu == "reference":  # Drop_v(W₂(m(x̃) ⊙ SiLU(W₁ x̃))), x̃ = Drop_in(x)
-            x = F.dropout(x, self.input_dropout, self.training)
-            out = self.gate_out(self.values_read(x, dropped=True, keep=keep)
-                                * F.silu(self.gate_proj(x)))
-            return F.dropout(out, self.value_dropout, self.training)
-        out = self.read(x, keep)
-        if self.swilu == "legacy":  # W₂(Drop_v(m(x)) ⊙ SiLU(W₁ x)), no biases
-            out = self.gate_out(out * F.silu(self.gate_proj(x)))
-        return out
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
         t, b, c = x.shape

@@ -1,10 +1,10 @@
 """Fused Triton kernels for the product-key search: a top-k that filters before it sorts, and a
 sort-free backward.
 
-The reference is :class:`~fairseq_attnzoo.modules.pkm._ProductTopk` (and the softmax of
-:meth:`~fairseq_attnzoo.modules.pkm.ProductKeyMemory.lookup`) in plain PyTorch, which stays the
-CPU path. Queries and sub-keys come in bfloat16, float16 or float32; every score is accumulated in
-float32.
+The reference is :class:`~fairseq_attnzoo.modules.pkm_search._ProductTopk` (and the softmax
+of :meth:`~fairseq_attnzoo.modules.pkm_search.ProductKeySearch.lookup`) in plain PyTorch, which
+stays the CPU path. Queries and sub-keys come in bfloat16, float16 or float32; every score is
+accumulated in float32.
 
 **Forward**, two kernels. ``_halves_kernel``: per block of :data:`BLOCK_N` (64) tokens and one head
 (4 warps of 16 rows: a row's reductions stay within a warp), for each half i:

@@ -15,7 +15,7 @@ every row and the columns ``[r·d/G, (r+1)·d/G)``. A read of the tokens of ever
 Only indices, weights and d-wide activations move; the table's gradient and its optimizer state
 stay on the rank that owns the columns. The collectives are torch's own autograd-aware
 functional collectives (``torch.distributed._functional_collectives``; they run under gloo and
-NCCL); the per-rank bag is :class:`~.pkm.ValueTable`'s read (sparse or dense gradients, the Triton
+NCCL); the per-rank bag is :class:`~.pkm_values.ValueTable`'s read (sparse or dense gradients, the Triton
 kernels on CUDA) on the local column slice.
 
 Gradient convention (data parallelism averages over ranks): the local gradient is the sum over
@@ -53,7 +53,7 @@ import torch.distributed._functional_collectives as fc
 import torch.nn as nn
 from torch import Tensor
 
-from .pkm import VALUES_GROUP, ValueTable, mark_sparse
+from .pkm_values import VALUES_GROUP, ValueTable, mark_sparse
 
 #: the attribute that marks a split value table's parameter (its :class:`ShardLayout`) and, on an
 #: fp32 master copy, the split parts it holds (:func:`describe_masters`)
@@ -100,7 +100,7 @@ def gather_columns(local: Tensor, layout: ShardLayout) -> Optional[Tensor]:
 
 
 class ShardedValueTable(nn.Module):
-    """A :class:`~.pkm.ValueTable` whose columns are split over ``layout.group``: ``weight`` is
+    """A :class:`~.pkm_values.ValueTable` whose columns are split over ``layout.group``: ``weight`` is
     this rank's [|K|, d/G] slice; :meth:`read` takes this rank's tokens and returns them
     full-width. Built from the full (initialised) table, so every rank starts from the columns of
     the same table as one process would."""

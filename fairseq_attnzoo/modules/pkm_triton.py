@@ -1,7 +1,7 @@
 """Fused Triton kernels for the product-key memory's value read and its gradients.
 
-The reference is :class:`~fairseq_attnzoo.modules.pkm._WeightedRowSum` in plain PyTorch (ATen's
-embedding-bag kernels); these kernels compute the same three quantities, each accumulated in
+The reference is :class:`~fairseq_attnzoo.modules.pkm_values._WeightedRowSum` in plain PyTorch
+(ATen's embedding-bag kernels); these kernels compute the same three quantities, each accumulated in
 float32 whatever the table's dtype, and are used on CUDA when Triton is importable
 (``ProductKeyMemory(kernel="auto")``, fairseq ``--pkm-kernel``):
 

@@ -138,7 +138,7 @@ def _read_problem(p, device, dtype):
 
 
 def _read(p, device, dtype):
-    from fairseq_attnzoo.modules.pkm import _WeightedRowSum
+    from fairseq_attnzoo.modules.pkm_values import _WeightedRowSum
 
     if p["kernel"] not in _kernels(device):
         raise RuntimeError(f"{p['kernel']} kernel not available on {device}")
@@ -312,7 +312,7 @@ def _search(p, device, dtype):
     ``auto`` uses (checked against it here first, with how often the forward's exact fallback
     ran); queries [H, N, k_dim] as a view of [N, H·k_dim], as the layer hands them over."""
     from fairseq_attnzoo.modules import pkm_search_triton as fused
-    from fairseq_attnzoo.modules.pkm import _ProductTopk
+    from fairseq_attnzoo.modules.pkm_search import _ProductTopk
 
     dt, grad = (dtype if p["inputs"] == "dtype" else torch.float32), p["impl"] == "topk"
     q = randn(p["tokens"], p["heads"], p["k_dim"], device=device, dtype=dt).transpose(0, 1)
