@@ -382,47 +382,17 @@ class _FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def value_backward_traffic(p: dict, element: int) -> List[Tuple[str, float, float]]:
-    """The value backward on CUDA (modules/pkm_triton.py), step by step, modelled (a trace on
-    ``meta`` cannot run a Triton kernel): ``(step, bytes from DRAM, bytes served from L2)`` at
-    shape ``p`` (tokens, heads, knn, n_keys, d; ``sparse``) for values of ``element`` bytes
-    (2: the blocks kernel, 4: the rows kernel) and int32 slot ids (the layer's).
-
-    DRAM: each tensor a step reads or writes, once -- the reads sorted by row make every table
-    row's reads adjacent, so a row is loaded once. The output gradient [N, d] is gathered once
-    per read (128 times at the paper shape), but it is 16.8 MB in bf16: after its first loads it
-    sits in the 50 MB L2, so the gathers are the third column, not DRAM. Rows read: the expected
-    number of distinct rows of uniformly random reads."""
-    from fairseq_attnzoo.modules import pkm_triton
-
-    size, d, n = p["n_keys"] ** 2, p["d"], p["tokens"]
-    reads = n * p["heads"] * p["knn"]
-    distinct = size * (1 - (1 - 1 / size) ** reads)
-    rows = distinct if p.get("sparse") else size  # rows of the gradient, programs' rows
-    cols = (pkm_triton.block_launch(d) if element == 2 else pkm_triton.backward_launch(d)).cols
-    chunks = -(-d // cols)
-    dots = reads * (element if chunks == 1 else 4 * chunks)  # the weight-gradient dots written
-    steps = [("sort the reads by row (int32 keys; sorted keys, int64 order)", reads * 16, 0),
-             ("each row's run of sorted reads (searchsorted; sparse: nonzero)",
-              reads * 4 + rows * 12, 0),
-             ("the kernel: table rows read, gradient rows written, output gradient, order, "
-              "weights, dots", distinct * d * element + rows * d * element + n * d * element
-              + reads * (8 + element) + dots, reads * d * element - n * d * element)]
-    if chunks > 1:
-        steps.append((f"sum of the {chunks} column chunks' float32 dots", dots + reads * element,
-                      0))
-    return steps
-
-
 def _value_kernels(layer: Layer, models: Dict[str, Dict[tuple, dict]]) -> str:
     """The Triton value backward (what CUDA runs instead of the ``_WeightedRowSum.backward``
     rows above), modelled: its DRAM bytes and floor against the traced PyTorch path's."""
-    out = ["\n**The value backward on CUDA, modelled** (`costmodel.value_backward_traffic`; the "
+    out = ["\n**The value backward on CUDA, modelled** (`pkm_triton.backward_traffic`; the "
            "Triton kernels of modules/pkm_triton.py, which a trace on `meta` cannot run; bf16: "
            "the blocks kernel). DRAM: each tensor once; the output gradient's row gathers are "
            "served from L2 (it fits) and count in no floor. Floor = DRAM bytes / bandwidth.\n\n"]
+    from fairseq_attnzoo.modules.pkm_triton import backward_traffic
+
     for shape, p in layer.shapes.items():
-        steps = value_backward_traffic(p, 2)
+        steps = backward_traffic(p, 2)
         table = [{"step": step, "DRAM MB": dram / 1e6, "L2 gathers MB": l2 / 1e6,
                   "floor µs": dram / H100["bandwidth"] * 1e6} for step, dram, l2 in steps]
         dram, l2 = sum(s[1] for s in steps), sum(s[2] for s in steps)

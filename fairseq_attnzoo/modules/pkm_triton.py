@@ -45,7 +45,7 @@ layer and the benchmark launch, for the spill check (scripts/sm90.py).
 
 import importlib.util
 import os
-from typing import Iterator, NamedTuple, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -494,6 +494,37 @@ def sm90_specializations() -> Iterator[tuple]:
 #: the blocks-backward launches ``pkm/launch-sweep`` times at d 512 (cols, rows, reads, warps),
 #: each compiled without a spill (:func:`sm90_specializations`)
 SWEEP_BLOCKS = ((256, 16, 64, 8), (128, 16, 64, 4), (128, 16, 64, 8), (256, 32, 64, 8))
+
+
+def backward_traffic(p: dict, element: int) -> List[Tuple[str, float, float]]:
+    """The value backward on CUDA (these kernels), step by step, modelled -- its floor, beside it
+    (a trace on ``meta`` cannot run a Triton kernel; scripts/costmodel.py and the bench's
+    value-backward rows read it): ``(step, bytes from DRAM, bytes served from L2)`` at
+    shape ``p`` (tokens, heads, knn, n_keys, d; ``sparse``) for values of ``element`` bytes
+    (2: the blocks kernel, 4: the rows kernel) and int32 slot ids (the layer's).
+
+    DRAM: each tensor a step reads or writes, once -- the reads sorted by row make every table
+    row's reads adjacent, so a row is loaded once. The output gradient [N, d] is gathered once
+    per read (128 times at the paper shape), but it is 16.8 MB in bf16: after its first loads it
+    sits in the 50 MB L2, so the gathers are the third column, not DRAM. Rows read: the expected
+    number of distinct rows of uniformly random reads."""
+    size, d, n = p["n_keys"] ** 2, p["d"], p["tokens"]
+    reads = n * p["heads"] * p["knn"]
+    distinct = size * (1 - (1 - 1 / size) ** reads)
+    rows = distinct if p.get("sparse") else size  # rows of the gradient, programs' rows
+    cols = (block_launch(d) if element == 2 else backward_launch(d)).cols
+    chunks = -(-d // cols)
+    dots = reads * (element if chunks == 1 else 4 * chunks)  # the weight-gradient dots written
+    steps = [("sort the reads by row (int32 keys; sorted keys, int64 order)", reads * 16, 0),
+             ("each row's run of sorted reads (searchsorted; sparse: nonzero)",
+              reads * 4 + rows * 12, 0),
+             ("the kernel: table rows read, gradient rows written, output gradient, order, "
+              "weights, dots", distinct * d * element + rows * d * element + n * d * element
+              + reads * (8 + element) + dots, reads * d * element - n * d * element)]
+    if chunks > 1:
+        steps.append((f"sum of the {chunks} column chunks' float32 dots", dots + reads * element,
+                      0))
+    return steps
 
 
 class KernelUnavailable(ValueError):

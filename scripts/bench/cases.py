@@ -154,14 +154,14 @@ def _read(p, device, dtype):
 
 def _read_bytes(p, dtype):
     """The read: the bytes its access pattern needs (a table row per read, indices, weights,
-    output). The backward: the bytes that must leave DRAM (costmodel.value_backward_traffic)."""
-    from scripts.costmodel import value_backward_traffic
+    output). The backward: the bytes that must leave DRAM (pkm_triton.backward_traffic)."""
+    from fairseq_attnzoo.modules.pkm_triton import backward_traffic
 
     size, m, n, d = p["n_keys"] ** 2, p["heads"] * p["knn"], p["tokens"], p["d"]
     e = torch.empty(0, dtype=dtype).element_size()
     if p["pass"] == "read":
         return "bytes", n * m * d * e + n * m * (8 + e) + n * d * e
-    return "bytes", sum(dram for _, dram, _ in value_backward_traffic(p, e))
+    return "bytes", sum(dram for _, dram, _ in backward_traffic(p, e))
 
 
 def _grid(base, **axes):  # every combination of the axes' values, the last varying fastest
