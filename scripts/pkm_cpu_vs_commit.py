@@ -1,12 +1,13 @@
-"""The PKM layer on the CPU: a commit's layer files (``fairseq_attnzoo/modules/pkm.py``, and its
-``pkm_search.py`` and ``pkm_values.py`` where the commit has them) against this checkout's, in one
+"""The PKM layer on the CPU: a commit's layer files (``fairseq_attnzoo/modules/pkm.py``, its
+``pkm_search.py`` and ``pkm_values.py`` where the commit has them, and its kernel files, whose
+names the layer calls) against this checkout's, in one
 process, alternating (the layer's forward + backward, same weights, same
 input; PyTorch value read and search, as on a CPU). For a quiet machine: the ratio is what
 counts, and only in one run.
 
     python -m scripts.pkm_cpu_vs_commit 7605095 --tokens 4096 --repeats 10
 
-The other modules (pkm_triton, precision, ...) are this checkout's for both: a commit whose
+The other modules (precision, constants, ...) are this checkout's for both: a commit whose
 layer files need other versions of them does not load here.
 """
 
@@ -23,8 +24,9 @@ import fairseq_attnzoo.modules as package
 from fairseq_attnzoo.modules import pkm as ours
 
 
-#: the layer's files, each importing the ones before it (before the split of issue 65: pkm.py alone)
-LAYER_FILES = ("pkm_search", "pkm_values", "pkm")
+#: the layer's files, each importing the ones before it: its kernels' (their names changed with
+#: the layer) and the layer's own (before the split of issue 65: pkm.py alone)
+LAYER_FILES = ("pkm_triton", "pkm_search_triton", "pkm_search", "pkm_values", "pkm")
 
 
 def load(commit: str):
@@ -41,17 +43,21 @@ def load(commit: str):
             then = importlib.util.module_from_spec(importlib.util.spec_from_loader(
                 f"{package.__name__}._{name}_{commit}", loader=None))
             then.__package__ = package.__name__
-            # while it loads, the commit's file is the one the next file's ``from .name`` finds
+            # while it loads, the commit's file is the one the next file's ``from .name`` or
+            # ``from . import name`` finds (the module and the package's attribute)
             full = f"{package.__name__}.{name}"
-            saved.setdefault(full, sys.modules.get(full))
+            saved.setdefault(name, sys.modules.get(full))
             sys.modules[full] = then
+            setattr(package, name, then)
             exec(compile(found.stdout, f"{commit}:{name}.py", "exec"), then.__dict__)
     finally:
-        for full, module in saved.items():
+        for name, module in saved.items():
             if module is None:
-                sys.modules.pop(full, None)
+                sys.modules.pop(f"{package.__name__}.{name}", None)
+                delattr(package, name)
             else:
-                sys.modules[full] = module
+                sys.modules[f"{package.__name__}.{name}"] = module
+                setattr(package, name, module)
     return then
 
 
