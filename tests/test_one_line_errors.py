@@ -3,13 +3,13 @@ stderr that names the flag and the fix (the last line, ``fairseq-attnzoo: ...``)
 exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real console script, in
 a process of its own (tests/console_server.py)."""
 
+import logging
 import os
-import tempfile
 
 import pytest
 
 from console_server import ConsoleServer
-from zoo_testlib import REPO, USER_DIR, quiet, run_cli
+from zoo_testlib import REPO, USER_DIR, LogCapture, quiet, run_cli
 
 TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
            "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
@@ -23,11 +23,12 @@ SERVER = ConsoleServer()
 def cli(program, *argv, env=None, cwd=None, stdout_too=False):
     """Run a fairseq console script (in a process of its own, forked from one that has run the
     script's imports: tests/console_server.py); return (exit code, non-empty stderr lines; with
-    ``stdout_too`` the lines of both, where fairseq's log goes)."""
+    ``stdout_too`` the lines of both, where fairseq's log goes). It runs in ``cwd``, by default the
+    test's own folder (tests/conftest.py's ``own_folder``)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
-    code, out, err = SERVER.run(program, argv, env=full_env, cwd=cwd or tempfile.gettempdir(),
+    code, out, err = SERVER.run(program, argv, env=full_env, cwd=cwd or os.getcwd(),
                                 merge=stdout_too)
     return code, [line for line in (out if stdout_too else err).splitlines() if line.strip()]
 
@@ -54,11 +55,53 @@ def test_our_flag_error_is_one_line(mt_data):
     assert_one_line(code, lines, "--pkm-knn", "--pkm-n-keys")
 
 
-def test_a_kernel_that_cannot_run_here_is_one_line(mt_data):
-    """--aop-kernel triton on a CPU outside Triton's interpreter: refused at the first forward."""
+def test_a_kernel_that_cannot_run_here_is_one_line(mt_data, tmp_path):
+    """--aop-kernel triton on a CPU outside Triton's interpreter: refused at the first forward,
+    from a fresh empty folder. fairseq's train_step saves crash.pt into --save-dir when a step
+    raises, and under --no-save that folder was never made: the user saw FileNotFoundError
+    'checkpoints/crash.pt.tmp' instead of the refusal (it passed only where an earlier run had
+    left a checkpoints/ folder). The crash checkpoint is written, as stock fairseq writes it."""
+    assert not os.listdir(tmp_path)
     code, lines = train(mt_data, "--arch", "transformer_aop", "--aop-kernel", "triton",
-                        env={"TRITON_INTERPRET": "0"})
+                        env={"TRITON_INTERPRET": "0"}, cwd=tmp_path)
     assert_one_line(code, lines, "--aop-kernel triton cannot run", "--aop-kernel sdpa")
+    assert os.listdir(tmp_path) == ["checkpoints"]
+    assert os.listdir(tmp_path / "checkpoints") == ["crash.pt"]
+
+
+@pytest.mark.parametrize("crash_save", ["writes", "fails"])
+def test_a_train_step_error_under_no_save_is_the_error_raised(mt_data, monkeypatch, crash_save):
+    """Any error of a training step under --no-save reaches the user as itself, in a fresh
+    folder: fairseq's crash checkpoint is written into a folder made for it (stock fairseq writes
+    crash.pt, --no-save or not), and when that save fails too (a full disk), one warning says so
+    and the step's error goes on (before: FileNotFoundError 'checkpoints/crash.pt.tmp')."""
+    from fairseq import checkpoint_utils
+    from fairseq.tasks.translation import TranslationTask
+
+    def failing_step(*args, **kwargs):  # (fairseq re-raises a RuntimeError without a crash save)
+        raise ValueError("the step's own error")
+
+    monkeypatch.setattr(TranslationTask, "train_step", failing_step)
+    if crash_save == "fails":
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(checkpoint_utils, "torch_persistent_save", full_disk)
+    assert not os.listdir(".")
+    logs = LogCapture()
+    logging.getLogger().addHandler(logs)
+    try:
+        with pytest.raises(ValueError, match="the step's own error"):
+            run_cli("train", [mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
+                              *TINY_MT, "--optimizer", "adam", "--lr", "1e-3", "--max-tokens",
+                              "500", "--max-update", "1", "--no-save"])
+    finally:
+        logging.getLogger().removeHandler(logs)
+    warnings = [x for x in logs.records if "crash checkpoint" in x]
+    if crash_save == "writes":
+        assert os.listdir("checkpoints") == ["crash.pt"] and not warnings
+    else:
+        assert len(warnings) == 1 and "No space left" in warnings[0], warnings
 
 
 def test_flag_of_a_sublayer_the_model_does_not_build(mt_data):

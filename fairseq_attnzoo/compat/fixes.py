@@ -167,10 +167,13 @@ fix("fairseq_shared_params_absent", "fairseq.trainer:_catalog_shared_params",
     "each bias that does not exist (--no-proj-bias: 14-36 lines): absent parameters (None) are "
     "not shared ones", trainer.skipping_absent, "de2da18cb6df2c02", version="fairseq 0.12.3")
 fix("fairseq_no_save_no_folder", {trainer.SAVE: trainer.saving,
-                                  trainer.VERIFY_SAVE_DIR: trainer.verifying},
+                                  trainer.VERIFY_SAVE_DIR: trainer.verifying,
+                                  trainer.TRAINER_SAVE: trainer.saving_crash},
     "fairseq-train --no-save created an empty ./checkpoints/ (the default --save-dir): both "
     "functions make the folder before they look at --no-save; a run that saves nothing leaves "
-    "no folder it made", None, "61513534b9b33e6a", "413f93d9a158f8d4", version="fairseq 0.12.3")
+    "no folder it made. A step that raises still writes fairseq's crash.pt there, as stock: "
+    "its folder is made then, and a crash save that fails never hides the step's error", None,
+    "61513534b9b33e6a", "413f93d9a158f8d4", "46b39d54a4f75cc8", version="fairseq 0.12.3")
 fix("fairseq_resume_broadcast", trainer.BROADCAST,
     "a run resumed on several processes died on every rank but 0 (UnpicklingError: "
     "omegaconf DictConfig not allowed): fairseq broadcasts rank 0's loaded checkpoint and the "
