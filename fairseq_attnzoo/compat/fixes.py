@@ -68,6 +68,12 @@ fix("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
     "unless --tpu is given or torch_xla is installed, train with fairseq's own bf16 path "
     "(bfloat16 model, fp32 masters) on the GPU/CPU, as the hydra path already does",
     mp.without_tpu, "c2a32fa44fa277a6", version="fairseq 0.12.3")
+fix("fairseq_bf16_scoring", "fairseq.checkpoint_utils:load_model_ensemble_and_task",
+    "fairseq-generate, -eval-lm, -interactive and -validate run the model in float16 under "
+    "--fp16 (model.half()) and ignored --bf16: the model scored in float32 without a word. "
+    "Inside those commands, --bf16 (without --fp16) loads the models in bfloat16; a GPU without "
+    "bfloat16 arithmetic refuses in one line",
+    mp.bf16_scoring, "13d16e9ecb8407a3", version="fairseq 0.12.3")
 
 # ---- what fairseq's commands print (code: messages/) ---------------------------------------------
 register(Patch(
