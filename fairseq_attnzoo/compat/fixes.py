@@ -160,6 +160,15 @@ fix("fairseq_interactive_bpe_check", "fairseq_cli.interactive:make_batches",
     "almost every word became <unk>, silently (S-0 <unk> ... <unk>). Refuse in one line naming "
     "--bpe sentencepiece --sentencepiece-model when the dictionary holds SentencePiece pieces",
     data.checking_bpe, "53e9b96853c3f008", version="fairseq 0.12.3")
+fix("fairseq_interactive_lines", {
+        "fairseq_cli.interactive:buffered_read": data.blank_lines_apart,
+        "fairseq_cli.interactive:make_batches": data.interactive_lines},
+    "fairseq-interactive translated a blank line (into 'day', 'Image': what the model says "
+    "after nothing) and ended the session at a line longer than the model accepts, with a "
+    "message written for scoring a split: a blank line gets an empty hypothesis, a too long "
+    "line one warning naming the limit, and the session goes on",
+    None, "3b4339322a2631ad", "53e9b96853c3f008",  # fairseq's make_batches, or the bpe check's:
+    "9834f38afb571119", version="fairseq 0.12.3")
 fix("sacrebleu_tokenized_by_fairseq", "fairseq.scoring.bleu:SacrebleuScorer._score",
     "fairseq-generate --scoring sacrebleu tokenizes hypotheses and references itself (13a) "
     "before sacrebleu scores them untokenized: sacrebleu warned 'It looks like you forgot to "
