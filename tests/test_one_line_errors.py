@@ -550,44 +550,66 @@ def test_resume_with_the_same_host_options_resumes(trained, tmp_path):
     assert any("num_updates" in x and '"4"' in x for x in lines), lines[-5:]
 
 
-def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
-    """SIGINT to a real fairseq-train after it saved a checkpoint: one line naming the checkpoint
-    and its update, not a KeyboardInterrupt traceback."""
+def _interrupted(flags, cwd, when):
+    """Run a real fairseq-train with ``flags`` in ``cwd``, send it SIGINT at the first output line
+    for which ``when(line)`` holds: (exit code, its lines)."""
     import signal
     import subprocess
     import sys
 
-    from zoo_testlib import sweep_train_flags
-
-    save = str(tmp_path / "ckpt")
-    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
-        "--save-interval-updates", "40", "--save-interval", "1000", "--log-format", "simple",
-        "--disable-validation"]  # (one save every 40 updates, none at an epoch's end)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("ATTNZOO_TRACEBACK", None)
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
                              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=str(tmp_path))
+                            text=True, env=env, cwd=str(cwd))
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if "Saved checkpoint" in line:
+            if when(line):
                 break
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    lines += [x for x in rest.splitlines() if x.strip()]
+    return proc.returncode or 1, lines + [x for x in rest.splitlines() if x.strip()]
+
+
+def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
+    """SIGINT to a real fairseq-train after it saved a checkpoint: one line naming the checkpoint
+    and its update, not a KeyboardInterrupt traceback."""
+    from zoo_testlib import sweep_train_flags
+
+    save = str(tmp_path / "ckpt")
+    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
+        "--save-interval-updates", "40", "--save-interval", "1000", "--log-format", "simple",
+        "--disable-validation"]  # (one save every 40 updates, none at an epoch's end)
+    code, lines = _interrupted(flags, tmp_path, lambda line: "Saved checkpoint" in line)
     import torch
 
     state = torch.load(f"{save}/checkpoint_last.pt", map_location="cpu", weights_only=False)
     update = state["optimizer_history"][-1]["num_updates"]
     assert update and update % 40 == 0
-    assert_one_line(proc.returncode or 1, lines, f"interrupted: {save}/checkpoint_last.pt holds "
+    assert_one_line(code, lines, f"interrupted: {save}/checkpoint_last.pt holds "
                     f"update {update}", "the same command resumes from it")
     assert not any("KeyboardInterrupt" in x for x in lines), lines[-10:]
+
+
+def test_ctrl_c_under_no_save_says_it_went_on_from_the_loaded_update(trained, tmp_path):
+    """--no-save in a folder holding a checkpoint_last.pt: fairseq loaded its update (3) and
+    went on, saving nothing. The line said "nothing was saved; the same command starts again at
+    update 0"; it says where the run started and where the same command starts again."""
+    from zoo_testlib import sweep_train_flags
+
+    run = trained("attnzoo_transformer")
+    save = run.copy_to(tmp_path / "ckpt")
+    flags = sweep_train_flags("attnzoo_transformer", run.data, save, 100000) + ["--no-save"]
+    code, lines = _interrupted(flags, tmp_path, lambda line: '"num_updates": "5"' in line)
+    assert any('"num_updates": "4"' in x for x in lines), lines[-10:]  # it went on from 3
+    assert_one_line(code, lines, "nothing new was saved (--no-save)",
+                    f"this run had loaded update 3 from {save}/checkpoint_last.pt and went on "
+                    "from it, so the same command starts again from update 3")
 
 
 @pytest.fixture(scope="module")

@@ -666,10 +666,9 @@ def interrupted_line(exc: BaseException) -> Optional[str]:
     save_dir = cfg_get(cfg, "save_dir") or _argv_value("--save-dir") or "checkpoints"
     restore = cfg_get(cfg, "restore_file") or _argv_value("--restore-file") or "checkpoint_last.pt"
     no_save = cfg_get(cfg, "no_save") if cfg is not None else "--no-save" in sys.argv
-    if no_save:
-        return ("interrupted: nothing was saved (--no-save); the same command starts again at "
-                "update 0")
     last = os.path.join(save_dir, "checkpoint_last.pt")
+    if no_save:
+        return interrupted_without_saving(last if restore == "checkpoint_last.pt" else restore)
     state = load_stored(last) if os.path.exists(last) else None
     if state is None and os.path.exists(last):  # the interrupt cut its copy short
         good = _loading_checkpoints(save_dir, last)
@@ -686,6 +685,20 @@ def interrupted_line(exc: BaseException) -> Optional[str]:
         return (f"interrupted: {held}; the same command starts again from --restore-file "
                 f"{restore}: drop --restore-file to resume from {last}")
     return f"interrupted: {held}; the same command resumes from it"
+
+
+def interrupted_without_saving(loaded: str) -> str:
+    """Ctrl-C in a --no-save run: fairseq still loads ``loaded`` (``SAVE_DIR/checkpoint_last.pt``,
+    or ``--restore-file``) when it is there, and goes on from its update; nothing new was saved,
+    so the same command starts from that update again."""
+    state = load_stored(loaded) if os.path.exists(loaded) else None
+    update = stored_update(state)
+    if update is None:
+        return ("interrupted: nothing was saved (--no-save); the same command starts again at "
+                "update 0")
+    return (f"interrupted: nothing new was saved (--no-save); this run had loaded update {update} "
+            f"from {loaded} and went on from it, so the same command starts again from update "
+            f"{update}")
 
 
 def one_line(exc: BaseException):
