@@ -64,7 +64,9 @@ def test_a_kernel_that_cannot_run_here_is_one_line(mt_data, tmp_path):
     assert not os.listdir(tmp_path)
     code, lines = train(mt_data, "--arch", "transformer_aop", "--aop-kernel", "triton",
                         env={"TRITON_INTERPRET": "0"}, cwd=tmp_path)
-    assert_one_line(code, lines, "--aop-kernel triton cannot run", "--aop-kernel sdpa")
+    last = assert_one_line(code, lines, "--aop-kernel triton cannot run", "--aop-kernel sdpa")
+    assert "TRITON_INTERPRET=1 interprets them on the CPU, a test mode orders of magnitude " \
+        "slower, not for training" in last  # (item 7: it read like a way to run on the CPU)
     assert os.listdir(tmp_path) == ["checkpoints"]
     assert os.listdir(tmp_path / "checkpoints") == ["crash.pt"]
 
