@@ -106,6 +106,37 @@ def test_a_train_step_error_under_no_save_is_the_error_raised(mt_data, monkeypat
         assert len(warnings) == 1 and "No space left" in warnings[0], warnings
 
 
+# ---- weak messages (issue 64, item 9) -------------------------------------------------------------
+def test_a_misspelled_flag_gets_the_closest_flag(mt_data):
+    """``--pkm-nkeys`` got argparse's "unrecognized arguments" and the --help pointer alone."""
+    code, lines = train(mt_data, "--arch", "transformer_pkm", "--pkm-nkeys", "16")
+    assert_one_line(code, lines, "unrecognized arguments: --pkm-nkeys 16: did you mean "
+                    "--pkm-n-keys?")
+
+
+@pytest.mark.parametrize("kind", ["mt", "lm"])
+def test_the_folder_above_the_binarised_data_points_at_its_bin(tiny_data, kind):
+    """prepare_text's OUT (text, spm.model, bin/) given instead of OUT/bin: "run
+    fairseq-preprocess first", though the data is binarised one folder down."""
+    data = tiny_data(kind)
+    out = os.path.dirname(data)
+    task = ["--arch", "transformer"] if kind == "mt" else [
+        "--arch", "transformer_lm", "--task", "language_modeling", "--tokens-per-sample", "16"]
+    code, lines = cli("fairseq-train", out, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--optimizer", "adam", "--lr", "1e-3", "--no-save", *task)
+    assert_one_line(code, lines, f"{out} holds no binarised data; {data} does", f"pass {data}")
+
+
+def test_generate_on_language_model_data_says_so(lm_data, trained):
+    """fairseq-generate on --only-source data said "no binarised language pair: run
+    fairseq-preprocess first" about data that is binarised, for a language model."""
+    ckpt = trained("attnzoo_lm").ckpt
+    code, lines = cli("fairseq-generate", lm_data, "--user-dir", USER_DIR, "--cpu", "--path",
+                      ckpt)
+    assert_one_line(code, lines, f"{lm_data} is language-model data (dict.txt",
+                    "fairseq-generate translates", f"fairseq-eval-lm {lm_data} --path {ckpt}")
+
+
 def test_flag_of_a_sublayer_the_model_does_not_build(mt_data):
     """Used to train without a memory, exit 0 (tests/test_flag_owners.py: the rules)."""
     code, lines = train(mt_data, "--arch", "transformer_synth_random", "--pkm-knn", "8")

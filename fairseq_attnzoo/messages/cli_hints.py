@@ -420,9 +420,46 @@ def hint_dictionary_of_another_size(exc, text, ctx) -> Optional[str]:
     return dictionary_mismatch_line(rows, ctx.data, _argv_value("--path") or "the checkpoint")
 
 
+def _dictionaries(folder: Optional[str]) -> List[str]:
+    """The fairseq dictionaries (``dict*.txt``) in ``folder``."""
+    if not folder or not os.path.isdir(folder):
+        return []
+    return sorted(f for f in os.listdir(folder) if re.fullmatch(r"dict(\.[^.]+)?\.txt", f))
+
+
+def _no_dictionary(exc, text) -> bool:
+    """fairseq found no dictionary where it looked: no language pair, or a missing dict*.txt."""
+    return "Could not infer language pair" in text or (
+        isinstance(exc, FileNotFoundError)
+        and os.path.basename(str(exc.filename or "")).startswith("dict."))
+
+
+def hint_binarised_data_below(exc, text, ctx) -> Optional[str]:
+    """The folder ``scripts.data.prepare_text`` (or a ``fairseq-preprocess --destdir OUT/bin``)
+    wrote, given instead of its ``bin`` folder."""
+    if not _no_dictionary(exc, text) or _dictionaries(ctx.data):
+        return None
+    below = os.path.join(ctx.data or "", "bin")
+    if not _dictionaries(below):
+        return None
+    return (f"{ctx.data} holds no binarised data; {below} does (the folder prepare_text or "
+            f"fairseq-preprocess --destdir wrote): pass {below}")
+
+
 def hint_no_language_pair(exc, text, ctx) -> Optional[str]:
     if "Could not infer language pair" not in text:
         return None
+    if "dict.txt" in _dictionaries(ctx.data):  # binarised with --only-source
+        what = f"{ctx.data} is language-model data (dict.txt, binarised with --only-source)"
+        if program() in ("fairseq-generate", "fairseq-interactive"):
+            path = _argv_value("--path") or "CHECKPOINT"
+            return (f"{what}, and {program()} translates: score a language model on it with "
+                    f"fairseq-eval-lm {ctx.data} --path {path}, or continue text with "
+                    "attnzoo-sample; to translate, pass translation data (dict.SRC.txt, "
+                    "dict.TGT.txt)")
+        return (f"{what}, and this run's task is translation: train a language model with "
+                "--task language_modeling and an LM arch (README, 'Word language model'), or "
+                "binarise parallel text for translation")
     return (f"{ctx.data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
             "fairseq-preprocess first, or pass --source-lang/--target-lang")
 
@@ -526,6 +563,7 @@ RULES: List[Callable[[BaseException, str, HintContext], Optional[str]]] = [
     hint_truncated_checkpoint,
     hint_not_a_language_model,
     hint_post_process,
+    hint_binarised_data_below,
     hint_lm_arch_under_translation,
     hint_missing_data,
     hint_no_cuda,
@@ -633,6 +671,27 @@ def task_hint(message: str, parser=None):
             f"{', '.join(known)} (this run's task is {task}): add --task {wanted}")
 
 
+def flag_hint(message: str, parser=None) -> Optional[str]:
+    """For argparse's "unrecognized arguments: ...": the parser's flag closest to each unknown
+    one (``--pkm-nkeys``: did you mean ``--pkm-n-keys``?), or None when none is close."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix) or parser is None:
+        return None
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in message[len(prefix):].split():
+        flag = word.split("=")[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8) if flag.startswith(
+            "--") else []
+        if close:
+            hints.append((flag, close[0]))
+    if not hints:
+        return None
+    if len(hints) == 1:
+        return f"{message}: did you mean {hints[0][1]}?"
+    return f"{message}: did you mean {', '.join(f'{c} for {f}' for f, c in hints)}?"
+
+
 def one_line_parser_errors(parser: argparse.ArgumentParser):
     """In a console script, ``parser.error`` prints ``fairseq-attnzoo: <argparse's message>`` and
     exits 2, without the usage (thousands of flags in fairseq-train); ``--help`` still lists them."""
@@ -643,7 +702,7 @@ def one_line_parser_errors(parser: argparse.ArgumentParser):
     def one_line_error(message):
         if traceback_wanted():
             error(message)
-        hint = task_hint(message, parser)
+        hint = task_hint(message, parser) or flag_hint(message, parser)
         if hint:
             message, more = hint, ""
         else:
