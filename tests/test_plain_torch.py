@@ -246,7 +246,8 @@ result = dict(before=before, after=dict(_global_state(), targets=_targets()), un
 ''')
     assert got["before"]["targets"] == FAIRSEQ_AS_SHIPPED and got["after"] == got["before"]
     assert set(got["left"]) == {"fairseq_cli_hints", "fairseq_mmap_dataset_del",
-                                "fairseq_root_log_level"}
+                                "fairseq_root_log_level", "torch_pin_memory_without_accelerator",
+                                "fairseq_cuda_amp_autocast"}
     assert sorted(got["undone"] + list(got["left"])) == sorted(got["names"])
 
 

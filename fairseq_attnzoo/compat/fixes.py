@@ -10,6 +10,7 @@ and return their own undo. The hooks of our own features are rows of their owner
 from typing import Optional
 
 from ..messages import cli_hints
+from ..messages import known_warnings as known
 from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
 from . import data
 from . import mixed_precision as mp
@@ -93,6 +94,25 @@ register(Patch(
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
     "$LOGLEVEL (INFO), the level the command asks for",
     cli_hints.debug_root_logger, cli_hints.root_log_level, "fairseq 0.12.3"))
+
+register(Patch(
+    "torch_pin_memory_without_accelerator", f"warnings filter {OURS_TOO}",
+    "fairseq's iterators create every DataLoader with pin_memory=True, and torch >= 2.7 warns "
+    "once per command that no accelerator is found, so nothing is pinned: pinned memory only "
+    "serves copies to an accelerator, none exists, nothing is lost. That message from "
+    "torch.utils.data.dataloader is ignored",
+    known.torch_warns_pin_memory,
+    known.ignoring(known.PIN_MEMORY, UserWarning, r"torch\.utils\.data\.dataloader$"),
+    "torch >= 2.7"))
+register(Patch(
+    "fairseq_cuda_amp_autocast", f"warnings filter {OURS_TOO}",
+    "fairseq's FairseqTask.train_step enters torch.cuda.amp.autocast(enabled=--amp), which torch "
+    ">= 2.4 calls deprecated in a FutureWarning at the first update; it is the same context as "
+    "torch.amp.autocast('cuda'). That message, attributed to fairseq.tasks.fairseq_task, is "
+    "ignored (the same call in any other module still warns)",
+    known.fairseq_calls_cuda_autocast,
+    known.ignoring(known.CUDA_AUTOCAST, FutureWarning, r"fairseq\.tasks\.fairseq_task$"),
+    "fairseq 0.12.3, torch >= 2.4"))
 
 # ---- fairseq's data (code: data.py) --------------------------------------------------------------
 fix("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",
