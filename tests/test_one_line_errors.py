@@ -698,3 +698,57 @@ def test_sacrebleu_scorer_does_not_call_fairseq_s_own_tokenization_a_mistake(cap
         assert scorer.score() == pytest.approx(100.0)
         assert "BLEU = 100.00" in scorer.result_string()
     assert not [r for r in caplog.records if "detokenize" in r.getMessage()], caplog.text
+
+
+RANK_DRIVER = '''
+import os, runpy, sys
+script = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+sys.argv = [script] + sys.argv[1:] + ["--distributed-rank", os.environ["RANK"], "--device-id",
+                                      os.environ["LOCAL_RANK"]]
+if os.environ["RANK"] == "1":  # this rank's training step fails at update 2; rank 0 waits for it
+    import fairseq_attnzoo
+    from fairseq.tasks.translation import TranslationTask
+    from fairseq_attnzoo.messages.errors import ZooConfigError
+
+    fairseq_attnzoo.enable()  # (--user-dir finds the package imported: it applies nothing)
+    step = TranslationTask.train_step
+
+    def failing(self, sample, model, criterion, optimizer, update_num, *args, **kwargs):
+        if update_num == 1:
+            raise ZooConfigError("rank 1's own error")
+        return step(self, sample, model, criterion, optimizer, update_num, *args, **kwargs)
+
+    TranslationTask.train_step = failing
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_rank_that_lost_its_peer_says_one_line(mt_data, tmp_path):
+    """One rank's error on 2 gloo processes: the other rank, waiting in a collective, printed
+    gloo's 'Connection closed by peer' traceback after the one line; it now prints one line
+    saying it lost its peer, and the failing rank's own line stays."""
+    import subprocess
+    import sys
+
+    driver = tmp_path / "rank_driver.py"
+    driver.write_text(RANK_DRIVER)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ATTNZOO_TRACEBACK", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--monitor-interval", "2",  # (rank 0 meets the closed peer before torchrun stops it)
+         str(driver), mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
+         *TINY_MT, "--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update",
+         "4", "--no-save", "--num-workers", "0", "--distributed-backend", "gloo",
+         "--distributed-init-method", "env://", "--distributed-no-spawn",
+         "--distributed-world-size", "2", "--ddp-backend", "legacy_ddp"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ranks = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("[rank")]
+    assert run.returncode != 0
+    assert not any("Traceback" in x for x in ranks), ranks[-30:]
+    assert [x for x in ranks if "fairseq-attnzoo: " in x] == [
+        "[rank1]: fairseq-attnzoo: rank 1's own error",
+        "[rank0]: fairseq-attnzoo: rank 0 stopped: another process of this job ended (Connection "
+        "closed by peer in a collective); that process's own error, printed with its rank, is the "
+        "one to read"], ranks[-30:]

@@ -464,6 +464,41 @@ def hint_no_language_pair(exc, text, ctx) -> Optional[str]:
             "fairseq-preprocess first, or pass --source-lang/--target-lang")
 
 
+#: what gloo / NCCL say on a process whose peer process ended (crashed, or stopped at its error)
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _rank() -> Optional[int]:
+    """This process's rank in a multi-process job (torchrun's RANK, or torch.distributed's), or
+    None in a single-process run."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.get_rank()
+    except Exception:  # pragma: no cover - a torch without distributed
+        pass
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    return None
+
+
+def hint_lost_peer(exc, text, ctx) -> Optional[str]:
+    """In a multi-process job, a collective that failed because another process of the job
+    ended: that process's own error is the one to read, so this one is a single line, not a
+    traceback per surviving rank."""
+    if not (isinstance(exc, RuntimeError) and any(m in text for m in LOST_PEER)):
+        return None
+    if not any(os.path.join("torch", "distributed") in f for f in _frames(exc)):
+        return None
+    rank = _rank()
+    if rank is None:
+        return None
+    said = next(m for m in LOST_PEER if m in text)
+    return (f"rank {rank} stopped: another process of this job ended ({said} in a "
+            "collective); that process's own error, printed with its rank, is the one to read")
+
+
 #: the tasks whose checkpoints are language models
 LM_TASKS = ("language_modeling", "attnzoo_stream_lm")
 
@@ -560,6 +595,7 @@ def hint_checkpoint_of_another_task(exc, text, ctx) -> Optional[str]:
 
 #: the rules :func:`hint_for` asks, in order: the first line one of them gives is the hint
 RULES: List[Callable[[BaseException, str, HintContext], Optional[str]]] = [
+    hint_lost_peer,
     hint_truncated_checkpoint,
     hint_not_a_language_model,
     hint_post_process,
