@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..messages import cli_hints
 from ..messages import known_warnings as known
+from ..messages import run_end
 from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
 from . import data
 from . import mixed_precision as mp
@@ -113,6 +114,19 @@ register(Patch(
     known.fairseq_calls_cuda_autocast,
     known.ignoring(known.CUDA_AUTOCAST, FutureWarning, r"fairseq\.tasks\.fairseq_task$"),
     "fairseq 0.12.3, torch >= 2.4"))
+
+fix("fairseq_train_summary", {"fairseq_cli.train:main": run_end.summarizing,
+                              "fairseq_cli.train:validate": run_end.recording_validation},
+    "fairseq-train ended on its last epoch line: no best validation result and its update, no "
+    "best checkpoint, no command to score it. A finished run ends with two lines saying them, "
+    "the fairseq-generate / fairseq-eval-lm command with this run's data, task and device flags",
+    None, "2a1b822cd8f53582", "7a721818350f1d06", version="fairseq 0.12.3")
+fix("fairseq_train_progress_in_log", "fairseq.logging.progress_bar:progress_bar",
+    "fairseq-train draws a tqdm bar whenever stderr is a terminal, even when its log (stdout) "
+    "goes to a file or a pipe (> train.log, | tee): the log then had nothing between epoch "
+    "lines. Where the log is not a terminal, fairseq's simple format writes a line every "
+    "--log-interval updates into it (an explicit --log-format is kept)",
+    run_end.progress_in_log, "ccff0ad64057ea6b", version="fairseq 0.12.3")
 
 # ---- fairseq's data (code: data.py) --------------------------------------------------------------
 fix("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",
