@@ -733,7 +733,7 @@ def test_under_torchrun_a_rank_that_lost_its_peer_says_one_line(mt_data, tmp_pat
 
     driver = tmp_path / "rank_driver.py"
     driver.write_text(RANK_DRIVER)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)  # (the driver imports us)
     env.pop("ATTNZOO_TRACEBACK", None)
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
