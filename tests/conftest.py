@@ -21,9 +21,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # inside it, so nothing an earlier test or run left behind is read, and nothing is left for a later
 # one. Fixtures of a wider scope run in a folder of the session. The check: the repository, the
 # folder pytest was started in and the TMPDIR it was started with (when TMPDIR is set: `.ci/run`
-# and `make test` give each run a fresh one; the machine's shared /tmp is written by other programs
-# too) are the same after each test as before it (a test that wrote there fails at teardown, with
-# the paths), and after the run as before it (the run fails: a module or session fixture).
+# gives each run a fresh one; the machine's shared /tmp is written by other programs too) are the
+# same after each test as before it (a test that wrote there fails at teardown, with the paths),
+# and after the run as before it (the run fails: a module or session fixture). Files git tracks
+# count only when created or removed (an edit is someone working in the checkout).
 
 from preptest_util import ROOT  # noqa: E402
 
@@ -70,10 +71,27 @@ def _outside() -> dict:
     return out
 
 
+def _tracked() -> set:
+    """The files git tracks in the repository (absolute paths; empty outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True,
+                             timeout=30).stdout.decode()
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {os.path.join(str(ROOT), p) for p in out.split("\0") if p}
+
+
+#: a tracked file whose content changes during the run is someone editing the checkout, not a
+#: test's leftover: only new and removed files are flagged there (untracked ones: any change)
+_TRACKED = _tracked()
+
+
 def _written(before: dict, after: dict) -> list:
     return sorted([f"{p} (new)" for p in after.keys() - before.keys()]
                   + [f"{p} (changed)" for p in after.keys() & before.keys()
-                     if after[p] != before[p]]
+                     if after[p] != before[p] and p not in _TRACKED]
                   + [f"{p} (removed)" for p in before.keys() - after.keys()])
 
 
