@@ -69,3 +69,35 @@ def test_a_log_that_is_not_a_terminal_gets_a_progress_line_every_log_interval(mt
     lines = _train_with_stderr_on_a_terminal(mt_data, tmp_path / "b",
                                              "fairseq_train_progress_in_log")
     assert not [x for x in lines if "| train_inner |" in x]
+
+
+def test_where_training_ran_in_spawned_processes_the_best_checkpoint_tells(mt_data, tmp_path):
+    """fairseq spawns one process per GPU and the summary is printed by the process that started
+    them, which validated nothing itself: the best checkpoint's own validation is the line."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_attnzoo.messages.run_end import summary_lines
+
+    save = str(tmp_path / "ckpt")
+    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 4)
+    valid = json_logs(run_cli("train", flags), "valid")
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        options.get_training_parser(), flags))
+    head, command = summary_lines(cfg, [])
+    assert head == (f"run summary: best valid loss {float(valid[0]['valid_loss']):.4g} at update "
+                    f"4 (epoch 1); best checkpoint {save}/checkpoint_best.pt (update 4)")
+    assert command.startswith(f"score it: fairseq-generate {mt_data} --user-dir ")
+
+
+def test_fairseq_can_still_send_train_main_to_spawned_processes():
+    """fairseq's multi-GPU start pickles fairseq_cli.train.main into each process it spawns: the
+    summary wraps call_main, never main, which must stay fairseq's own function."""
+    import pickle
+
+    import fairseq_cli.train
+
+    from fairseq_attnzoo import compat
+
+    assert compat.status()["fairseq_train_summary"] == compat.APPLIED
+    assert pickle.loads(pickle.dumps(fairseq_cli.train.main)) is fairseq_cli.train.main

@@ -115,12 +115,13 @@ register(Patch(
     known.ignoring(known.CUDA_AUTOCAST, FutureWarning, r"fairseq\.tasks\.fairseq_task$"),
     "fairseq 0.12.3, torch >= 2.4"))
 
-fix("fairseq_train_summary", {"fairseq_cli.train:main": run_end.summarizing,
+fix("fairseq_train_summary", {"fairseq.distributed.utils:call_main": run_end.summarizing,
                               "fairseq_cli.train:validate": run_end.recording_validation},
     "fairseq-train ended on its last epoch line: no best validation result and its update, no "
     "best checkpoint, no command to score it. A finished run ends with two lines saying them, "
     "the fairseq-generate / fairseq-eval-lm command with this run's data, task and device flags",
-    None, "2a1b822cd8f53582", "7a721818350f1d06", version="fairseq 0.12.3")
+    None, "c2a32fa44fa277a6", "ff91d67bb873a1cc",  # call_main: fairseq's, or the bf16 row's
+    "7a721818350f1d06", version="fairseq 0.12.3")
 fix("fairseq_train_progress_in_log", "fairseq.logging.progress_bar:progress_bar",
     "fairseq-train draws a tqdm bar whenever stderr is a terminal, even when its log (stdout) "
     "goes to a file or a pipe (> train.log, | tee): the log then had nothing between epoch "

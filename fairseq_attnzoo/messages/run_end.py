@@ -67,30 +67,56 @@ def score_command(cfg, path: str, task=None) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+def _best_of(cfg, validations) -> Optional[tuple]:
+    """(update, epoch, value) of the best of this process's validations, or None."""
+    found = [v for v in validations if v[2] is not None and not math.isnan(v[2])]
+    if not found:
+        return None
+    pick = max if cfg.checkpoint.maximize_best_checkpoint_metric else min
+    return pick(found, key=lambda v: v[2])
+
+
+def _stored_validation(state) -> Optional[tuple]:
+    """(update, epoch, validation value) a fairseq checkpoint was saved with, or None."""
+    try:
+        extra = state["extra_state"]
+        value = extra["val_loss"]
+        epoch = extra["train_iterator"]["epoch"]
+    except (KeyError, TypeError):
+        return None
+    return (stored_update(state), epoch, value) if value is not None else None
+
+
 def summary_lines(cfg, validations, task=None) -> List[str]:
     """The run's summary: its best validation result and update, its best checkpoint (or its last,
-    when it validated nothing) and the command that scores it."""
+    when there is no best) and the command that scores it. ``validations``: this process's
+    (update, epoch, value); where training ran in other processes (fairseq's spawn) the best
+    checkpoint tells."""
     ckpt = cfg.checkpoint
     metric = ckpt.best_checkpoint_metric
     suffix = ckpt.checkpoint_suffix or ""
-    found = [v for v in validations if v[2] is not None and not math.isnan(v[2])]
-    if found:
-        pick = max if ckpt.maximize_best_checkpoint_metric else min
-        update, epoch, value = pick(found, key=lambda v: v[2])
-        head = (f"run summary: best valid {metric} {value:.4g} at update {update} (epoch "
-                f"{epoch}), {len(found)} validation(s)")
-        name = f"checkpoint_best{suffix}.pt"
+    best = _best_of(cfg, validations)
+    path = state = None
+    for name in (f"checkpoint_best{suffix}.pt", f"checkpoint_last{suffix}.pt"):
+        candidate = os.path.join(ckpt.save_dir, name)
+        if not ckpt.no_save and os.path.exists(candidate):
+            path, state = candidate, load_stored(candidate)
+            break
+    if best is None and path is not None and "_best" in path:
+        best = _stored_validation(state)
+    if best is not None:
+        update, epoch, value = best
+        head = f"run summary: best valid {metric} {value:.4g} at update {update} (epoch {epoch})"
     else:
         head = "run summary: no validation result (--disable-validation, or none due yet)"
-        name = f"checkpoint_last{suffix}.pt"
     if ckpt.no_save:
         return [f"{head}; nothing was saved (--no-save): no checkpoint to score"]
-    path = os.path.join(ckpt.save_dir, name)
-    if not os.path.exists(path):
-        return [f"{head}; no {name} in {ckpt.save_dir}"]
-    saved = stored_update(load_stored(path))
+    if path is None:
+        return [f"{head}; no checkpoint in {ckpt.save_dir}"]
+    saved = stored_update(state)
     at = f" (update {saved})" if saved is not None else ""
-    return [f"{head}; {'best' if found else 'last'} checkpoint {path}{at}",
+    kind = "best" if "_best" in path else "last"
+    return [f"{head}; {kind} checkpoint {path}{at}",
             f"score it: {score_command(cfg, path, task)}"]
 
 
@@ -110,22 +136,23 @@ def recording_validation(validate):
     return validate_recorded
 
 
-def summarizing(main):
-    """``fairseq_cli.train.main`` that ends a finished run with :func:`summary_lines` (on the
-    first process of a multi-process run)."""
+def summarizing(call_main):
+    """``fairseq.distributed.utils.call_main`` that ends a finished training (fairseq-train's and
+    fairseq-hydra-train's ``main``) with :func:`summary_lines`, printed once: by the process that
+    started the run (rank 0, or the parent of fairseq's spawned processes). ``call_main`` is
+    wrapped rather than ``main``, which fairseq pickles into the processes it spawns."""
 
-    def main_summarized(cfg, *args, **kwargs):
+    def call_main_summarized(cfg, main, **kwargs):
         _VALIDATIONS.clear()
         _TASK.clear()
-        out = main(cfg, *args, **kwargs)
-        from fairseq.distributed import utils as distributed_utils
-
-        if distributed_utils.is_master(cfg.distributed_training):
+        out = call_main(cfg, main, **kwargs)
+        training = getattr(main, "__module__", "") == "fairseq_cli.train"
+        if training and cfg.distributed_training.distributed_rank in (0, None):
             for line in summary_lines(cfg, _VALIDATIONS, _TASK[0] if _TASK else None):
                 logger.info(line)
         return out
 
-    return main_summarized
+    return call_main_summarized
 
 
 def logs_to_a_terminal() -> bool:
