@@ -137,10 +137,11 @@ def recording_validation(validate):
 
 
 def summarizing(call_main):
-    """``fairseq.distributed.utils.call_main`` that ends a finished training (fairseq-train's and
-    fairseq-hydra-train's ``main``) with :func:`summary_lines`, printed once: by the process that
-    started the run (rank 0, or the parent of fairseq's spawned processes). ``call_main`` is
-    wrapped rather than ``main``, which fairseq pickles into the processes it spawns."""
+    """``fairseq.distributed.utils.call_main`` that ends a finished training (fairseq-train's
+    ``main``) with :func:`summary_lines`, printed once: by the process that started the run (rank
+    0, or the parent of fairseq's spawned processes). ``call_main`` is wrapped rather than
+    ``main``, which fairseq pickles into the processes it spawns. (fairseq-hydra-train loads the
+    plugin inside ``main``, after its ``call_main`` started: no summary there.)"""
 
     def call_main_summarized(cfg, main, **kwargs):
         _VALIDATIONS.clear()
