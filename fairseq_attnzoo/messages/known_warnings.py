@@ -34,7 +34,10 @@ def ignoring(message: str, category, module: str) -> Callable[[], Optional[Calla
         def undo():
             if entry in warnings.filters:
                 warnings.filters.remove(entry)
-                warnings._filters_mutated()
+                # (what filterwarnings does after a change: the warning registries are reset)
+                mutated = getattr(warnings, "_filters_mutated", None)
+                if mutated is not None:
+                    mutated()
 
         return undo
 
