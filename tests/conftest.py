@@ -40,9 +40,10 @@ def _watched(name: str) -> bool:
                 or name.endswith(".egg-info"))
 
 
-def _tree(root: str, deep: bool) -> dict:
+def _tree(root: str, deep: bool, shallow: frozenset = frozenset()) -> dict:
     """``{path: (size, mtime_ns)}`` of what ``root`` holds (all of it when ``deep``, else its
-    top level; a folder as ``(0, 0)``), but what Python, pytest and git write themselves."""
+    top level; a folder as ``(0, 0)``; of a folder in ``shallow``, only what it holds itself),
+    but what Python, pytest and git write themselves."""
     import stat
 
     out = {}
@@ -57,13 +58,35 @@ def _tree(root: str, deep: bool) -> dict:
             out[path] = (0, 0) if stat.S_ISDIR(st.st_mode) else (st.st_size, st.st_mtime_ns)
         if not deep:
             break
+        if top in shallow:
+            dirs[:] = []
     return out
 
 
-def _outside() -> dict:
-    """What a test may not change: the repository (every file), the folder pytest started in and
-    the TMPDIR it started with (their top level)."""
-    out = _tree(str(ROOT), deep=True)
+def _ignored_folders() -> frozenset:
+    """The folders of the checkout git ignores (``data/``, ``work/`` after ``make demo``: ten
+    thousand files), as they are when the run starts: each test sees what they hold themselves,
+    the end of the run all of it (a walk of them after every test cost seconds)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--others", "--ignored",
+                              "--exclude-standard", "--directory", "-z"], capture_output=True,
+                             timeout=60).stdout.decode()
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(os.path.join(str(ROOT), p.rstrip("/")) for p in out.split("\0")
+                     if p.endswith("/"))
+
+
+_SHALLOW = _ignored_folders()
+
+
+def _outside(whole: bool = False) -> dict:
+    """What a test may not change: the repository (every file, but the contents of the folders
+    git ignores below their top level unless ``whole``), the folder pytest started in and the
+    TMPDIR it started with (their top level)."""
+    out = _tree(str(ROOT), deep=True, shallow=frozenset() if whole else _SHALLOW)
     if not _START_CWD.startswith(str(ROOT)):
         out.update(_tree(_START_CWD, deep=False))
     if _START_TMP is not None:
@@ -141,15 +164,17 @@ _AT_START: dict = {}
 
 
 def pytest_sessionstart(session):
-    _AT_START.update(_outside())
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _AT_START.update(_outside(whole=True))
 
 
 def pytest_sessionfinish(session, exitstatus):
     """The whole run (module and session fixtures too) left the watched folders as it found
-    them; checked once, where the run started (the xdist controller, or the only process)."""
+    them, the folders git ignores included; checked once, where the run started (the xdist
+    controller, or the only process)."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not _AT_START:
         return
-    written = _written(_AT_START, _outside())
+    written = _written(_AT_START, _outside(whole=True))
     if written:
         session.config.get_terminal_writer().line(
             "the test run wrote outside its temporary folders: " + ", ".join(written[:20]),
