@@ -616,14 +616,14 @@ def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
 
     save = str(tmp_path / "ckpt")
     flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
-        "--save-interval-updates", "40", "--save-interval", "1000", "--log-format", "simple",
-        "--disable-validation"]  # (one save every 40 updates, none at an epoch's end)
+        "--save-interval-updates", "10", "--save-interval", "1000", "--log-format", "simple",
+        "--disable-validation"]  # (one save every 10 updates, none at an epoch's end)
     code, lines = _interrupted(flags, tmp_path, lambda line: "Saved checkpoint" in line)
     import torch
 
     state = torch.load(f"{save}/checkpoint_last.pt", map_location="cpu", weights_only=False)
     update = state["optimizer_history"][-1]["num_updates"]
-    assert update and update % 40 == 0
+    assert update and update % 10 == 0
     assert_one_line(code, lines, f"interrupted: {save}/checkpoint_last.pt holds "
                     f"update {update}", "the same command resumes from it")
     assert not any("KeyboardInterrupt" in x for x in lines), lines[-10:]
