@@ -7,10 +7,179 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ.get("ATTNZOO_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# ---- hermetic tests: each in its own folder, nothing written outside it --------------------------
+#
+# Every test runs in a folder of its own: its working directory (a relative --save-dir, fairseq's
+# default ./checkpoints, a crash.pt) and its TMPDIR (tempfile, and every subprocess it starts) are
+# inside it, so nothing an earlier test or run left behind is read, and nothing is left for a later
+# one. Fixtures of a wider scope run in a folder of the session. The check: the repository, the
+# folder pytest was started in and the TMPDIR it was started with (when TMPDIR is set: `.ci/run`
+# gives each run a fresh one; the machine's shared /tmp is written by other programs too) are the
+# same after each test as before it (a test that wrote there fails at teardown, with the paths),
+# and after the run as before it (the run fails: a module or session fixture). Files git tracks
+# count only when created or removed (an edit is someone working in the checkout).
+
+from preptest_util import ROOT  # noqa: E402
+
+_START_CWD = os.path.realpath(os.getcwd())
+_START_TMP = os.path.realpath(tempfile.gettempdir()) if os.environ.get("TMPDIR") else None
+#: names never compared: what Python, pytest and git write by themselves (the checkout's own
+#: virtual environment, `make install`'s, and its editable install's metadata)
+_NOT_WATCHED = (".git", ".venv", "__pycache__", ".pytest_cache")
+
+
+def _watched(name: str) -> bool:
+    return not (name in _NOT_WATCHED or name.startswith("pytest-of-")
+                or name.endswith(".egg-info"))
+
+
+def _tree(root: str, deep: bool, shallow: frozenset = frozenset()) -> dict:
+    """``{path: (size, mtime_ns)}`` of what ``root`` holds (all of it when ``deep``, else its
+    top level; a folder as ``(0, 0)``; of a folder in ``shallow``, only what it holds itself),
+    but what Python, pytest and git write themselves."""
+    import stat
+
+    out = {}
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if _watched(d)]
+        for name in dirs + [f for f in files if _watched(f)]:
+            path = os.path.join(top, name)
+            try:
+                st = os.lstat(path)
+            except OSError:  # gone meanwhile
+                continue
+            out[path] = (0, 0) if stat.S_ISDIR(st.st_mode) else (st.st_size, st.st_mtime_ns)
+        if not deep:
+            break
+        if top in shallow:
+            dirs[:] = []
+    return out
+
+
+def _ignored_folders() -> frozenset:
+    """The folders of the checkout git ignores (``data/``, ``work/`` after ``make demo``: ten
+    thousand files), as they are when the run starts: each test sees what they hold themselves,
+    the end of the run all of it (a walk of them after every test cost seconds)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--others", "--ignored",
+                              "--exclude-standard", "--directory", "-z"], capture_output=True,
+                             timeout=60).stdout.decode()
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(os.path.join(str(ROOT), p.rstrip("/")) for p in out.split("\0")
+                     if p.endswith("/"))
+
+
+_SHALLOW = _ignored_folders()
+
+
+def _outside(whole: bool = False) -> dict:
+    """What a test may not change: the repository (every file, but the contents of the folders
+    git ignores below their top level unless ``whole``), the folder pytest started in and the
+    TMPDIR it started with (their top level)."""
+    out = _tree(str(ROOT), deep=True, shallow=frozenset() if whole else _SHALLOW)
+    if not _START_CWD.startswith(str(ROOT)):
+        out.update(_tree(_START_CWD, deep=False))
+    if _START_TMP is not None:
+        out.update(_tree(_START_TMP, deep=False))
+    return out
+
+
+def _tracked() -> set:
+    """The files git tracks in the repository (absolute paths; empty outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True,
+                             timeout=30).stdout.decode()
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {os.path.join(str(ROOT), p) for p in out.split("\0") if p}
+
+
+#: a tracked file whose content changes during the run is someone editing the checkout, not a
+#: test's leftover: only new and removed files are flagged there (untracked ones: any change)
+_TRACKED = _tracked()
+
+
+def _written(before: dict, after: dict) -> list:
+    return sorted([f"{p} (new)" for p in after.keys() - before.keys()]
+                  + [f"{p} (changed)" for p in after.keys() & before.keys()
+                     if after[p] != before[p] and p not in _TRACKED]
+                  + [f"{p} (removed)" for p in before.keys() - after.keys()])
+
+
+#: the longest TMPDIR multiprocessing can use: it binds AF_UNIX sockets at
+#: TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (a DataLoader worker passing tensors), 107 bytes at most
+#: (a longer one failed the worker and hung the run that waited for it)
+MAX_TMPDIR = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _own_folder(mp, folder):
+    """Work in ``folder``: ``folder/cwd`` the working directory, ``folder/tmp`` the TMPDIR."""
+    (folder / "cwd").mkdir()
+    (folder / "tmp").mkdir()
+    if len(str(folder / "tmp")) > MAX_TMPDIR:
+        pytest.exit(f"the tests' temporary folders ({folder}) are too long for multiprocessing's "
+                    f"sockets (at most {MAX_TMPDIR} characters): set TMPDIR to a shorter folder",
+                    returncode=4)
+    mp.chdir(folder / "cwd")
+    mp.setenv("TMPDIR", str(folder / "tmp"))
+    mp.setattr(tempfile, "tempdir", str(folder / "tmp"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_folder(tmp_path_factory):
+    """Module and session fixtures run in a folder of the session (tests: :func:`own_folder`)."""
+    with pytest.MonkeyPatch.context() as mp:
+        _own_folder(mp, tmp_path_factory.mktemp("session"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def own_folder(request, tmp_path_factory, monkeypatch):
+    """Each test's working directory and TMPDIR: a fresh empty folder of its own; the test fails
+    if it wrote outside it (the repository, pytest's starting folder, the starting TMPDIR)."""
+    folder = tmp_path_factory.mktemp("t")  # short: see MAX_TMPDIR
+    before = _outside()
+    _own_folder(monkeypatch, folder)
+    yield folder
+    written = _written(before, _outside())
+    if written:
+        pytest.fail(f"{request.node.nodeid} wrote outside its own folder {folder} "
+                    f"(under xdist: or a test running beside it): {', '.join(written[:10])}",
+                    pytrace=False)
+
+
+_AT_START: dict = {}
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _AT_START.update(_outside(whole=True))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole run (module and session fixtures too) left the watched folders as it found
+    them, the folders git ignores included; checked once, where the run started (the xdist
+    controller, or the only process)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _AT_START:
+        return
+    written = _written(_AT_START, _outside(whole=True))
+    if written:
+        session.config.get_terminal_writer().line(
+            "the test run wrote outside its temporary folders: " + ", ".join(written[:20]),
+            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(trylast=True)

@@ -22,10 +22,10 @@ TINY_LM = ["--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed
 
 
 def _run_module(name, *argv):
-    """``python -m fairseq_attnzoo.cli.NAME`` with cwd=/ (not the repository)."""
+    """``python -m fairseq_attnzoo.cli.NAME`` in the test's own folder (not the repository)."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", f"fairseq_attnzoo.cli.{name}", *argv], cwd="/",
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", f"fairseq_attnzoo.cli.{name}", *argv],
+                          cwd=os.getcwd(), env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_archs_lists_every_zoo_arch_from_another_directory():
@@ -180,8 +180,8 @@ def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp
     env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
 
     def run(*argv):
-        return subprocess.run([*argv], cwd="/", env=env, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run([*argv], cwd=os.getcwd(), env=env, capture_output=True,
+                              text=True, timeout=120)
 
     where = run(sys.executable, "-c", "import fairseq_attnzoo; print(fairseq_attnzoo.__file__)")
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr[-1000:]

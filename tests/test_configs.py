@@ -17,8 +17,11 @@ from scripts import make_hydra_configs as make_configs
 from zoo_testlib import REPO, USER_DIR, quiet, run_cli, tiny_flags, train_flags
 
 
-def test_configs_agree_with_recipes():
+def test_configs_agree_with_recipes(monkeypatch):
     """Every config is what scripts/make_hydra_configs.py derives from its recipe's command."""
+    # (run as it is run, from the repository root: the recipes' --user-dir fairseq_attnzoo is
+    # relative; generate() writes nothing, and tests/conftest.py checks that)
+    monkeypatch.chdir(REPO)
     configs = make_configs.generate()
     families = {name: [p for p in configs if f"/{name}/" in p]
                 for name in ("wmt14_en_de", "enwik8", "pkm_lm")}

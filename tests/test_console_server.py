@@ -4,7 +4,6 @@ level), checked here against the real ``fairseq-train``."""
 
 import os
 import subprocess
-import tempfile
 
 from console_server import BIN, ConsoleServer
 from zoo_testlib import tiny_flags
@@ -26,7 +25,7 @@ def _kinds(text):
 def test_a_command_runs_as_in_its_own_process(mt_data):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ATTNZOO_TRACEBACK", None)
-    cwd = tempfile.gettempdir()
+    cwd = os.getcwd()  # the test's own folder
     server = ConsoleServer()
     for argv, merge in ((["--max-update", "1"], True),  # trains: its log on stdout
                         (["--pkm-knn", "32"], False)):  # our one-line error on stderr

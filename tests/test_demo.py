@@ -138,6 +138,7 @@ def test_a_run_writes_its_results_under_out_and_publishes_only_when_asked(monkey
     speeds: a run writes under --out; --publish writes the tracked pages."""
     published = (tmp_path / "docs" / "demo_results.md", tmp_path / "docs" / "demo")
     monkeypatch.setattr(demo, "PUBLISHED", tuple(str(p) for p in published))
+    monkeypatch.setattr(demo, "SPREAD", str(tmp_path / "docs" / "demo.md"))
     assert demo.PUBLISHED != (os.path.join(ROOT, "docs/demo_results.md"),
                               os.path.join(ROOT, "docs/demo"))
     written = _fake_run(monkeypatch, tmp_path)
@@ -146,6 +147,10 @@ def test_a_run_writes_its_results_under_out_and_publishes_only_when_asked(monkey
     assert written["report"] == str(out / "report") and not published[0].exists()
     written = _fake_run(monkeypatch, tmp_path / "again", "--publish")
     assert "| transformer |" in published[0].read_text()
+    # the table says how much its numbers move, and links the measurements (issue 64)
+    assert "[demo.md](demo.md#how-much-the-rows-move)" in published[0].read_text()
+    assert "[demo.md](../docs/demo.md#how-much-the-rows-move)" in (
+        out / "demo_results.md").read_text()
     assert written["report"] == str(published[1])
     assert not (tmp_path / "again" / "work" / "demo_results.md").exists()
 

@@ -4,6 +4,7 @@ hand, incremental decoding == the full pass (and not without RoPE's cache offset
 refusals, and nothing changed for the archs that do not ask."""
 
 import math
+import os
 from argparse import Namespace
 
 import pytest
@@ -100,7 +101,10 @@ def test_rotary_importable_without_fairseq():
     code = ("import sys; sys.modules['fairseq'] = None\n"
             "import fairseq_attnzoo.modules.rotary, fairseq_attnzoo.modules.rmsnorm, "
             "fairseq_attnzoo.modules.swiglu")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    from preptest_util import REPO  # (this checkout, whatever the working directory)
+
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env={**os.environ, "PYTHONPATH": REPO})
 
 
 # ---- RoPE under incremental decoding -----------------------------------------------------------

@@ -57,3 +57,26 @@ def test_generate_and_eval_lm_print_no_debug_lines(lm_data, mt_data, tmp_path):
                            capture_output=True, text=True, timeout=300, env=env)
         out = r.stdout + r.stderr
         assert not [line for line in out.splitlines() if "DEBUG" in line], (program, out[-2000:])
+
+
+def test_fairseq_train_prints_neither_pin_memory_nor_autocast_warning(mt_data):
+    """Every fairseq command printed torch's pin_memory UserWarning (no accelerator: nothing to
+    pin) and fairseq's torch.cuda.amp.autocast FutureWarning (the same context under an old
+    name); compat entries torch_pin_memory_without_accelerator and fairseq_cuda_amp_autocast
+    filter exactly those, in the console scripts. With the entries disabled both are back."""
+    from console_server import ConsoleServer
+    from zoo_testlib import USER_DIR
+
+    import os
+
+    server = ConsoleServer()
+    argv = [mt_data, "--user-dir", USER_DIR, "--arch", "transformer", "--cpu", "--max-tokens",
+            "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--no-save",
+            "--encoder-layers", "1", "--decoder-layers", "1", "--num-workers", "0"]
+    noise = ("'pin_memory' argument is set as true", "torch.cuda.amp.autocast(args...)")
+    for disabled in ("", "torch_pin_memory_without_accelerator,fairseq_cuda_amp_autocast"):
+        env = dict(os.environ, OMP_NUM_THREADS="1", ATTNZOO_COMPAT_DISABLE=disabled)
+        code, out, _ = server.run("fairseq-train", argv, env=env, cwd=os.getcwd(), merge=True)
+        assert code == 0, out[-2000:]
+        printed = [n for n in noise if n in out]
+        assert printed == ([] if not disabled else list(noise)), (disabled, printed)

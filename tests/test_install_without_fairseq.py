@@ -12,6 +12,7 @@ import importlib.metadata as metadata
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import venv
@@ -80,12 +81,20 @@ def test_modules_install_and_run_without_fairseq(tmp_path):
                            env=env, cwd=str(tmp_path))
     assert probe.returncode != 0, "the fresh environment must not see fairseq"
 
-    # the README's line as written, run by this environment's pip from the checkout, offline
-    # (no index; setuptools from this interpreter instead of an isolated build's download)
+    # the README's line as written, run by this environment's pip from a copy of the checkout
+    # (an editable install writes its metadata into the source folder: never into the
+    # repository), offline (no index; setuptools from this interpreter instead of an isolated
+    # build's download)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(REPO, name), checkout / name)
+    shutil.copytree(os.path.join(REPO, "fairseq_attnzoo"), checkout / "fairseq_attnzoo",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     words = shlex.split(_install_line())
     assert words[:2] == ["pip", "install"] and "fairseq" not in " ".join(words), words
     r = subprocess.run([python, "-m", *words, "--no-index", "--no-build-isolation"],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+                       capture_output=True, text=True, env=env, cwd=str(checkout), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     r = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -98,4 +107,4 @@ def test_modules_install_and_run_without_fairseq(tmp_path):
         assert r.returncode == 0, f"{b.where}:\n{r.stderr[-3000:]}"
     where = subprocess.run([python, "-c", "import fairseq_attnzoo; print(fairseq_attnzoo.__file__)"],
                            capture_output=True, text=True, env=env, cwd=str(tmp_path))
-    assert where.stdout.startswith(REPO), where.stdout + where.stderr  # the editable install
+    assert where.stdout.startswith(str(checkout)), where.stdout + where.stderr  # editable

@@ -298,3 +298,33 @@ def test_module_errors_name_the_modules_arguments_not_fairseq_flags(make, words)
     with pytest.raises(ValueError, match=words) as err:
         make()
     assert "--" not in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- weak messages of the plain modules (issue 64, item 9) ---------------------------------------
+def test_synthesizer_misspelled_component_is_one_line_with_the_closest_name():
+    """``components=("dence",)`` was a bare ``AssertionError: components ('dence',)``."""
+    _one_line_error(lambda: SynthesizerAttention(D, 2, components=("dence",)),
+                    r"'dence' is not a component: did you mean 'dense'\? pass one or more of")
+    _one_line_error(lambda: SynthesizerAttention(D, 2, components=("dense", "dense")), "each once")
+    _one_line_error(lambda: SynthesizerAttention(D, 2, table_kernel="cuda"),
+                    "table_kernel 'cuda': pass one of auto, sdpa, table")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ProductKeyMemory(D, n_keys=8, heads=2, knn=4, k_dim=8),
+    lambda: AttentionOverParameters(D, heads=2, key_dim=8, value_dim=8, slots=16)],
+    ids=["pkm", "aop"])
+def test_position_wise_layer_on_a_2d_tensor_says_the_shape_it_takes(make):
+    """``x [N, C]`` ended in ``ValueError: not enough values to unpack (expected 3, got 2)``."""
+    ffn = make()
+    _one_line_error(lambda: ffn(torch.randn(T, D)), r"takes a time-first x \[T, B, C\] \(3 dims.*"
+                    r"got 2 dims \[10, 16\]: for tokens without a batch, pass x.unsqueeze\(1\)")
+
+
+def test_pkm_batch_first_x_says_to_transpose_x():
+    """A batch-first ``x [B, T, C]`` with its ``[B, T]`` mask was told to transpose the mask; the
+    shapes cannot tell it from a time-major mask, so the line names both, x first."""
+    pkm = ProductKeyMemory(D, n_keys=8, heads=2, knn=4, k_dim=8)
+    x, pad = torch.randn(B, T, D), torch.zeros(B, T, dtype=torch.bool)
+    _one_line_error(lambda: pkm(x, pad), r"either x is batch-first \[B, T, C\]: pass "
+                    r"x.transpose\(0, 1\), or the mask is time-major \[T, B\]")

@@ -3,13 +3,13 @@ stderr that names the flag and the fix (the last line, ``fairseq-attnzoo: ...``)
 exit code and no traceback unless ATTNZOO_TRACEBACK=1. Each case runs the real console script, in
 a process of its own (tests/console_server.py)."""
 
+import logging
 import os
-import tempfile
 
 import pytest
 
 from console_server import ConsoleServer
-from zoo_testlib import REPO, USER_DIR, quiet, run_cli
+from zoo_testlib import REPO, USER_DIR, LogCapture, quiet, run_cli
 
 TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
            "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
@@ -23,11 +23,12 @@ SERVER = ConsoleServer()
 def cli(program, *argv, env=None, cwd=None, stdout_too=False):
     """Run a fairseq console script (in a process of its own, forked from one that has run the
     script's imports: tests/console_server.py); return (exit code, non-empty stderr lines; with
-    ``stdout_too`` the lines of both, where fairseq's log goes)."""
+    ``stdout_too`` the lines of both, where fairseq's log goes). It runs in ``cwd``, by default the
+    test's own folder (tests/conftest.py's ``own_folder``)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
-    code, out, err = SERVER.run(program, argv, env=full_env, cwd=cwd or tempfile.gettempdir(),
+    code, out, err = SERVER.run(program, argv, env=full_env, cwd=cwd or os.getcwd(),
                                 merge=stdout_too)
     return code, [line for line in (out if stdout_too else err).splitlines() if line.strip()]
 
@@ -54,11 +55,86 @@ def test_our_flag_error_is_one_line(mt_data):
     assert_one_line(code, lines, "--pkm-knn", "--pkm-n-keys")
 
 
-def test_a_kernel_that_cannot_run_here_is_one_line(mt_data):
-    """--aop-kernel triton on a CPU outside Triton's interpreter: refused at the first forward."""
+def test_a_kernel_that_cannot_run_here_is_one_line(mt_data, tmp_path):
+    """--aop-kernel triton on a CPU outside Triton's interpreter: refused at the first forward,
+    from a fresh empty folder. fairseq's train_step saves crash.pt into --save-dir when a step
+    raises, and under --no-save that folder was never made: the user saw FileNotFoundError
+    'checkpoints/crash.pt.tmp' instead of the refusal (it passed only where an earlier run had
+    left a checkpoints/ folder). The crash checkpoint is written, as stock fairseq writes it."""
+    assert not os.listdir(tmp_path)
     code, lines = train(mt_data, "--arch", "transformer_aop", "--aop-kernel", "triton",
-                        env={"TRITON_INTERPRET": "0"})
-    assert_one_line(code, lines, "--aop-kernel triton cannot run", "--aop-kernel sdpa")
+                        env={"TRITON_INTERPRET": "0"}, cwd=tmp_path)
+    last = assert_one_line(code, lines, "--aop-kernel triton cannot run", "--aop-kernel sdpa")
+    assert "TRITON_INTERPRET=1 interprets them on the CPU, a test mode orders of magnitude " \
+        "slower, not for training" in last  # (item 7: it read like a way to run on the CPU)
+    assert os.listdir(tmp_path) == ["checkpoints"]
+    assert os.listdir(tmp_path / "checkpoints") == ["crash.pt"]
+
+
+@pytest.mark.parametrize("crash_save", ["writes", "fails"])
+def test_a_train_step_error_under_no_save_is_the_error_raised(mt_data, monkeypatch, crash_save):
+    """Any error of a training step under --no-save reaches the user as itself, in a fresh
+    folder: fairseq's crash checkpoint is written into a folder made for it (stock fairseq writes
+    crash.pt, --no-save or not), and when that save fails too (a full disk), one warning says so
+    and the step's error goes on (before: FileNotFoundError 'checkpoints/crash.pt.tmp')."""
+    from fairseq import checkpoint_utils
+    from fairseq.tasks.translation import TranslationTask
+
+    def failing_step(*args, **kwargs):  # (fairseq re-raises a RuntimeError without a crash save)
+        raise ValueError("the step's own error")
+
+    monkeypatch.setattr(TranslationTask, "train_step", failing_step)
+    if crash_save == "fails":
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(checkpoint_utils, "torch_persistent_save", full_disk)
+    assert not os.listdir(".")
+    logs = LogCapture()
+    logging.getLogger().addHandler(logs)
+    try:
+        with pytest.raises(ValueError, match="the step's own error"):
+            run_cli("train", [mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
+                              *TINY_MT, "--optimizer", "adam", "--lr", "1e-3", "--max-tokens",
+                              "500", "--max-update", "1", "--no-save"])
+    finally:
+        logging.getLogger().removeHandler(logs)
+    warnings = [x for x in logs.records if "crash checkpoint" in x]
+    if crash_save == "writes":
+        assert os.listdir("checkpoints") == ["crash.pt"] and not warnings
+    else:
+        assert len(warnings) == 1 and "No space left" in warnings[0], warnings
+
+
+# ---- weak messages (issue 64, item 9) -------------------------------------------------------------
+def test_a_misspelled_flag_gets_the_closest_flag(mt_data):
+    """``--pkm-nkeys`` got argparse's "unrecognized arguments" and the --help pointer alone."""
+    code, lines = train(mt_data, "--arch", "transformer_pkm", "--pkm-nkeys", "16")
+    assert_one_line(code, lines, "unrecognized arguments: --pkm-nkeys 16: did you mean "
+                    "--pkm-n-keys?")
+
+
+@pytest.mark.parametrize("kind", ["mt", "lm"])
+def test_the_folder_above_the_binarised_data_points_at_its_bin(tiny_data, kind):
+    """prepare_text's OUT (text, spm.model, bin/) given instead of OUT/bin: "run
+    fairseq-preprocess first", though the data is binarised one folder down."""
+    data = tiny_data(kind)
+    out = os.path.dirname(data)
+    task = ["--arch", "transformer"] if kind == "mt" else [
+        "--arch", "transformer_lm", "--task", "language_modeling", "--tokens-per-sample", "16"]
+    code, lines = cli("fairseq-train", out, "--user-dir", USER_DIR, "--cpu", "--max-tokens",
+                      "500", "--optimizer", "adam", "--lr", "1e-3", "--no-save", *task)
+    assert_one_line(code, lines, f"{out} holds no binarised data; {data} does", f"pass {data}")
+
+
+def test_generate_on_language_model_data_says_so(lm_data, trained):
+    """fairseq-generate on --only-source data said "no binarised language pair: run
+    fairseq-preprocess first" about data that is binarised, for a language model."""
+    ckpt = trained("attnzoo_lm").ckpt
+    code, lines = cli("fairseq-generate", lm_data, "--user-dir", USER_DIR, "--cpu", "--path",
+                      ckpt)
+    assert_one_line(code, lines, f"{lm_data} is language-model data (dict.txt",
+                    "fairseq-generate translates", f"fairseq-eval-lm {lm_data} --path {ckpt}")
 
 
 def test_flag_of_a_sublayer_the_model_does_not_build(mt_data):
@@ -507,44 +583,66 @@ def test_resume_with_the_same_host_options_resumes(trained, tmp_path):
     assert any("num_updates" in x and '"4"' in x for x in lines), lines[-5:]
 
 
-def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
-    """SIGINT to a real fairseq-train after it saved a checkpoint: one line naming the checkpoint
-    and its update, not a KeyboardInterrupt traceback."""
+def _interrupted(flags, cwd, when):
+    """Run a real fairseq-train with ``flags`` in ``cwd``, send it SIGINT at the first output line
+    for which ``when(line)`` holds: (exit code, its lines)."""
     import signal
     import subprocess
     import sys
 
-    from zoo_testlib import sweep_train_flags
-
-    save = str(tmp_path / "ckpt")
-    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
-        "--save-interval-updates", "40", "--save-interval", "1000", "--log-format", "simple",
-        "--disable-validation"]  # (one save every 40 updates, none at an epoch's end)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("ATTNZOO_TRACEBACK", None)
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
                              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=str(tmp_path))
+                            text=True, env=env, cwd=str(cwd))
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if "Saved checkpoint" in line:
+            if when(line):
                 break
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    lines += [x for x in rest.splitlines() if x.strip()]
+    return proc.returncode or 1, lines + [x for x in rest.splitlines() if x.strip()]
+
+
+def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
+    """SIGINT to a real fairseq-train after it saved a checkpoint: one line naming the checkpoint
+    and its update, not a KeyboardInterrupt traceback."""
+    from zoo_testlib import sweep_train_flags
+
+    save = str(tmp_path / "ckpt")
+    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
+        "--save-interval-updates", "10", "--save-interval", "1000", "--log-format", "simple",
+        "--disable-validation"]  # (one save every 10 updates, none at an epoch's end)
+    code, lines = _interrupted(flags, tmp_path, lambda line: "Saved checkpoint" in line)
     import torch
 
     state = torch.load(f"{save}/checkpoint_last.pt", map_location="cpu", weights_only=False)
     update = state["optimizer_history"][-1]["num_updates"]
-    assert update and update % 40 == 0
-    assert_one_line(proc.returncode or 1, lines, f"interrupted: {save}/checkpoint_last.pt holds "
+    assert update and update % 10 == 0
+    assert_one_line(code, lines, f"interrupted: {save}/checkpoint_last.pt holds "
                     f"update {update}", "the same command resumes from it")
     assert not any("KeyboardInterrupt" in x for x in lines), lines[-10:]
+
+
+def test_ctrl_c_under_no_save_says_it_went_on_from_the_loaded_update(trained, tmp_path):
+    """--no-save in a folder holding a checkpoint_last.pt: fairseq loaded its update (3) and
+    went on, saving nothing. The line said "nothing was saved; the same command starts again at
+    update 0"; it says where the run started and where the same command starts again."""
+    from zoo_testlib import sweep_train_flags
+
+    run = trained("attnzoo_transformer")
+    save = run.copy_to(tmp_path / "ckpt")
+    flags = sweep_train_flags("attnzoo_transformer", run.data, save, 100000) + ["--no-save"]
+    code, lines = _interrupted(flags, tmp_path, lambda line: '"num_updates": "5"' in line)
+    assert any('"num_updates": "4"' in x for x in lines), lines[-10:]  # it went on from 3
+    assert_one_line(code, lines, "nothing new was saved (--no-save)",
+                    f"this run had loaded update 3 from {save}/checkpoint_last.pt and went on "
+                    "from it, so the same command starts again from update 3")
 
 
 @pytest.fixture(scope="module")
@@ -600,3 +698,57 @@ def test_sacrebleu_scorer_does_not_call_fairseq_s_own_tokenization_a_mistake(cap
         assert scorer.score() == pytest.approx(100.0)
         assert "BLEU = 100.00" in scorer.result_string()
     assert not [r for r in caplog.records if "detokenize" in r.getMessage()], caplog.text
+
+
+RANK_DRIVER = '''
+import os, runpy, sys
+script = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+sys.argv = [script] + sys.argv[1:] + ["--distributed-rank", os.environ["RANK"], "--device-id",
+                                      os.environ["LOCAL_RANK"]]
+if os.environ["RANK"] == "1":  # this rank's training step fails at update 2; rank 0 waits for it
+    import fairseq_attnzoo
+    from fairseq.tasks.translation import TranslationTask
+    from fairseq_attnzoo.messages.errors import ZooConfigError
+
+    fairseq_attnzoo.enable()  # (--user-dir finds the package imported: it applies nothing)
+    step = TranslationTask.train_step
+
+    def failing(self, sample, model, criterion, optimizer, update_num, *args, **kwargs):
+        if update_num == 1:
+            raise ZooConfigError("rank 1's own error")
+        return step(self, sample, model, criterion, optimizer, update_num, *args, **kwargs)
+
+    TranslationTask.train_step = failing
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_rank_that_lost_its_peer_says_one_line(mt_data, tmp_path):
+    """One rank's error on 2 gloo processes: the other rank, waiting in a collective, printed
+    gloo's 'Connection closed by peer' traceback after the one line; it now prints one line
+    saying it lost its peer, and the failing rank's own line stays."""
+    import subprocess
+    import sys
+
+    driver = tmp_path / "rank_driver.py"
+    driver.write_text(RANK_DRIVER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)  # (the driver imports us)
+    env.pop("ATTNZOO_TRACEBACK", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--monitor-interval", "2",  # (rank 0 meets the closed peer before torchrun stops it)
+         str(driver), mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
+         *TINY_MT, "--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update",
+         "4", "--no-save", "--num-workers", "0", "--distributed-backend", "gloo",
+         "--distributed-init-method", "env://", "--distributed-no-spawn",
+         "--distributed-world-size", "2", "--ddp-backend", "legacy_ddp"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ranks = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("[rank")]
+    assert run.returncode != 0
+    assert not any("Traceback" in x for x in ranks), ranks[-30:]
+    assert [x for x in ranks if "fairseq-attnzoo: " in x] == [
+        "[rank1]: fairseq-attnzoo: rank 1's own error",
+        "[rank0]: fairseq-attnzoo: rank 0 stopped: another process of this job ended (Connection "
+        "closed by peer in a collective); that process's own error, printed with its rank, is the "
+        "one to read"], ranks[-30:]

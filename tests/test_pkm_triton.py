@@ -285,6 +285,7 @@ def test_kernel_choice(monkeypatch):
                                          r"pass kernel='auto'") as e:
         pkm_triton.use_value_kernel("triton", cpu)
     assert "\n" not in str(e.value) and "--" not in str(e.value)  # the module's own arguments
+    assert "TRITON_INTERPRET=1 interprets them on the CPU, a test mode" in str(e.value)
     _hosted_refusal(r"--pkm-kernel triton cannot run: .*CUDA.*--pkm-kernel auto",
                     kernel="triton")
     with pytest.raises(ValueError, match="PKM kernel must be one of auto, triton, torch"):

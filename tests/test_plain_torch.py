@@ -210,7 +210,8 @@ result.update(status=compat.status(), targets=_targets(),
 
 
 #: the entries that change something only in a console script (unchanged in these scripts)
-CONSOLE_ONLY = {"fairseq_cli_hints", "fairseq_mmap_dataset_del", "fairseq_root_log_level"}
+CONSOLE_ONLY = {"fairseq_cli_hints", "fairseq_mmap_dataset_del", "fairseq_root_log_level",
+                "torch_pin_memory_without_accelerator", "fairseq_cuda_amp_autocast"}
 
 
 def _applied(status) -> bool:

@@ -24,7 +24,8 @@ import os
 import pytest
 import torch
 
-from zoo_testlib import (USER_DIR, DispatchedOps, build, decode_steps, decoder_inputs, incremental_vs_full, is_lm,
+from zoo_testlib import (USER_DIR, DispatchedOps, build, decode_steps, decoder_inputs, eval_flags,
+                         incremental_vs_full, is_lm,
                          json_logs, lm_extra, model_class, one_per_wiring, run_cli, sweep_batch,
                          tiny_flags, tolerance, train_flags, zoo_archs)
 
@@ -486,3 +487,67 @@ def test_bf16_keeps_tpu_when_asked():
     assert compat.bf16_without_tpu(c, ["data", "--bf16"]) is (not compat.xla_available())
     if not compat.xla_available():
         assert not c.common.tpu and not c.optimizer.tpu and not c.task.tpu
+
+
+def _scores(lines, prefix):
+    """The first numbers of fairseq's ``H-``/``P-`` lines, or eval-lm's loss line."""
+    return [line.split("\t")[1] for line in lines if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize("command", ["eval_lm", "generate", "validate"])
+def test_bf16_scoring_runs_the_model_in_bfloat16(command, trained, monkeypatch):
+    """--bf16 in fairseq-eval-lm / -generate / -validate scored in float32 without a word (stock
+    fairseq applies only --fp16 there): the compat entry fairseq_bf16_scoring runs the model in
+    bfloat16, as --fp16 runs it in float16. The scores move by bf16's rounding, not more."""
+    from fairseq import checkpoint_utils
+
+    arch = "attnzoo_lm" if command == "eval_lm" else "attnzoo_transformer"
+    run = trained(arch)
+    dtypes = []
+    load = checkpoint_utils.load_model_ensemble_and_task
+
+    def recording(*args, **kwargs):
+        out = load(*args, **kwargs)
+        dtypes.extend(next(m.parameters()).dtype for m in out[0])
+        return out
+
+    monkeypatch.setattr(checkpoint_utils, "load_model_ensemble_and_task", recording)
+    flags = {"eval_lm": ["--task", model_class(arch).zoo_task, *eval_flags(arch),
+                         "--max-tokens", "400", "--gen-subset", "valid"],
+             "generate": ["--beam", "2", "--max-len-b", "8", "--batch-size", "8",
+                          "--gen-subset", "valid"],
+             "validate": ["--task", "translation", "--max-tokens", "400",
+                          "--valid-subset", "valid"]}[command]
+    argv = [run.data, "--user-dir", USER_DIR, "--path", run.ckpt, "--cpu", *flags]
+    fp32, bf16 = run_cli(command, argv), run_cli(command, argv + ["--bf16"])
+    assert dtypes == [torch.float32, torch.bfloat16], dtypes
+    assert any("--bf16: 1 model(s) in bfloat16" in line for line in bf16), bf16[-10:]
+    if command == "generate":
+        a, b = (_scores(out, "H-") for out in (fp32, bf16))
+        assert len(a) == len(b) == 16 and a != b
+        # a hypothesis' mean log-prob (measured: at most 0.107 apart over the 16)
+        assert max(abs(float(x) - float(y)) for x, y in zip(a, b)) < 0.25
+    else:
+        def loss(out):
+            line = next(x for x in reversed(out) if "loss" in x and "valid" in x
+                        or "Loss (base 2)" in x)
+            return float(line.split("Loss (base 2): ")[1].split(",")[0]) if "Loss (base 2)" \
+                in line else float(line.split("| loss ")[1].split(" |")[0])
+
+        assert loss(fp32) != loss(bf16) and abs(loss(fp32) - loss(bf16)) < 0.05, (
+            fp32[-3:], bf16[-3:])
+
+
+def test_bf16_scoring_on_a_gpu_without_bfloat16_is_one_line(monkeypatch):
+    """A GPU without bfloat16 arithmetic (before Ampere) refuses --bf16 scoring in one line."""
+    from types import SimpleNamespace
+
+    from fairseq_attnzoo.compat import mixed_precision as mp
+    from fairseq_attnzoo.messages.errors import ZooConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ZooConfigError, match="Tesla V100-SXM2-16GB has no bfloat16 arithmetic"):
+        mp.check_bf16_device(SimpleNamespace(cpu=False, bf16=True, fp16=False))
+    mp.check_bf16_device(SimpleNamespace(cpu=True, bf16=True, fp16=False))  # the CPU runs it

@@ -1,7 +1,8 @@
 """Stock fairseq workflows are unchanged by loading the plugin.
 
 For each stock family fairseq's own tests train (transformer, lightconv; transformer_lm, lstm_lm,
-fconv_lm, lightconv_lm), the same commands run twice in fresh interpreters on the same tiny data:
+fconv_lm, lightconv_lm), the same commands run twice on the same tiny data, every family's in one
+fresh interpreter per side:
 
 * ``stock``: fairseq alone, with only the two fixes a modern torch/NumPy needs (the weights-only
   allow-list for ``argparse.Namespace`` and ``numpy.compat.long``); the plugin is never imported;
@@ -32,7 +33,8 @@ import pytest
 from preptest_util import REPO
 
 
-pytestmark = pytest.mark.slow
+#: the module's two interpreters are built once, on one xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("stock_differential")]
 
 #: one interpreter: run fairseq console entry points in order, each with its log lines, stdout and
 #: exit status, written as JSON to the path in argv[2]. argv[1]: "stock" or "plugin".
@@ -88,7 +90,7 @@ def run(mode, commands, tmp_path):
            if k not in ("ATTNZOO_COMPAT_DISABLE", "PYTHONPATH")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-c", RUNNER, mode, str(out), json.dumps(commands)],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results[-1]["plugin_imported"] == (mode == "plugin")
@@ -188,17 +190,53 @@ LM_FAMILIES = {
 TRAIN_TPS = 64
 
 
-@pytest.mark.parametrize("family", sorted(MT_FAMILIES))
-def test_translation_family_unchanged_by_the_plugin(family, data, tmp_path):
-    outcomes = {}
+def mt_commands(family, data, save):
+    """Train a translation family, then generate with its last checkpoint."""
+    train = ["train", [data["mt"], "--task", "translation", "--max-tokens", "500",
+                       "--save-dir", save] + COMMON + MT_FAMILIES[family]]
+    generate = ["generate", [data["mt"], "--path", f"{save}/checkpoint_last.pt", "--beam",
+                             "2", "--batch-size", "8", "--cpu", "--num-workers", "0"]]
+    return [train, generate]
+
+
+def lm_commands(family, data, save):
+    """Train a language-model family, then eval-lm three ways: at the trained block length
+    (everything fits); at 150 (blocks of 150 and ~40 tokens: the first is longer than the 64
+    trained positions); at eval-lm's default 1024 (one block, longer than 64)."""
+    train = ["train", [data["lm"], "--task", "language_modeling", "--tokens-per-sample",
+                       str(TRAIN_TPS), "--sample-break-mode", "none", "--max-tokens", "256",
+                       "--save-dir", save] + COMMON + LM_FAMILIES[family]]
+    ckpt = f"{save}/checkpoint_last.pt"
+    evals = [["eval_lm", [data["lm"], "--path", ckpt, "--cpu", "--num-workers", "0",
+                          "--max-tokens", "2048"] + ONE + flags]
+             for flags in (["--tokens-per-sample", str(TRAIN_TPS)],
+                           ["--tokens-per-sample", "150"], [])]
+    return [train] + evals
+
+
+@pytest.fixture(scope="module")
+def outcomes(data, tmp_path_factory):
+    """Every family's commands, all of one mode in ONE fresh interpreter (two interpreters in
+    all, not two per family: each costs fairseq's imports): {mode: {family: its results}}.
+    Both modes run the same commands in the same order, so whatever one fairseq run leaves in
+    its process for the next is the same on both sides."""
+    root = tmp_path_factory.mktemp("differential")
+    plans = [(f, mt_commands) for f in sorted(MT_FAMILIES)] + [
+        (f, lm_commands) for f in sorted(LM_FAMILIES)]
+    out = {}
     for mode in ("stock", "plugin"):
-        save = str(tmp_path / mode)
-        train = ["train", [data["mt"], "--task", "translation", "--max-tokens", "500",
-                           "--save-dir", save] + COMMON + MT_FAMILIES[family]]
-        generate = ["generate", [data["mt"], "--path", f"{save}/checkpoint_last.pt", "--beam",
-                                 "2", "--batch-size", "8", "--cpu", "--num-workers", "0"]]
-        outcomes[mode] = run(mode, [train, generate], tmp_path)
-    (stock_train, stock_gen), (plugin_train, plugin_gen) = outcomes["stock"], outcomes["plugin"]
+        commands = [make(f, data, str(root / mode / f)) for f, make in plans]
+        results = run(mode, [c for family in commands for c in family], root)
+        out[mode] = {}
+        for (family, _), its in zip(plans, commands):
+            out[mode][family], results = results[:len(its)], results[len(its):]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(MT_FAMILIES))
+def test_translation_family_unchanged_by_the_plugin(family, outcomes):
+    (stock_train, stock_gen), (plugin_train, plugin_gen) = (outcomes["stock"][family],
+                                                            outcomes["plugin"][family])
     assert train_outcome(stock_train)["rc"] == 0, stock_train["error"]
     assert len(train_outcome(stock_train)["train"]) == 4
     assert train_outcome(plugin_train) == train_outcome(stock_train)
@@ -210,23 +248,9 @@ def test_translation_family_unchanged_by_the_plugin(family, data, tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(LM_FAMILIES))
-def test_language_model_family_unchanged_by_the_plugin(family, data, tmp_path):
-    """Train, then eval-lm three ways: at the trained block length (everything fits); at 150
-    (blocks of 150 and ~40 tokens: the first is longer than the 64 trained positions); at eval-lm's
-    default 1024 (one block, longer than 64)."""
-    outcomes = {}
-    for mode in ("stock", "plugin"):
-        save = str(tmp_path / mode)
-        train = ["train", [data["lm"], "--task", "language_modeling", "--tokens-per-sample",
-                           str(TRAIN_TPS), "--sample-break-mode", "none", "--max-tokens", "256",
-                           "--save-dir", save] + COMMON + LM_FAMILIES[family]]
-        ckpt = f"{save}/checkpoint_last.pt"
-        evals = [["eval_lm", [data["lm"], "--path", ckpt, "--cpu", "--num-workers", "0",
-                              "--max-tokens", "2048"] + ONE + flags]
-                 for flags in (["--tokens-per-sample", str(TRAIN_TPS)],
-                               ["--tokens-per-sample", "150"], [])]
-        outcomes[mode] = run(mode, [train] + evals, tmp_path)
-    stock, plugin = outcomes["stock"], outcomes["plugin"]
+def test_language_model_family_unchanged_by_the_plugin(family, outcomes):
+    """Train, then eval-lm three ways (:func:`lm_commands`)."""
+    stock, plugin = outcomes["stock"][family], outcomes["plugin"][family]
     assert train_outcome(stock[0])["rc"] == 0, stock[0]["error"]
     assert len(train_outcome(stock[0])["train"]) == 4
     assert train_outcome(plugin[0]) == train_outcome(stock[0])

@@ -249,7 +249,7 @@ def _sh(script, *args, **env):
 
     full_env = {**os.environ, "PYTHON": sys.executable, "GPUS": "1", **env}
     return subprocess.run(["bash", str(EXAMPLE / script), *args], capture_output=True, text=True,
-                          env=full_env, cwd="/")
+                          env=full_env, cwd=os.getcwd())
 
 
 @pytest.mark.parametrize("script", ["prepare.sh", "train.sh", "generate.sh"])

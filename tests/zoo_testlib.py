@@ -390,6 +390,12 @@ def run_cli(module: str, argv: List[str]) -> List[str]:
         argv = argv + ["--num-workers", "0"]
 
     mod = importlib.import_module(f"fairseq_cli.{module}")
+    # fairseq keeps the best validation result of a process on its save_checkpoint function: a
+    # run in a fresh process starts without one (else a run no better than an earlier test's in
+    # this process would write no checkpoint_best.pt)
+    from fairseq import checkpoint_utils
+
+    vars(checkpoint_utils.save_checkpoint).pop("best", None)
     cap = LogCapture()
     root = logging.getLogger()
     root.addHandler(cap)

@@ -2,7 +2,7 @@
 data and checkpoints, and what it says about examples it leaves out: NumPy's and torch's loading,
 the last batch, padding batches under DDP, eval-lm's blocks, examples skipped for their length (and
 the score over the rest), ``--remove-bpe`` of the other segmentation, interactive text without the
-``--bpe`` of SentencePiece data, sacrebleu's score of text fairseq tokenized itself. Nothing here is applied on
+``--bpe`` of SentencePiece data, its blank and too long lines, sacrebleu's score of text fairseq tokenized itself. Nothing here is applied on
 import; the rows install them."""
 
 import argparse
@@ -407,6 +407,99 @@ def checking_bpe(make_batches):
         yield from make_batches(lines, cfg, task, max_positions, encode_fn)
 
     return make_batches_checking_bpe
+
+
+# ---- fairseq-interactive: blank lines, and lines longer than the model accepts --------------------
+
+#: the number (from 0) of the first line of the buffer fairseq-interactive translates now
+_INTERACTIVE_START: "contextvars.ContextVar[int]" = contextvars.ContextVar(
+    "attnzoo_interactive_start", default=0)
+
+
+def _blank(line: str) -> bool:
+    return not line.strip()
+
+
+def _blank_apart(buffer):
+    """``buffer`` as runs of non-blank lines, each blank line a run of its own, in order."""
+    run = []
+    for line in buffer:
+        if _blank(line):
+            if run:
+                yield run
+            yield [line]
+            run = []
+        else:
+            run.append(line)
+    if run:
+        yield run
+
+
+def print_empty_hypothesis(i: int):
+    """fairseq-interactive's lines for input line ``i`` when it is blank: an empty source and an
+    empty hypothesis (score 0: nothing was translated), so that ``grep ^H-`` keeps one line per
+    input line."""
+    for line in (f"S-{i}\t", f"W-{i}\t0.000\tseconds", f"H-{i}\t0.0\t", f"D-{i}\t0.0\t",
+                 f"P-{i}\t"):
+        print(line)
+
+
+def blank_lines_apart(buffered_read):
+    """``fairseq_cli.interactive.buffered_read`` that hands a blank line over as a buffer of its
+    own, which :func:`interactive_lines` does not translate, and prints its empty hypothesis once
+    fairseq has printed the lines before it (fairseq translated an empty line into whatever the
+    model says after nothing: "day", "Image")."""
+
+    def buffered_read_blank_apart(input, buffer_size):
+        start = 0
+        for buffer in buffered_read(input, buffer_size):
+            for part in _blank_apart(buffer):
+                _INTERACTIVE_START.set(start)
+                yield part
+                if _blank(part[0]):  # (resumed after fairseq printed the lines before it)
+                    print_empty_hypothesis(start)
+                start += len(part)
+
+    return buffered_read_blank_apart
+
+
+def too_long_line(number: int, line: str, length: int, max_positions) -> str:
+    bound = max_positions[0] if isinstance(max_positions, tuple) else max_positions
+    bound = min(position_numbers(bound), default=bound)
+    text = line if len(line) <= 40 else line[:37] + "..."
+    return (f"fairseq-interactive: line {number} ({length:,} tokens: {text!r}) is longer than "
+            f"the {bound:,} positions the model accepts: skipped (split it into shorter lines, "
+            f"or raise {length_flags(max_positions)} and retrain)")
+
+
+def interactive_lines(make_batches):
+    """``fairseq_cli.interactive.make_batches`` that translates neither blank lines (their empty
+    hypothesis: :func:`blank_lines_apart`) nor lines longer than the model accepts: one warning
+    line each, and the session goes on (fairseq ended it, with a message written for scoring a
+    split). The batches keep the ids of the lines as given."""
+    import numpy as np
+    import torch
+
+    def make_batches_fitting(lines, cfg, task, max_positions, encode_fn):
+        keep = [i for i, line in enumerate(lines) if not _blank(line)]
+        if keep and max_positions is not None:
+            constraints = getattr(cfg.generation, "constraints", None)
+            text = [lines[i].split("\t")[0] if constraints else lines[i] for i in keep]
+            tokens, lengths = task.get_interactive_tokens_and_lengths(text, encode_fn)
+            dataset = task.build_dataset_for_inference(tokens, lengths)
+            fits, too_long = dataset.filter_indices_by_size(np.arange(len(keep)), max_positions)
+            start = _INTERACTIVE_START.get()
+            for j in too_long:
+                logger.warning(too_long_line(start + keep[j] + 1, text[j], int(lengths[j]),
+                                             max_positions))
+            keep = [keep[j] for j in sorted(int(j) for j in fits)]
+        if not keep:
+            return
+        ids = torch.tensor(keep)
+        for batch in make_batches([lines[i] for i in keep], cfg, task, max_positions, encode_fn):
+            yield batch._replace(ids=ids[batch.ids])
+
+    return make_batches_fitting
 
 
 # ---- sacrebleu: fairseq's own tokenization is not a forgotten detokenization ---------------------

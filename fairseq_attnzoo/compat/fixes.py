@@ -11,6 +11,8 @@ returns its undo or ``NOTHING_CHANGED``. The hooks of our own features are rows 
 from typing import Callable, Optional
 
 from ..messages import cli_hints
+from ..messages import known_warnings as known
+from ..messages import run_end
 from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
 from . import data
 from . import mixed_precision as mp
@@ -90,6 +92,12 @@ fix("fairseq_bf16_without_tpu", "fairseq.distributed.utils:call_main",
     "unless --tpu is given or torch_xla is installed, train with fairseq's own bf16 path "
     "(bfloat16 model, fp32 masters) on the GPU/CPU, as the hydra path already does",
     mp.without_tpu, "c2a32fa44fa277a6", version="fairseq 0.12.3")
+fix("fairseq_bf16_scoring", "fairseq.checkpoint_utils:load_model_ensemble_and_task",
+    "fairseq-generate, -eval-lm, -interactive and -validate run the model in float16 under "
+    "--fp16 (model.half()) and ignored --bf16: the model scored in float32 without a word. "
+    "Inside those commands, --bf16 (without --fp16) loads the models in bfloat16; a GPU without "
+    "bfloat16 arithmetic refuses in one line",
+    mp.bf16_scoring, "13d16e9ecb8407a3", version="fairseq 0.12.3")
 
 # ---- what fairseq's commands print (code: messages/) ---------------------------------------------
 register(Patch(
@@ -109,6 +117,39 @@ register(Patch(
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
     "$LOGLEVEL (INFO), the level the command asks for",
     cli_hints.debug_root_logger, installed(cli_hints.root_log_level), "fairseq 0.12.3"))
+
+register(Patch(
+    "torch_pin_memory_without_accelerator", f"warnings filter {OURS_TOO}",
+    "fairseq's iterators create every DataLoader with pin_memory=True, and torch >= 2.7 warns "
+    "once per command that no accelerator is found, so nothing is pinned: pinned memory only "
+    "serves copies to an accelerator, none exists, nothing is lost. That message from "
+    "torch.utils.data.dataloader is ignored",
+    known.torch_warns_pin_memory,
+    installed(known.ignoring(known.PIN_MEMORY, UserWarning, r"torch\.utils\.data\.dataloader$")),
+    "torch >= 2.7"))
+register(Patch(
+    "fairseq_cuda_amp_autocast", f"warnings filter {OURS_TOO}",
+    "fairseq's FairseqTask.train_step enters torch.cuda.amp.autocast(enabled=--amp), which torch "
+    ">= 2.4 calls deprecated in a FutureWarning at the first update; it is the same context as "
+    "torch.amp.autocast('cuda'). That message, attributed to fairseq.tasks.fairseq_task, is "
+    "ignored (the same call in any other module still warns)",
+    known.fairseq_calls_cuda_autocast,
+    installed(known.ignoring(known.CUDA_AUTOCAST, FutureWarning, r"fairseq\.tasks\.fairseq_task$")),
+    "fairseq 0.12.3, torch >= 2.4"))
+
+fix("fairseq_train_summary", {"fairseq.distributed.utils:call_main": run_end.summarizing,
+                              "fairseq_cli.train:validate": run_end.recording_validation},
+    "fairseq-train ended on its last epoch line: no best validation result and its update, no "
+    "best checkpoint, no command to score it. A finished run ends with two lines saying them, "
+    "the fairseq-generate / fairseq-eval-lm command with this run's data, task and device flags",
+    None, "c2a32fa44fa277a6", "ff91d67bb873a1cc",  # call_main: fairseq's, or the bf16 row's
+    "7a721818350f1d06", version="fairseq 0.12.3")
+fix("fairseq_train_progress_in_log", "fairseq.logging.progress_bar:progress_bar",
+    "fairseq-train draws a tqdm bar whenever stderr is a terminal, even when its log (stdout) "
+    "goes to a file or a pipe (> train.log, | tee): the log then had nothing between epoch "
+    "lines. Where the log is not a terminal, fairseq's simple format writes a line every "
+    "--log-interval updates into it (an explicit --log-format is kept)",
+    run_end.progress_in_log, "ccff0ad64057ea6b", version="fairseq 0.12.3")
 
 # ---- fairseq's data (code: data.py) --------------------------------------------------------------
 fix("fairseq_batch_keep_tail", "fairseq.data.data_utils:batch_by_size",
@@ -176,6 +217,15 @@ fix("fairseq_interactive_bpe_check", "fairseq_cli.interactive:make_batches",
     "almost every word became <unk>, silently (S-0 <unk> ... <unk>). Refuse in one line naming "
     "--bpe sentencepiece --sentencepiece-model when the dictionary holds SentencePiece pieces",
     data.checking_bpe, "53e9b96853c3f008", version="fairseq 0.12.3")
+fix("fairseq_interactive_lines", {
+        "fairseq_cli.interactive:buffered_read": data.blank_lines_apart,
+        "fairseq_cli.interactive:make_batches": data.interactive_lines},
+    "fairseq-interactive translated a blank line (into 'day', 'Image': what the model says "
+    "after nothing) and ended the session at a line longer than the model accepts, with a "
+    "message written for scoring a split: a blank line gets an empty hypothesis, a too long "
+    "line one warning naming the limit, and the session goes on",
+    None, "3b4339322a2631ad", "53e9b96853c3f008",  # fairseq's make_batches, or the bpe check's:
+    "9834f38afb571119", version="fairseq 0.12.3")
 fix("sacrebleu_tokenized_by_fairseq", "fairseq.scoring.bleu:SacrebleuScorer._score",
     "fairseq-generate --scoring sacrebleu tokenizes hypotheses and references itself (13a) "
     "before sacrebleu scores them untokenized: sacrebleu warned 'It looks like you forgot to "
@@ -189,10 +239,13 @@ fix("fairseq_shared_params_absent", "fairseq.trainer:_catalog_shared_params",
     "each bias that does not exist (--no-proj-bias: 14-36 lines): absent parameters (None) are "
     "not shared ones", trainer.skipping_absent, "de2da18cb6df2c02", version="fairseq 0.12.3")
 fix("fairseq_no_save_no_folder", {trainer.SAVE: trainer.saving,
-                                  trainer.VERIFY_SAVE_DIR: trainer.verifying},
+                                  trainer.VERIFY_SAVE_DIR: trainer.verifying,
+                                  trainer.TRAINER_SAVE: trainer.saving_crash},
     "fairseq-train --no-save created an empty ./checkpoints/ (the default --save-dir): both "
     "functions make the folder before they look at --no-save; a run that saves nothing leaves "
-    "no folder it made", None, "61513534b9b33e6a", "413f93d9a158f8d4", version="fairseq 0.12.3")
+    "no folder it made. A step that raises still writes fairseq's crash.pt there, as stock: "
+    "its folder is made then, and a crash save that fails never hides the step's error", None,
+    "61513534b9b33e6a", "413f93d9a158f8d4", "46b39d54a4f75cc8", version="fairseq 0.12.3")
 fix("fairseq_resume_broadcast", trainer.BROADCAST,
     "a run resumed on several processes died on every rank but 0 (UnpicklingError: "
     "omegaconf DictConfig not allowed): fairseq broadcasts rank 0's loaded checkpoint and the "

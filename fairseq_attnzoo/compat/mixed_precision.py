@@ -1,5 +1,6 @@
 """Four fixes to fairseq's mixed-precision optimizer wrappers (rows of the table, :mod:`.fixes`),
-and, at the end, the one that trains fairseq's ``--bf16`` without a TPU.
+and, at the end, the one that trains fairseq's ``--bf16`` without a TPU and the one that scores
+in bfloat16 under ``--bf16`` (:func:`bf16_scoring`).
 
 1. **Parameter constraints under FP16Optimizer** (see below).
 2. **AMP unscales gradients twice.** ``AMPOptimizer.clip_grad_norm`` (called by the trainer on every
@@ -44,7 +45,9 @@ projection on the tensors the optimizer really updates. Offsets follow fairseq's
 """
 
 import importlib.util
+import inspect
 import logging
+import os
 import sys
 from collections import defaultdict
 
@@ -235,3 +238,61 @@ def without_tpu(call_main):
         return call_main(cfg, main, **kwargs)
 
     return patched_call_main
+
+
+# ---- --bf16 at scoring time ----------------------------------------------------------------------
+
+#: fairseq's scoring commands, by file: each runs its model in half precision under --fp16 only
+SCORING = tuple(os.path.join("fairseq_cli", name + ".py")
+                for name in ("generate", "eval_lm", "interactive", "validate"))
+
+
+def scoring_cfg():
+    """The config of the fairseq scoring command (generate, eval-lm, interactive, validate) whose
+    ``main`` is running this call, or None (training, a script of the user's)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(SCORING) and "cfg" in frame.f_locals:
+            return frame.f_locals["cfg"]
+        frame = frame.f_back
+    return None
+
+
+def bf16_scoring_wanted(common) -> bool:
+    """``--bf16`` (or ``--memory-efficient-bf16``) without ``--fp16``, whose ``half()`` wins
+    (fairseq's own choice)."""
+    return bool(getattr(common, "bf16", False)) and not getattr(common, "fp16", False)
+
+
+def check_bf16_device(common) -> None:
+    """Refuse, in one line, --bf16 scoring on a CUDA device without bfloat16 arithmetic (before
+    Ampere); the CPU and newer GPUs run it."""
+    from ..messages.errors import ZooConfigError
+
+    if getattr(common, "cpu", False) or not torch.cuda.is_available():
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name()
+        raise ZooConfigError(f"--bf16: {name} has no bfloat16 arithmetic: score with --fp16, or "
+                             "in float32 (drop --bf16)")
+
+
+def bf16_scoring(load_model_ensemble_and_task):
+    """``checkpoint_utils.load_model_ensemble_and_task`` that, inside a scoring command run with
+    ``--bf16`` (not ``--fp16``), returns the models in bfloat16, as ``--fp16`` has them in float16
+    (``model.half()``): stock fairseq 0.12's generate, eval-lm, interactive and validate apply
+    only ``--fp16`` and scored in float32 under --bf16 without a word. One INFO line says so."""
+
+    def load_model_ensemble_and_task_bf16(*args, **kwargs):
+        ensemble, cfg, task = load_model_ensemble_and_task(*args, **kwargs)
+        command = scoring_cfg()
+        common = getattr(command, "common", None)
+        if common is not None and bf16_scoring_wanted(common):
+            check_bf16_device(common)
+            for model in ensemble:
+                model.bfloat16()
+            logger.info(f"--bf16: {len(ensemble)} model(s) in bfloat16 (compat entry "
+                        "fairseq_bf16_scoring; fairseq's scoring commands apply only --fp16)")
+        return ensemble, cfg, task
+
+    return load_model_ensemble_and_task_bf16

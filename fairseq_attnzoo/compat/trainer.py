@@ -4,7 +4,10 @@ of a run that saves nothing, and the checkpoint rank 0 broadcasts when a run res
 processes. Nothing here is applied on import; the rows install them."""
 
 import inspect
+import logging
 import os
+
+logger = logging.getLogger("fairseq_attnzoo.compat")
 
 
 # ---- shared parameters: none of them absent ------------------------------------------------------
@@ -70,6 +73,32 @@ def saving(save):
         return _no_folder_made(save, cfg.save_dir, cfg.no_save, cfg, trainer, epoch_itr, val_loss)
 
     return save_checkpoint
+
+
+TRAINER_SAVE = "fairseq.trainer:Trainer.save_checkpoint"
+CRASH = "crash.pt"
+
+
+def saving_crash(save_checkpoint):
+    """``Trainer.save_checkpoint`` that writes fairseq's crash checkpoint (``SAVE_DIR/crash.pt``,
+    saved by ``train_step`` when a step raises) into a folder made for it: under --no-save no
+    folder was made at the start, and the save's ``FileNotFoundError`` replaced the step's own
+    error. The folder is made then, as stock fairseq has it (a crashed run writes crash.pt, its
+    state before the failed step, --no-save or not); a crash save that fails all the same logs one
+    warning and the step's own error goes on. Every other save is fairseq's."""
+
+    def trainer_save_checkpoint(self, filename, extra_state):
+        if os.path.basename(str(filename)) != CRASH:
+            return save_checkpoint(self, filename, extra_state)
+        try:
+            os.makedirs(os.path.dirname(str(filename)) or ".", exist_ok=True)
+            return save_checkpoint(self, filename, extra_state)
+        except Exception as e:  # the step's error, which fairseq re-raises next, is the one
+            logger.warning(f"the crash checkpoint {filename} could not be written ({e}); the "
+                           "error of the training step follows")
+            return None
+
+    return trainer_save_checkpoint
 
 
 # ---- a resume on several processes: rank 0's checkpoint, received -------------------------------

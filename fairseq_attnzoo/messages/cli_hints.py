@@ -420,11 +420,83 @@ def hint_dictionary_of_another_size(exc, text, ctx) -> Optional[str]:
     return dictionary_mismatch_line(rows, ctx.data, _argv_value("--path") or "the checkpoint")
 
 
+def _dictionaries(folder: Optional[str]) -> List[str]:
+    """The fairseq dictionaries (``dict*.txt``) in ``folder``."""
+    if not folder or not os.path.isdir(folder):
+        return []
+    return sorted(f for f in os.listdir(folder) if re.fullmatch(r"dict(\.[^.]+)?\.txt", f))
+
+
+def _no_dictionary(exc, text) -> bool:
+    """fairseq found no dictionary where it looked: no language pair, or a missing dict*.txt."""
+    return "Could not infer language pair" in text or (
+        isinstance(exc, FileNotFoundError)
+        and os.path.basename(str(exc.filename or "")).startswith("dict."))
+
+
+def hint_binarised_data_below(exc, text, ctx) -> Optional[str]:
+    """The folder ``scripts.data.prepare_text`` (or a ``fairseq-preprocess --destdir OUT/bin``)
+    wrote, given instead of its ``bin`` folder."""
+    if not _no_dictionary(exc, text) or _dictionaries(ctx.data):
+        return None
+    below = os.path.join(ctx.data or "", "bin")
+    if not _dictionaries(below):
+        return None
+    return (f"{ctx.data} holds no binarised data; {below} does (the folder prepare_text or "
+            f"fairseq-preprocess --destdir wrote): pass {below}")
+
+
 def hint_no_language_pair(exc, text, ctx) -> Optional[str]:
     if "Could not infer language pair" not in text:
         return None
+    if "dict.txt" in _dictionaries(ctx.data):  # binarised with --only-source
+        what = f"{ctx.data} is language-model data (dict.txt, binarised with --only-source)"
+        if program() in ("fairseq-generate", "fairseq-interactive"):
+            path = _argv_value("--path") or "CHECKPOINT"
+            return (f"{what}, and {program()} translates: score a language model on it with "
+                    f"fairseq-eval-lm {ctx.data} --path {path}, or continue text with "
+                    "attnzoo-sample; to translate, pass translation data (dict.SRC.txt, "
+                    "dict.TGT.txt)")
+        return (f"{what}, and this run's task is translation: train a language model with "
+                "--task language_modeling and an LM arch (README, 'Word language model'), or "
+                "binarise parallel text for translation")
     return (f"{ctx.data} has no binarised language pair (dict.SRC.txt / train.SRC-TGT.*.bin): run "
             "fairseq-preprocess first, or pass --source-lang/--target-lang")
+
+
+#: what gloo / NCCL say on a process whose peer process ended (crashed, or stopped at its error)
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _rank() -> Optional[int]:
+    """This process's rank in a multi-process job (torchrun's RANK, or torch.distributed's), or
+    None in a single-process run."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.get_rank()
+    except Exception:  # pragma: no cover - a torch without distributed
+        pass
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    return None
+
+
+def hint_lost_peer(exc, text, ctx) -> Optional[str]:
+    """In a multi-process job, a collective that failed because another process of the job
+    ended: that process's own error is the one to read, so this one is a single line, not a
+    traceback per surviving rank."""
+    if not (isinstance(exc, RuntimeError) and any(m in text for m in LOST_PEER)):
+        return None
+    if not any(os.path.join("torch", "distributed") in f for f in _frames(exc)):
+        return None
+    rank = _rank()
+    if rank is None:
+        return None
+    said = next(m for m in LOST_PEER if m in text)
+    return (f"rank {rank} stopped: another process of this job ended ({said} in a "
+            "collective); that process's own error, printed with its rank, is the one to read")
 
 
 #: the tasks whose checkpoints are language models
@@ -523,9 +595,11 @@ def hint_checkpoint_of_another_task(exc, text, ctx) -> Optional[str]:
 
 #: the rules :func:`hint_for` asks, in order: the first line one of them gives is the hint
 RULES: List[Callable[[BaseException, str, HintContext], Optional[str]]] = [
+    hint_lost_peer,
     hint_truncated_checkpoint,
     hint_not_a_language_model,
     hint_post_process,
+    hint_binarised_data_below,
     hint_lm_arch_under_translation,
     hint_missing_data,
     hint_no_cuda,
@@ -633,6 +707,27 @@ def task_hint(message: str, parser=None):
             f"{', '.join(known)} (this run's task is {task}): add --task {wanted}")
 
 
+def flag_hint(message: str, parser=None) -> Optional[str]:
+    """For argparse's "unrecognized arguments: ...": the parser's flag closest to each unknown
+    one (``--pkm-nkeys``: did you mean ``--pkm-n-keys``?), or None when none is close."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix) or parser is None:
+        return None
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in message[len(prefix):].split():
+        flag = word.split("=")[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8) if flag.startswith(
+            "--") else []
+        if close:
+            hints.append((flag, close[0]))
+    if not hints:
+        return None
+    if len(hints) == 1:
+        return f"{message}: did you mean {hints[0][1]}?"
+    return f"{message}: did you mean {', '.join(f'{c} for {f}' for f, c in hints)}?"
+
+
 def one_line_parser_errors(parser: argparse.ArgumentParser):
     """In a console script, ``parser.error`` prints ``fairseq-attnzoo: <argparse's message>`` and
     exits 2, without the usage (thousands of flags in fairseq-train); ``--help`` still lists them."""
@@ -643,7 +738,7 @@ def one_line_parser_errors(parser: argparse.ArgumentParser):
     def one_line_error(message):
         if traceback_wanted():
             error(message)
-        hint = task_hint(message, parser)
+        hint = task_hint(message, parser) or flag_hint(message, parser)
         if hint:
             message, more = hint, ""
         else:
@@ -666,10 +761,9 @@ def interrupted_line(exc: BaseException) -> Optional[str]:
     save_dir = cfg_get(cfg, "save_dir") or _argv_value("--save-dir") or "checkpoints"
     restore = cfg_get(cfg, "restore_file") or _argv_value("--restore-file") or "checkpoint_last.pt"
     no_save = cfg_get(cfg, "no_save") if cfg is not None else "--no-save" in sys.argv
-    if no_save:
-        return ("interrupted: nothing was saved (--no-save); the same command starts again at "
-                "update 0")
     last = os.path.join(save_dir, "checkpoint_last.pt")
+    if no_save:
+        return interrupted_without_saving(last if restore == "checkpoint_last.pt" else restore)
     state = load_stored(last) if os.path.exists(last) else None
     if state is None and os.path.exists(last):  # the interrupt cut its copy short
         good = _loading_checkpoints(save_dir, last)
@@ -686,6 +780,20 @@ def interrupted_line(exc: BaseException) -> Optional[str]:
         return (f"interrupted: {held}; the same command starts again from --restore-file "
                 f"{restore}: drop --restore-file to resume from {last}")
     return f"interrupted: {held}; the same command resumes from it"
+
+
+def interrupted_without_saving(loaded: str) -> str:
+    """Ctrl-C in a --no-save run: fairseq still loads ``loaded`` (``SAVE_DIR/checkpoint_last.pt``,
+    or ``--restore-file``) when it is there, and goes on from its update; nothing new was saved,
+    so the same command starts from that update again."""
+    state = load_stored(loaded) if os.path.exists(loaded) else None
+    update = stored_update(state)
+    if update is None:
+        return ("interrupted: nothing was saved (--no-save); the same command starts again at "
+                "update 0")
+    return (f"interrupted: nothing new was saved (--no-save); this run had loaded update {update} "
+            f"from {loaded} and went on from it, so the same command starts again from update "
+            f"{update}")
 
 
 def one_line(exc: BaseException):

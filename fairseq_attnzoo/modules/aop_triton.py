@@ -38,7 +38,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .pkm_triton import HAS_TRITON, interpreted
+from .pkm_triton import HAS_TRITON, interpreted, needs_cuda
 
 #: tokens and slots per tile on CUDA (interpreter: 16, the smallest ``tl.dot`` tile)
 BLOCK_TOKENS, BLOCK_SLOTS = 64, 64
@@ -65,8 +65,7 @@ def why_unavailable(q: Tensor, key_dim: int, value_dim: int) -> Optional[str]:
     if max(key_dim, value_dim) > MAX_HEAD_DIM:
         return f"head dims {key_dim}/{value_dim} exceed the kernel's {MAX_HEAD_DIM}"
     if not available(q):
-        return (f"the tokens are on {q.device.type}; the kernel needs a CUDA device (or "
-                "TRITON_INTERPRET=1 to interpret it on the CPU)")
+        return needs_cuda("the tokens are", q.device.type)
     return None
 
 

@@ -339,10 +339,10 @@ class ProductKeyMemory(QueryNetwork, ProductKeySearch, ValueRead, MemoryOutput, 
         return out.to(compute_dtype(x))
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
+        padding_mask = self.padding(x, padding_mask)  # (checks x [T, B, C] first)
         t, b, c = x.shape
         flat = x.reshape(t * b, c)
         keep = None
-        padding_mask = self.padding(x, padding_mask)
         if padding_mask is not None:
             # the real tokens, time-major like ``flat``: pads are masked, not removed (removing
             # them is a ``nonzero``, a host sync on CUDA and a graph break under torch.compile),

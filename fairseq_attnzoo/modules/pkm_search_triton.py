@@ -499,8 +499,7 @@ def why_search_unavailable(query: Tensor, keys: Tensor, knn: int) -> Optional[st
     if not pkm_triton.HAS_TRITON:
         return "Triton is not importable (pip install triton; it ships with CUDA builds of torch)"
     if not (query.is_cuda or (pkm_triton.interpreted() and query.device.type == "cpu")):
-        return (f"the queries are on {query.device.type}; the kernels need a CUDA device "
-                "(or TRITON_INTERPRET=1 to interpret them on the CPU)")
+        return pkm_triton.needs_cuda("the queries are", query.device.type)
     if keys.size(-1) > MAX_HALF or knn > MAX_KNN or keys.size(-2) > MAX_KEYS:
         return (f"the search kernel takes k_dim/2 <= {MAX_HALF}, knn <= {MAX_KNN} and n_keys <= "
                 f"{MAX_KEYS}, got {keys.size(-1)}, {knn} and {keys.size(-2)}")

@@ -108,6 +108,13 @@ def value_kernel_available(table: Tensor) -> bool:
     return table.is_cuda or (interpreted() and table.device.type == "cpu")
 
 
+def needs_cuda(what: str, device: str) -> str:
+    """Why ``what`` (a Triton kernel, "the kernels") cannot run on ``device``: the words every
+    kernel's refusal uses. Triton's interpreter is named as what it is, a test mode."""
+    return (f"{what} on {device}; the kernels need a CUDA device (TRITON_INTERPRET=1 interprets "
+            "them on the CPU, a test mode orders of magnitude slower, not for training)")
+
+
 def why_value_kernel_unavailable(table: Tensor) -> str:
     """One line: why :func:`value_kernel_available` is False for this table (for
     ``kernel="triton"``)."""
@@ -115,8 +122,7 @@ def why_value_kernel_unavailable(table: Tensor) -> str:
         return "Triton is not importable (pip install triton; it ships with CUDA builds of torch)"
     if table.size(1) > MAX_DIM:
         return f"the value dim {table.size(1)} exceeds the kernels' {MAX_DIM}"
-    return (f"the value table is on {table.device.type}; the kernels need a CUDA device "
-            "(or TRITON_INTERPRET=1 to interpret them on the CPU)")
+    return needs_cuda("the value table is", table.device.type)
 
 
 _VALUE_KERNELS = []

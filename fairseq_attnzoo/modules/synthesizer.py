@@ -51,6 +51,23 @@ from .rotary import RotaryEmbedding
 COMPONENTS = ("dense", "random", "factorized_dense", "factorized_random", "vanilla")
 
 
+def check_components(components) -> None:
+    """One line for a ``components`` that is not one or more distinct names of
+    :data:`COMPONENTS` (a misspelled name gets the closest one)."""
+    import difflib
+
+    unknown = [c for c in components if c not in COMPONENTS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), COMPONENTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"SynthesizerAttention components {tuple(components)!r}: "
+                         f"{unknown[0]!r} is not a component: {hint}pass one or more of "
+                         f"{', '.join(COMPONENTS)}")
+    if not components or len(set(components)) != len(components):
+        raise ValueError(f"SynthesizerAttention components {tuple(components)!r}: pass one or more "
+                         f"of {', '.join(COMPONENTS)}, each once")
+
+
 def default_factors(max_len: int):
     """Factorized Dense sizes (a, b) with a*b >= max_len: the most balanced exact factorization
     (16 x 16 for 256, 16 x 8 for 128), or ceil(sqrt(N)) squared when N has no balanced divisor."""
@@ -422,10 +439,15 @@ class SynthesizerAttention(SynthesizerTerms, ZooAttention):
         # RoPE on the vanilla component's Q and K only: the synthesized tables stay absolute
         self.rotary = None if rope_theta is None else RotaryEmbedding(embed_dim // num_heads,
                                                                       rope_theta)
-        # user-facing checks (one line naming the flag) are the fairseq options' validate()
-        assert components and set(components) <= set(COMPONENTS) and \
-            len(set(components)) == len(components), f"components {components!r}"
-        assert max_len >= 1 and rank >= 1, f"max_len {max_len}, rank {rank}"
+        if table_kernel not in TABLE_KERNELS:
+            raise ValueError(f"SynthesizerAttention table_kernel {table_kernel!r}: pass one of "
+                             f"{', '.join(TABLE_KERNELS)}")
+        self.table_kernel = table_kernel
+        # (the fairseq options' validate() words the same checks as flags)
+        check_components(components)
+        if max_len < 1 or rank < 1:
+            raise ValueError(f"SynthesizerAttention max_len {max_len} and rank {rank}: both must "
+                             "be at least 1")
         self.components = components
         self.max_len = max_len
         d = embed_dim
@@ -434,8 +456,6 @@ class SynthesizerAttention(SynthesizerTerms, ZooAttention):
         if "vanilla" in components:
             self.q_proj = nn.Linear(d, d, bias=bias)
             self.k_proj = nn.Linear(d, d, bias=bias)
-        assert table_kernel in TABLE_KERNELS, f"table_kernel {table_kernel!r}"
-        self.table_kernel = table_kernel
         self._init_components(components, max_len, freeze_random, factor_a, factor_b, rank,
                               share_heads)
         #: set True to keep the last attention weights (``last_attention``) for analysis

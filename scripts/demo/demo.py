@@ -306,6 +306,18 @@ def output_paths(a):
             mine[1] if a.report is None else a.report)
 
 
+#: where the page says how much the rows move between machines and thread layouts (measured)
+SPREAD = os.path.join(REPO, "docs", "demo.md")
+
+
+def spread_note(results_path: str) -> str:
+    """The line under the results table: the numbers depend on the CPU and the thread layout."""
+    link = os.path.relpath(SPREAD, os.path.dirname(os.path.abspath(results_path)))
+    return ("These numbers depend on the CPU model and the thread layout: how much they move "
+            "with the same code and data, and what holds, is in "
+            f"[demo.md]({link}#how-much-the-rows-move).")
+
+
 def main(argv=None):
     DEMO, LM_DEMO = mt_rows(), lm_rows()
     p = argparse.ArgumentParser(description=__doc__,
@@ -386,7 +398,7 @@ def main(argv=None):
         with open(a.results, "w") as f:
             f.write("# Offline demo results (LibreOffice help de->en, test split)\n\n")
             f.write(f"Command: `{make_command(archs, lm_archs)}`.\n\n")
-            f.write(table + footer + "\n")
+            f.write(table + footer + "\n\n" + spread_note(a.results) + "\n")
         print(f"table written to {a.results}")
     if a.report:
         from scripts.demo import report
