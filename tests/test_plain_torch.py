@@ -25,6 +25,7 @@ import sys
 import pytest
 
 from preptest_util import REPO
+from test_compat_table import CONSOLE_ONLY
 
 
 #: blocks ``import fairseq`` (and fairseq_cli) in this interpreter, as if it were not installed
@@ -210,8 +211,6 @@ result.update(status=compat.status(), targets=_targets(),
 
 
 #: the entries that change something only in a console script (unchanged in these scripts)
-CONSOLE_ONLY = {"fairseq_cli_hints", "fairseq_mmap_dataset_del", "fairseq_root_log_level",
-                "torch_pin_memory_without_accelerator", "fairseq_cuda_amp_autocast"}
 
 
 def _applied(status) -> bool:
