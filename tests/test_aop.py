@@ -456,12 +456,12 @@ def test_kernel_flag_reaches_the_module_and_an_unavailable_kernel_is_one_line(mo
     assert build_sublayer("aop", _spec(_args("transformer_aop"), d=32, ffn=64, heads=4)
                           ).kernel == "sdpa"
     monkeypatch.setattr(aop_triton, "interpreted", lambda: False)  # a CPU without the interpreter
-    with pytest.raises(ValueError, match="needs a CUDA device.*--aop-kernel sdpa") as e:
+    with pytest.raises(ValueError, match="need a CUDA device.*--aop-kernel sdpa") as e:
         m(torch.randn(3, 2, 32))
     assert "\n" not in str(e.value)
     # the plain module names its own argument, not the flag
     plain = AttentionOverParameters(32, heads=4, key_dim=8, value_dim=8, slots=16, kernel="triton")
-    with pytest.raises(ValueError, match="needs a CUDA device.*pass kernel='sdpa'") as e:
+    with pytest.raises(ValueError, match="need a CUDA device.*pass kernel='sdpa'") as e:
         plain(torch.randn(3, 2, 32))
     assert "--" not in str(e.value) and "\n" not in str(e.value)
 
