@@ -227,7 +227,7 @@ def test_bad_flags_give_one_line_errors(flags, message, mt_data, lm_data):
 
 
 def test_cli_hint_for_missing_or_unbinarised_data(monkeypatch, tmp_path):
-    from fairseq_attnzoo.messages.cli_hints import hint_for
+    from fairseq_attnzoo.messages.hints import hint_for
 
     monkeypatch.setattr("sys.argv", ["fairseq-train", str(tmp_path / "nope"), "--arch", "x"])
     err = FileNotFoundError(2, "No such file", str(tmp_path / "nope"))

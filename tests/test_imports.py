@@ -1,7 +1,8 @@
 """The parts of ``fairseq_attnzoo`` (its top-level modules and first-level subpackages) import each
 other without a cycle, and so do the modules inside them (a subpackage's ``__init__`` and its own
 modules) and those of ``scripts/``, counting the imports inside functions; the compatibility table
-(``compat/``) imports nothing of ours but the user-facing messages (``messages/``)."""
+(``compat/``) imports nothing of ours but the user-facing messages (``messages/``) and the
+checkpoint readers (``checkpoints.py``), and those two import nothing above them."""
 
 import ast
 import os
@@ -143,10 +144,21 @@ def test_no_import_cycle_between_modules(folder):
     _no_cycle(module_graph(folder))
 
 
-def test_compat_imports_only_the_messages():
-    edges = part_graph()
-    imported = {b: where for (a, b), where in edges.items() if a == "compat"}
-    assert set(imported) <= {"messages"}, imported
+def _imported_by(importer: str) -> Dict[str, str]:
+    return {b: where for (a, b), where in part_graph().items() if a == importer}
+
+
+def test_compat_imports_only_the_messages_and_the_checkpoint_readers():
+    imported = _imported_by("compat")
+    assert set(imported) <= {"messages", "checkpoints"}, imported
+
+
+def test_the_messages_stand_on_the_checkpoint_readers_alone():
+    """``messages/`` reads checkpoints and nothing else of ours; the checkpoint readers, which the
+    host's resume check uses too, import nothing of ours (so ``models/`` reads a checkpoint without
+    the messages)."""
+    assert set(_imported_by("messages")) <= {"checkpoints"}, _imported_by("messages")
+    assert _imported_by("checkpoints") == {}
 
 
 def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):

@@ -143,7 +143,7 @@ def test_examples_skipped_for_a_length_bound_are_counted_and_the_score_says_subs
 def test_unskipped_long_example_names_both_fixes():
     """Without --skip-invalid-size-inputs-valid-test fairseq raises a bare Exception whose only
     advice is that flag: the hint adds the length flag to raise."""
-    from fairseq_attnzoo.messages.cli_hints import hint_for
+    from fairseq_attnzoo.messages.hints import hint_for
     from fairseq_attnzoo.models import sublayers
 
     sublayers.forget_length_limits()

@@ -304,7 +304,8 @@ def test_empty_split(tmp_path):
 
 
 def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
-    from fairseq_attnzoo.messages.cli_hints import hint_for, one_line
+    from fairseq_attnzoo.messages.hints import hint_for
+    from fairseq_attnzoo.messages.one_line import one_line
 
     xla = AttributeError("'NoneType' object has no attribute 'xla_device'")
     cpu = hint_for(xla, cuda=False)
@@ -335,9 +336,9 @@ def test_hints_for_known_fairseq_errors(monkeypatch, tmp_path):
 def test_each_hint_is_a_rule_of_its_own_asked_in_order(monkeypatch):
     """``hint_for`` asks the rules of ``RULES`` in order, the first line wins; each rule answers for
     its own error alone (asked here by name, outside ``hint_for``), and None for any other."""
-    from fairseq_attnzoo.messages import cli_hints
-    from fairseq_attnzoo.messages.cli_hints import (RULES, HintContext, hint_for,
-                                                    hint_no_batch_size, hint_no_cuda)
+    from fairseq_attnzoo.messages import hints
+    from fairseq_attnzoo.messages.hints import (RULES, HintContext, hint_for, hint_no_batch_size,
+                                                hint_no_cuda)
 
     assert len(set(RULES)) == len(RULES) >= 13
     assert all(rule.__name__.startswith("hint_") for rule in RULES)
@@ -349,9 +350,9 @@ def test_each_hint_is_a_rule_of_its_own_asked_in_order(monkeypatch):
     other = ValueError("something else")
     assert [rule(other, str(other), hydra) for rule in RULES] == [None] * len(RULES)
     asked = []
-    monkeypatch.setattr(cli_hints, "RULES", [lambda e, t, c: asked.append(1),
-                                             lambda e, t, c: f"{t} ({c.data})",
-                                             lambda e, t, c: asked.append(3)])
+    monkeypatch.setattr(hints, "RULES", [lambda e, t, c: asked.append(1),
+                                         lambda e, t, c: f"{t} ({c.data})",
+                                         lambda e, t, c: asked.append(3)])
     assert hint_for(other, data="bin") == "something else (bin)" and asked == [1]
 
 PKM_TINY = ["--arch", "transformer_pkm", "--pkm-n-keys", "8", "--pkm-k-dim", "8", "--pkm-heads",

@@ -450,7 +450,7 @@ def test_amp_optimizer_unscales_once(optimizer):
 def test_bf16_on_gpu_hint():
     """fairseq 0.12's --bf16 implies --tpu: where the compat fix did not apply it dies in
     torch_xla; say so in one line, naming the compat entry."""
-    from fairseq_attnzoo.messages.cli_hints import hint_for
+    from fairseq_attnzoo.messages.hints import hint_for
 
     xla = AttributeError("'NoneType' object has no attribute 'xla_device'")
     for cuda in (True, False):

@@ -77,7 +77,7 @@ def test_where_training_ran_in_spawned_processes_the_best_checkpoint_tells(mt_da
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq_attnzoo.messages.run_end import summary_lines
+    from fairseq_attnzoo.compat.run_end import summary_lines
 
     save = str(tmp_path / "ckpt")
     flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 4)

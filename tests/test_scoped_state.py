@@ -3,13 +3,16 @@ checkpoint's, the flags that bound its length, the split fairseq filtered last) 
 thread (or task) that builds it: two models built at once in one process never see each other's.
 Each test runs two builds in two threads, in lockstep so that both are open at once."""
 
+import contextvars
 import threading
 from argparse import Namespace
 
 import fairseq_attnzoo  # noqa: F401  (registers the sublayers)
+from fairseq import options, tasks
 from fairseq_attnzoo.compat import data
-from fairseq_attnzoo.messages.cli_hints import length_flags
+from fairseq_attnzoo.messages.lengths import length_flags, length_limits
 from fairseq_attnzoo.models import registry, sublayers
+from zoo_testlib import TINY_MT, USER_DIR, build, to_flags
 
 
 def both_at_once(first, second):
@@ -85,6 +88,44 @@ def test_a_models_length_flag_is_not_forgotten_by_another_build():
     ours, theirs = both_at_once(synthesizer, stock)
     assert ours == "--synth-max-len (now 10)"
     assert theirs.startswith("--max-source-positions/--max-target-positions")
+
+
+def test_runs_started_from_one_context_keep_their_own_length_limits():
+    """Two runs started from one context (as asyncio starts its tasks: ``copy_context()``), after
+    a model was built there: what one run notes is neither in the other's limits nor in the
+    context both started from."""
+    sublayers.forget_length_limits()  # a model was built in this context before
+
+    def run(flag, value):
+        sublayers.note_length_limit(flag, value)
+        return length_limits()
+
+    try:
+        first = contextvars.copy_context().run(run, "--synth-max-len", 10)
+        second = contextvars.copy_context().run(run, "--my-max-len", 20)
+        assert (first, second) == ({"--synth-max-len": 10}, {"--my-max-len": 20})
+        assert length_limits() == {}
+    finally:
+        sublayers.forget_length_limits()
+
+
+def test_two_runs_one_after_the_other_keep_their_own_length_limits(mt_data):
+    """One thread, two runs: a Synthesizer model notes --synth-max-len; the stock transformer
+    fairseq builds next (``fairseq.models.build_model``, as the compat row
+    ``fairseq_model_from_checkpoint`` wraps it) has no limit of ours, so a skipped example of its
+    run names fairseq's position flags, not the Synthesizer's."""
+    try:
+        build("transformer_synth_dense", mt_data, ["--synth-max-len", "32"])
+        assert length_limits() == {"--synth-max-len": 32}
+        assert length_flags(32) == "--synth-max-len (now 32)"
+        stock = options.parse_args_and_arch(options.get_training_parser(), [
+            mt_data, "--user-dir", USER_DIR, "--arch", "transformer", "--cpu",
+            "--max-source-positions", "32", "--max-target-positions", "32", *to_flags(TINY_MT)])
+        tasks.setup_task(stock).build_model(stock)
+        assert length_limits() == {}
+        assert length_flags(32).startswith("--max-source-positions/--max-target-positions")
+    finally:
+        sublayers.forget_length_limits()
 
 
 def test_the_score_line_notes_the_subset_of_its_own_run():

@@ -96,8 +96,8 @@ def main(argv: List[str] = None) -> int:
         models, _, task = checkpoint_utils.load_model_ensemble_and_task(
             [args.path], arg_overrides={"data": args.data})
     except (RuntimeError, FileNotFoundError) as e:  # e.g. the data dir of another dictionary
-        from fairseq_attnzoo.messages.cli_hints import (dictionary_mismatch,
-                                                        dictionary_mismatch_line, hint_for)
+        from fairseq_attnzoo.messages.hints import (dictionary_mismatch, dictionary_mismatch_line,
+                                                    hint_for)
 
         rows = dictionary_mismatch(str(e))
         line = (dictionary_mismatch_line(rows, args.data, args.path) if rows

@@ -10,7 +10,9 @@ Where the entries live: the machinery (:class:`Patch`, :func:`fix`, :func:`apply
 table, one row per change: its target named once, the library version it fixes, why; the code a
 row installs lives with what it serves (:mod:`.mixed_precision` for fairseq's optimizers,
 :mod:`.data` for its data and checkpoints, :mod:`.trainer` for its trainer's shared-parameter
-catalogue and ``--no-save`` folder, :mod:`fairseq_attnzoo.messages` for what it prints). The hooks
+catalogue and ``--no-save`` folder, :mod:`.console` for how its commands answer a mistake,
+:mod:`.known_warnings` for the warnings that say nothing to act on, :mod:`.run_end` for the end of
+a training run; what the lines say is :mod:`fairseq_attnzoo.messages`). The hooks
 of our own features are registered by their owners (``fairseq_meters_slot_usage`` in
 ``models/pkm.py``, the ``fairseq_sharded_value_*`` entries in ``models/pkm_shard.py``,
 ``fairseq_resume_host_flags`` in ``models/transformer.py``, ``fairseq_model_from_checkpoint`` in

@@ -12,7 +12,7 @@ import logging
 import types
 from typing import Callable, Dict, Optional
 
-from ..messages.cli_hints import length_flags, position_numbers
+from ..messages.lengths import length_flags, position_numbers
 from ..messages.errors import ZooConfigError
 from .machinery import NOTHING_CHANGED
 

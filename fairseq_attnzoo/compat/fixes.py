@@ -1,23 +1,20 @@
 """The table: every change to torch, NumPy, hydra and fairseq, one row each, in the order they are
 applied and listed. A row names its target once, the library version it fixes and why; the code it
 installs lives with what it serves (:mod:`.mixed_precision`, :mod:`.data`, :mod:`.trainer`,
-:mod:`..messages`).
+:mod:`.console`, :mod:`.known_warnings`, :mod:`.run_end`).
 :func:`~.machinery.fix` replaces a ``"module:Class.attribute"`` when its source has a known digest
 (a method, classmethod, property or environment variable ``"env:NAME"``) and restores it on
 :func:`~.machinery.undo_all`; :class:`~.machinery.Patch` rows change other state. Every row's apply
 returns its undo or ``NOTHING_CHANGED``. The hooks of our own features are rows of their owners
 (``models/pkm.py``, ``models/pkm_shard.py``, ``models/transformer.py``, ``models/registry.py``)."""
 
-from typing import Callable, Optional
+from typing import Optional
 
-from ..messages import cli_hints
-from ..messages import known_warnings as known
-from ..messages import run_end
-from ..messages.hydra import hydra_in_fairseq, quiet_hydra_deprecations
-from . import data
+from . import console, data
+from . import known_warnings as known
 from . import mixed_precision as mp
-from . import trainer
-from .machinery import ENV, NOTHING_CHANGED, Patch, always, fix, register, replace, together
+from . import run_end, trainer
+from .machinery import Patch, always, fix, register
 
 FP16 = "fairseq.optim.fp16_optimizer:"
 GRADS_SYNC, PARAMS_SYNC = (FP16 + "_FP16OptimizerMixin._sync_fp16_grads_to_fp32",
@@ -30,27 +27,6 @@ def _foreach_copy() -> Optional[str]:
     import torch
 
     return None if hasattr(torch, "_foreach_copy_") else "torch has no _foreach_copy_ (torch < 2.1)"
-
-
-def installed(install: Callable[[], Optional[Callable[[], None]]]):
-    """A row's apply from an installer of :mod:`..messages`, which stands below this table and
-    returns its undo or None where it installed nothing (documented on each): None is
-    NOTHING_CHANGED."""
-
-    def apply():
-        undo = install()
-        return NOTHING_CHANGED if undo is None else undo
-
-    return apply
-
-
-def console_hints():
-    """The one-line excepthook, and HYDRA_FULL_ERROR beside it for fairseq-hydra-train (a value
-    the user set stays; undone with the hook)."""
-    hook = installed(cli_hints.install)()
-    if hook is NOTHING_CHANGED:
-        return NOTHING_CHANGED
-    return together(hook, replace(ENV + "HYDRA_FULL_ERROR", cli_hints.hydra_full_error))
 
 
 # ---- torch and NumPy (code: data.py) ------------------------------------------------------------
@@ -99,24 +75,24 @@ fix("fairseq_bf16_scoring", "fairseq.checkpoint_utils:load_model_ensemble_and_ta
     "bfloat16 arithmetic refuses in one line",
     mp.bf16_scoring, "13d16e9ecb8407a3", version="fairseq 0.12.3")
 
-# ---- what fairseq's commands print (code: messages/) ---------------------------------------------
+# ---- what fairseq's commands print (code: console.py, known_warnings.py, run_end.py) ------------
 register(Patch(
     "fairseq_cli_hints", f"sys.excepthook {CONSOLE}, HYDRA_FULL_ERROR (fairseq-hydra-train)",
     "errors a user can cause end in one line naming the problem and the fix, without the "
     "traceback (ATTNZOO_TRACEBACK=1 shows it); fairseq-hydra-train gets HYDRA_FULL_ERROR=1 so "
-    "that its job's errors reach the hook", always, console_hints, "fairseq 0.12.3"))
+    "that its job's errors reach the hook", always, console.console_hints, "fairseq 0.12.3"))
 register(Patch(
     "fairseq_mmap_dataset_del", f"sys.unraisablehook {CONSOLE}",
     "fairseq's MMapIndexedDataset whose np.memmap failed (an empty split) raises again in "
     "__del__: that one error is not printed after the hint's line; every other one is",
-    always, installed(cli_hints.ignore_half_built_mmap_dataset), "fairseq 0.12.3"))
+    always, console.ignore_half_built_mmap_dataset, "fairseq 0.12.3"))
 register(Patch(
     "fairseq_root_log_level", f"the root logger's level {OURS_TOO}",
     "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
     "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
     "DEBUG lines reach stderr: in a console script a root logger left at DEBUG goes back to "
     "$LOGLEVEL (INFO), the level the command asks for",
-    cli_hints.debug_root_logger, installed(cli_hints.root_log_level), "fairseq 0.12.3"))
+    console.debug_root_logger, console.root_log_level, "fairseq 0.12.3"))
 
 register(Patch(
     "torch_pin_memory_without_accelerator", f"warnings filter {OURS_TOO}",
@@ -125,7 +101,7 @@ register(Patch(
     "serves copies to an accelerator, none exists, nothing is lost. That message from "
     "torch.utils.data.dataloader is ignored",
     known.torch_warns_pin_memory,
-    installed(known.ignoring(known.PIN_MEMORY, UserWarning, r"torch\.utils\.data\.dataloader$")),
+    known.ignoring(known.PIN_MEMORY, UserWarning, r"torch\.utils\.data\.dataloader$"),
     "torch >= 2.7"))
 register(Patch(
     "fairseq_cuda_amp_autocast", f"warnings filter {OURS_TOO}",
@@ -134,7 +110,7 @@ register(Patch(
     "torch.amp.autocast('cuda'). That message, attributed to fairseq.tasks.fairseq_task, is "
     "ignored (the same call in any other module still warns)",
     known.fairseq_calls_cuda_autocast,
-    installed(known.ignoring(known.CUDA_AUTOCAST, FutureWarning, r"fairseq\.tasks\.fairseq_task$")),
+    known.ignoring(known.CUDA_AUTOCAST, FutureWarning, r"fairseq\.tasks\.fairseq_task$"),
     "fairseq 0.12.3, torch >= 2.4"))
 
 fix("fairseq_train_summary", {"fairseq.distributed.utils:call_main": run_end.summarizing,
@@ -171,29 +147,29 @@ fix("fairseq_eval_lm_block_length",
     "as fairseq does, plus one warning line with the counts and the flag that fixes it",
     data.checking_block_length, "6ae1cc56dea42151", version="fairseq 0.12.3")
 
-# ---- fairseq's parsers (code: messages/cli_hints.py) ---------------------------------------------
+# ---- fairseq's parsers (code: console.py) --------------------------------------------------------
 fix("fairseq_train_parser_one_line",
     "fairseq.options:add_model_args (the training parser's --arch type)",
     "a misspelled --arch printed argparse's ~200 choices (over 10 KB) and no suggestion: name "
     "the closest arch names instead (the one-line error itself: fairseq_parser_one_line)",
-    cli_hints.arch_checked, "1c18c8c34cb60493", version="fairseq 0.12.3")
+    console.arch_checked, "1c18c8c34cb60493", version="fairseq 0.12.3")
 fix("fairseq_parser_one_line", "fairseq.options:add_dataset_args (every command's parser)",
     "a bad flag value of fairseq-train, -generate, -interactive, -validate or -eval-lm printed "
     "the whole usage (thousands of flags in fairseq-train) before argparse's message: answer "
     "in one line (fairseq-* console scripts only; a parser built in a program keeps "
     "argparse's behaviour)",
-    cli_hints.parsing_in_one_line, "d28d7bdb8e29e2c3", version="fairseq 0.12.3")
+    console.parsing_in_one_line, "d28d7bdb8e29e2c3", version="fairseq 0.12.3")
 
-# ---- hydra's deprecation warnings in fairseq's config loading (code: messages/hydra.py) ----------
+# ---- hydra's deprecation warnings in fairseq's config loading (code: known_warnings.py) ---------
 fix("hydra_deprecation_warnings", {
         "fairseq.dataclass.utils:initialize":
-            lambda initialize: quiet_hydra_deprecations(initialize, finds_caller=True),
-        "fairseq.dataclass.utils:compose": quiet_hydra_deprecations},
+            lambda initialize: known.quiet_hydra_deprecations(initialize, finds_caller=True),
+        "fairseq.dataclass.utils:compose": known.quiet_hydra_deprecations},
     "fairseq 0.12 loads every config through hydra.experimental's initialize/compose, and "
     "hydra 1.3 answers with about 20 lines of deprecation warnings on every command: silence "
     "exactly those messages, only inside these two calls (fairseq-hydra-train's own @hydra.main "
     "runs before the plugin is loaded and keeps its warnings)",
-    version="fairseq 0.12.3, hydra 1.3", check=hydra_in_fairseq)
+    version="fairseq 0.12.3, hydra 1.3", check=known.hydra_in_fairseq)
 
 # ---- examples left out, and --remove-bpe (code: data.py) -----------------------------------------
 fix("fairseq_skipped_examples", "fairseq.tasks.fairseq_task:FairseqTask.filter_indices_by_size",

@@ -2,15 +2,14 @@
 
 * :mod:`.errors`: :class:`~.errors.ZooConfigError`, the one exception type for mistakes a user can
   make with our flags, archs and data (one line naming the flag and the fix).
-* :mod:`.cli_hints`: the fairseq console scripts' excepthook (one line instead of a traceback),
-  one-line parser errors, the root logger's level, and the flags that bound an example's length.
-* :mod:`.hydra`: hydra's deprecation warnings in fairseq's config loading, filtered.
-* :mod:`.known_warnings`: torch's and fairseq's warnings known to be harmless in fairseq's
-  commands (pin_memory without an accelerator, fairseq's torch.cuda.amp.autocast), filtered.
+* :mod:`.one_line`: the line a console script ends with instead of a traceback (our errors, the
+  hints, Ctrl-C in fairseq-train).
+* :mod:`.hints`: the hint rules, one line each for a fairseq/torch error a user causes.
+* :mod:`.parser_hints`: what a one-line parser error adds (the closest arch or flag, the task).
+* :mod:`.lengths`: the flags that bound an example's length, noted by the model built last.
+* :mod:`.command`: what the messages know of the running command (its name, its flags).
 
-The compat entries that change what fairseq prints (``fairseq_cli_hints``,
-``fairseq_root_log_level``, ``fairseq_train_parser_one_line``, ``fairseq_parser_one_line``,
-``hydra_deprecation_warnings``, ``torch_pin_memory_without_accelerator``,
-``fairseq_cuda_amp_autocast``) are rows of the table in :mod:`fairseq_attnzoo.compat.fixes`;
-their code is here. This package imports nothing else of ours.
+The compat rows that hook these lines into fairseq's commands (the excepthook, the parsers) are
+in :mod:`fairseq_attnzoo.compat.console`. This package imports nothing else of ours but the
+checkpoint readers (:mod:`fairseq_attnzoo.checkpoints`).
 """

@@ -43,7 +43,7 @@ from fairseq.tasks import TASK_REGISTRY, FairseqTask
 from fairseq.tasks.language_modeling import LanguageModelingTask
 
 from .. import compat
-from ..messages.cli_hints import program
+from ..messages.command import program
 from ..messages.errors import ZooConfigError
 from ..modules.adaptive_span import (KERNELS as SPAN_KERNELS, AdaptiveMask, clamp_spans,
                                      layer_spans, span_penalty)

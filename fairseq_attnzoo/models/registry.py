@@ -24,6 +24,7 @@ from fairseq.models import (ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REG
 
 from .. import compat
 from ..messages.errors import ZooConfigError
+from ..messages.lengths import forget_length_limits
 from .sublayers import (and_list, family, flag_name, given_options, option_owners, owner_label,
                         used_sublayers)
 
@@ -171,9 +172,12 @@ def building_from_checkpoint() -> bool:
 
 def noting_origin(build_model):
     """``fairseq.models.build_model`` that notes ``from_checkpoint`` for
-    :func:`building_from_checkpoint` while it builds."""
+    :func:`building_from_checkpoint` while it builds, and starts every model, fairseq's own too,
+    without the length limits noted for the model built before it (its builders note their own:
+    :func:`~fairseq_attnzoo.messages.lengths.note_length_limit`)."""
 
     def build_model_noting_origin(cfg, task, from_checkpoint=False):
+        forget_length_limits()
         token = _CHECKPOINT_BUILD.set(bool(from_checkpoint))
         try:
             return build_model(cfg, task, from_checkpoint)
@@ -186,7 +190,8 @@ def noting_origin(build_model):
 compat.fix("fairseq_model_from_checkpoint", "fairseq.models:build_model",
            "fairseq knows whether it builds a model from a checkpoint (from_checkpoint) but does "
            "not hand it to the arch function: note it, so that a stored config is never refused "
-           "as if the user had typed it (e.g. flags of a sublayer the model does not use)",
+           "as if the user had typed it (e.g. flags of a sublayer the model does not use); and "
+           "start each model, fairseq's too, without the length limits of the one built before",
            noting_origin, "616b10d14de9810d", version="fairseq 0.12.3",
            after="fairseq_parser_one_line")
 

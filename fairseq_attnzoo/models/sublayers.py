@@ -48,7 +48,7 @@ import torch.nn as nn
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from ..messages.errors import ZooConfigError
-from ..messages.cli_hints import forget_length_limits, note_length_limit  # noqa: F401 (builders)
+from ..messages.lengths import forget_length_limits, note_length_limit  # noqa: F401 (builders)
 
 SLOTS = ("self_attn", "cross_attn", "ffn")
 STOCK = {"self_attn": "mha", "cross_attn": "mha", "ffn": "ffn"}

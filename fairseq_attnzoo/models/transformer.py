@@ -49,7 +49,7 @@ from fairseq.modules.transformer_layer import (
 )
 
 from .. import compat
-from ..messages.cli_hints import cfg_get, load_stored, model_flag_differences, stored_section
+from ..checkpoints import cfg_get, load_stored, model_flag_differences, stored_section
 from ..messages.errors import ZooConfigError
 from ..modules.attention import mask_scope
 from ..modules.rmsnorm import RMSNORM_EPS, RMSNorm

@@ -1,29 +1,38 @@
-"""Where a ``fairseq-train`` run stands (compat entries ``fairseq_train_summary`` and
+"""Where a ``fairseq-train`` run stands (rows ``fairseq_train_summary`` and
 ``fairseq_train_progress_in_log``): at its end, a short summary (the best validation result and
 its update, the best checkpoint, the command that scores it with this run's flags); and while it
 runs with its log going to a file or a pipe, fairseq's ``simple`` progress lines every
 ``--log-interval`` updates in that log. Everything else fairseq prints is unchanged;
 ``ATTNZOO_COMPAT_DISABLE=fairseq_train_summary,fairseq_train_progress_in_log`` gives fairseq's
-own output. This module imports nothing else of ours but the messages package."""
+own output."""
 
+import contextvars
 import logging
 import math
 import os
 import shlex
 import sys
+from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .cli_hints import load_stored, program, stored_update
+from ..checkpoints import LM_TASKS, load_stored, stored_update, stored_validation
+from ..messages.command import program
 
 logger = logging.getLogger("fairseq_attnzoo.summary")
 
-#: the validations of the run in progress: (update, epoch, value of --best-checkpoint-metric)
-_VALIDATIONS: List[tuple] = []
-#: the task of the run in progress (its target dictionary tells the segmentation)
-_TASK: List[object] = []
 
-#: the tasks whose models are scored by fairseq-eval-lm (the others: fairseq-generate)
-LM_TASKS = ("language_modeling", "attnzoo_stream_lm")
+@dataclass
+class _Run:
+    """What the summary of the run in progress needs: its validations (update, epoch, value of
+    --best-checkpoint-metric) and its task (the target dictionary tells the segmentation)."""
+
+    validations: List[tuple] = field(default_factory=list)
+    task: object = None
+
+
+#: the run in progress in this thread / task (:func:`summarizing` opens it), None outside one
+_RUN: "contextvars.ContextVar[Optional[_Run]]" = contextvars.ContextVar("attnzoo_run",
+                                                                         default=None)
 
 
 # ---- what the summary says -----------------------------------------------------------------------
@@ -76,17 +85,6 @@ def _best_of(cfg, validations) -> Optional[tuple]:
     return pick(found, key=lambda v: v[2])
 
 
-def _stored_validation(state) -> Optional[tuple]:
-    """(update, epoch, validation value) a fairseq checkpoint was saved with, or None."""
-    try:
-        extra = state["extra_state"]
-        value = extra["val_loss"]
-        epoch = extra["train_iterator"]["epoch"]
-    except (KeyError, TypeError):
-        return None
-    return (stored_update(state), epoch, value) if value is not None else None
-
-
 def summary_lines(cfg, validations, task=None) -> List[str]:
     """The run's summary: its best validation result and update, its best checkpoint (or its last,
     when there is no best) and the command that scores it. ``validations``: this process's
@@ -103,7 +101,7 @@ def summary_lines(cfg, validations, task=None) -> List[str]:
             path, state = candidate, load_stored(candidate)
             break
     if best is None and path is not None and "_best" in path:
-        best = _stored_validation(state)
+        best = stored_validation(state)
     if best is not None:
         update, epoch, value = best
         head = f"run summary: best valid {metric} {value:.4g} at update {update} (epoch {epoch})"
@@ -128,9 +126,11 @@ def recording_validation(validate):
 
     def validate_recorded(cfg, trainer, task, epoch_itr, subsets):
         valid_losses = validate(cfg, trainer, task, epoch_itr, subsets)
-        _TASK[:] = [task]
-        _VALIDATIONS.append((trainer.get_num_updates(), epoch_itr.epoch,
-                             valid_losses[0] if valid_losses else None))
+        run = _RUN.get()
+        if run is not None:  # (fairseq_cli.train.main called without call_main: no summary)
+            run.task = task
+            run.validations.append((trainer.get_num_updates(), epoch_itr.epoch,
+                                    valid_losses[0] if valid_losses else None))
         return valid_losses
 
     return validate_recorded
@@ -144,12 +144,15 @@ def summarizing(call_main):
     plugin inside ``main``, after its ``call_main`` started: no summary there.)"""
 
     def call_main_summarized(cfg, main, **kwargs):
-        _VALIDATIONS.clear()
-        _TASK.clear()
-        out = call_main(cfg, main, **kwargs)
+        run = _Run()
+        token = _RUN.set(run)
+        try:
+            out = call_main(cfg, main, **kwargs)
+        finally:
+            _RUN.reset(token)
         training = getattr(main, "__module__", "") == "fairseq_cli.train"
         if training and cfg.distributed_training.distributed_rank in (0, None):
-            for line in summary_lines(cfg, _VALIDATIONS, _TASK[0] if _TASK else None):
+            for line in summary_lines(cfg, run.validations, run.task):
                 logger.info(line)
         return out
 
