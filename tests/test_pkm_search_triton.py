@@ -19,7 +19,8 @@ from fairseq_attnzoo.modules import pkm_triton
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory
 from fairseq_attnzoo.modules.pkm_search import _ProductTopk
 
-from test_pkm_triton import DEVICE, DTYPES, _tol  # (the value kernels' device and tolerances)
+# the value kernels' device and tolerances, and the whole-layer check
+from test_pkm_triton import DEVICE, DTYPES, _tol, layers_agree
 
 pytestmark = pytest.mark.skipif(not pkm_triton.HAS_TRITON,
                                 reason="Triton is not installed (make install adds it)")
@@ -398,24 +399,10 @@ def test_search_kernel_choice_refusals(monkeypatch):
 def test_memory_with_search_kernel_equals_memory_without(dtype):
     """A whole layer (batch norm, padding, search, value read) gives the same output and the
     same gradient on every parameter with ``search_kernel="triton"`` and ``"torch"``."""
-    results = []
-    for kernel in ("triton", "torch"):
-        torch.manual_seed(0)
-        m = ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, kernel="torch",
-                             search_kernel=kernel).to(DEVICE, dtype)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(6, 3, 16, generator=g).to(DEVICE, dtype).requires_grad_(True)
-        pad = torch.zeros(3, 6, dtype=torch.bool, device=DEVICE)
-        pad[1, 3:] = True
-        out = m(x, pad)
-        out.backward(torch.randn(out.shape, generator=g).to(DEVICE, dtype))
-        results.append((out, x.grad, {n: p.grad for n, p in m.named_parameters()}))
-        assert f"search_kernel={kernel}" in repr(m)
-    (out, gx, grads), (ref, ref_gx, ref_grads) = results
-    torch.testing.assert_close(out, ref, **_tol(dtype))
-    torch.testing.assert_close(gx, ref_gx, **_tol(dtype))
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **_tol(dtype), msg=name)
+    layers = layers_agree(dtype, 6, {k: dict(search_kernel=k) for k in ("triton", "torch")},
+                          _tol(dtype), kernel="torch")
+    assert [f"search_kernel={k}" in repr(m) for k, m in zip(("triton", "torch"), layers)] == [
+        True, True]
 
 
 def test_search_kernel_flag_reaches_the_memory(lm_data):

@@ -246,33 +246,42 @@ def test_a_zeroed_loss_gives_an_empty_sparse_gradient():
     assert g_table.is_sparse and g_table._nnz() == 0 and g_w.abs().max() == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_memory_with_kernels_equals_memory_without(sparse, dtype):
-    """A whole PKM layer (search, batch norm, padding, value read) gives the same output and the
-    same gradient on every parameter with ``kernel="triton"`` and ``kernel="torch"`` (bf16: the
-    blocks backward, float32: the rows backward)."""
-    results = []
-    for kernel in ("triton", "torch"):
+def layers_agree(dtype, tokens: int, choices: dict, tol: dict, **options):
+    """A whole PKM layer (batch norm, padding, search, value read) built at one seed with each
+    of ``choices`` (name -> constructor options, e.g. the kernel forced) gives the same output
+    and the same gradient on every parameter, within ``tol``; returns the layers."""
+    results, layers = [], []
+    for choice in choices.values():
         torch.manual_seed(0)
-        m = ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, sparse=sparse,
-                             kernel=kernel).to(DEVICE, dtype)
+        m = ProductKeyMemory(16, 16, n_keys=6, heads=2, knn=3, k_dim=8, **options,
+                             **choice).to(DEVICE, dtype)
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(5, 3, 16, generator=g).to(DEVICE, dtype).requires_grad_(True)
-        pad = torch.zeros(3, 5, dtype=torch.bool, device=DEVICE)
+        x = torch.randn(tokens, 3, 16, generator=g).to(DEVICE, dtype).requires_grad_(True)
+        pad = torch.zeros(3, tokens, dtype=torch.bool, device=DEVICE)
         pad[1, 3:] = True
         out = m(x, pad)
         out.backward(torch.randn(out.shape, generator=g).to(DEVICE, dtype))
         grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for n, p in m.named_parameters()}
         results.append((out, x.grad, grads))
+        layers.append(m)
     (out, gx, grads), (ref, ref_gx, ref_grads) = results
-    tol = _tol(dtype) if dtype != torch.float32 else {}  # (float32: assert_close's own)
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(gx, ref_gx, **tol)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=name)
+    return layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_memory_with_kernels_equals_memory_without(sparse, dtype):
+    """A whole PKM layer (search, batch norm, padding, value read) gives the same output and the
+    same gradient on every parameter with ``kernel="triton"`` and ``kernel="torch"`` (bf16: the
+    blocks backward, float32: the rows backward)."""
+    layers_agree(dtype, 5, {k: dict(kernel=k) for k in ("triton", "torch")},
+                 _tol(dtype) if dtype != torch.float32 else {}, sparse=sparse)
 
 
 def test_kernel_choice(monkeypatch):

@@ -126,8 +126,9 @@ class PKMConfig(FairseqDataclass):
         default="auto",
         metadata={"help": "PKM product-key search (top-k of both halves, the candidate pairs, "
                   "the softmax) and its backward: auto = the fused Triton kernels on CUDA for "
-                  "bf16/fp16 queries (float32 ones where the kernel's float32 specialisation "
-                  "ships), the PyTorch reference otherwise (on the CPU always; said once in the "
+                  "bf16/fp16 search inputs (--pkm-search-dtype model in a bf16/fp16 model; "
+                  "float32 ones where the kernel's float32 specialisation ships), the PyTorch "
+                  "reference otherwise (on the CPU always; said once in the "
                   "log); triton / torch force one (same slots; ties go to the lower index); "
                   "default auto"})
     pkm_search_dtype: ChoiceEnum(list(SEARCH_DTYPES)) = field(  # type: ignore
