@@ -593,9 +593,13 @@ def _interrupted(flags, cwd, when):
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("ATTNZOO_TRACEBACK", None)
+    # SIGINT at its default in the child whatever this process inherited: a shell starts
+    # background jobs (`make test &`, a CI step) with SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler -- the signal would be lost and the run go on
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
                              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=str(cwd))
+                            text=True, env=env, cwd=str(cwd),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         for line in proc.stdout:
