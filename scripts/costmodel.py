@@ -227,10 +227,11 @@ def model(layer: Layer) -> Dict[str, Dict[tuple, dict]]:
     return {k: rows(trace(lambda p=p: layer.build(p), layer.setup)) for k, p in shapes.items()}
 
 
-def part_rows(layer: Layer) -> List[dict]:
+def part_rows(layer: Layer, whole: Dict[tuple, dict]) -> List[dict]:
     """A row per part of the layer (:attr:`Layer.parts`) at its first shape: its ops' bytes,
     FLOPs and floor, each part traced alone after one untraced call; then the rest (the layer's
-    forward and backward less the parts) and the layer."""
+    forward and backward, ``whole``: :func:`model`'s rows of that shape, less the parts) and the
+    layer."""
     p = next(iter(layer.shapes.values()))
     out = []
     with layer.setup(), torch.device("meta"):
@@ -241,7 +242,7 @@ def part_rows(layer: Layer) -> List[dict]:
             with rec:
                 call()
             out.append({"part": name, **_summed(rows(rec.ops).values())})
-    whole = _summed(rows(trace(lambda: layer.build(p), layer.setup)).values())
+    whole = _summed(whole.values())
     rest = {k: round(whole[k] - sum(r[k] for r in out), 6) or 0 for k in whole}
     return out + [{"part": "the rest", **rest}, {"part": "**the layer**", **whole}]
 
@@ -303,10 +304,7 @@ def render(layer: Layer, records) -> str:
                     row[f"{g} ×2"] = _growth(r, models[f"{g} x2"].get(key))
             table.append(row)
         rs = models[shape].values()
-        total = {"pass": "**total**", "calls": sum(r["calls"] for r in rs),
-                 "MB": sum(r["bytes"] for r in rs) / 1e6,
-                 "GFLOP": sum(r["flops"] for r in rs) / 1e9,
-                 "floor µs": sum(r["floor"] for r in rs) * 1e6}
+        total = {"pass": "**total**", **_summed(rs)}
         if i == 0:
             for g in layer.growth:
                 other = models[f"{g} x2"].values()
@@ -322,7 +320,7 @@ def render(layer: Layer, records) -> str:
                    "each traced alone; the rest = the layer less the parts: 0 where the parts "
                    "hold every op of the layer, as here, so that the rest of a measured layer "
                    "is the host's: dispatch, autograd):\n\n")
-        out.append(tables.format_table(part_rows(layer), cell=_cell) + "\n")
+        out.append(tables.format_table(part_rows(layer, models[names[0]]), cell=_cell) + "\n")
     lines = measured(layer, records)
     out.append(("Measured (docs/benchmarks.jsonl, the latest record of each row):\n"
                 + "".join(lines)) if lines else "No benchmark record of this shape yet.\n")
@@ -469,26 +467,15 @@ class Kernel:
 
 def sass(spec) -> Tuple[List[Tuple[int, str]], dict]:
     """(address, instruction) of a specialisation compiled for sm_90 (as the spill check
-    compiles it: scripts/sm90.py), and its resource usage."""
+    compiles it: scripts/sm90.py), and its resource usage (``sm90.disassemble``'s)."""
     import re
-    import subprocess
-    import tempfile
 
-    from scripts.sm90 import compile_sm90, tool
+    from scripts.sm90 import compile_sm90, disassemble
 
     _, kernel, signature, constexprs, warps = spec
-    compiled = compile_sm90(kernel, signature, constexprs, warps)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run([tool("cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
-        usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
+    used, text = disassemble(compile_sm90(kernel, signature, constexprs, warps).asm["cubin"])
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
-    resources = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
-    resources["LDL/STL"] = sum(1 for _, op in code if re.search(r"\b(LDL|STL)\b", op))
-    return code, resources
+    return code, used
 
 
 def loops(code) -> List[Tuple[int, int]]:
@@ -585,8 +572,8 @@ def search_model(**shape) -> List[dict]:
                 code, res = sass(k.spec)
                 instructions = warp_instructions(code, k.trips) * k.programs * k.spec[4]
                 issue_ms = instructions / (rate * efficiency) * 1e3
-                row.update({"registers": res["REG"], "stack B": res["STACK"],
-                            "LDL/STL": res["LDL/STL"], "G warp instr": instructions / 1e9})
+                row.update({"registers": res["registers"], "stack B": res["stack"],
+                            "LDL/STL": res["local ops"], "G warp instr": instructions / 1e9})
             memory_ms = k.bytes / H200["bandwidth"] * 1e3
             row.update({"MB": k.bytes / 1e6, "issue ms": issue_ms, "memory ms": memory_ms,
                         "expected ms": max(issue_ms, memory_ms)})

@@ -65,9 +65,9 @@ def specializations(modules: Optional[List[str]] = None) -> Iterator[Tuple[str, 
             yield name, spec
 
 
-def usage(cubin: bytes) -> Dict[str, int]:
-    """``registers``, ``stack`` (bytes a thread) and ``local ops`` (LDL/STL in the SASS) of a
-    cubin."""
+def disassemble(cubin: bytes) -> Tuple[Dict[str, int], str]:
+    """(usage, SASS) of a cubin: ``registers``, ``stack`` (bytes a thread) and ``local ops``
+    (LDL/STL in the SASS), and the SASS text (``cuobjdump -sass``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -79,7 +79,7 @@ def usage(cubin: bytes) -> Dict[str, int]:
     if not all(found.values()):
         raise RuntimeError(f"cuobjdump printed no REG/STACK: {res!r}")
     return {"registers": int(found["REG"].group(1)), "stack": int(found["STACK"].group(1)),
-            "local ops": len(re.findall(r"\b(?:LDL|STL)(?:\.\w+)*\s", sass))}
+            "local ops": len(re.findall(r"\b(?:LDL|STL)(?:\.\w+)*\s", sass))}, sass
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
@@ -116,7 +116,7 @@ def _main(argv: List[str]):
     for module, (label, kernel, signature, constexprs, num_warps) in specs:
         compiled = compile_sm90(kernel, signature, constexprs, num_warps)
         print(json.dumps(dict(module=module, label=label, warps=num_warps,
-                              **usage(compiled.asm["cubin"]))), flush=True)
+                              **disassemble(compiled.asm["cubin"])[0])), flush=True)
 
 
 def report(args: List[str] = (), timeout: int = 600) -> List[dict]:
