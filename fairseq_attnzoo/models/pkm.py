@@ -34,7 +34,7 @@ uniform) appear in fairseq-train's valid log line.
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -410,19 +410,19 @@ OWN_VALUE_RATE = ("pkm_adam", "composite")
 REFERENCE_VALUES_LR_RATIO = {"transformer_lm_memplus_llama": 10.0}
 
 
-def optimizer_notices(args) -> List[Tuple[str, str]]:
-    """``(key, line)`` of what the optimizer's flags leave different from the references: an
+def optimizer_notices(args) -> List[str]:
+    """The lines of what the optimizer's flags leave different from the references: an
     optimizer without a value rate of its own; under a preset with a reference value-lr ratio
     (:data:`REFERENCE_VALUES_LR_RATIO`), pkm_adam at another ratio."""
     optimizer = _optimizer_name(args)
     if optimizer is None:
         return []
     if optimizer not in OWN_VALUE_RATE:
-        return [("pkm_optimizer_notice", (
+        return [(
             f"PKM: --optimizer {optimizer} trains the memory values at the model's --lr; XLM "
             "and the memory code give them their own rate (1e-3): use --optimizer pkm_adam with "
             "--pkm-values-lr (and --pkm-values-lr-schedule, --pkm-values-betas, "
-            "--pkm-values-weight-decay, --pkm-values-clip-norm)"))]
+            "--pkm-values-weight-decay, --pkm-values-clip-norm)")]
     want = REFERENCE_VALUES_LR_RATIO.get(getattr(args, "arch", None))
     lr = getattr(args, "lr", None)
     lr = lr[0] if hasattr(lr, "__getitem__") else lr  # (fairseq's --lr is a list)
@@ -431,9 +431,9 @@ def optimizer_notices(args) -> List[Tuple[str, str]]:
     ratio = values_lr(args, lr) / lr
     if math.isclose(ratio, want, rel_tol=1e-6):
         return []
-    return [("pkm_ratio_notice", (
+    return [(
         f"PKM: {args.arch}: the values' lr is {ratio:g}x --lr; the reference's is {want:g}x "
-        f"(pkplus_373m_1024k.yaml: 1e-3 against 1e-4): --pkm-values-lr-ratio {want:g}"))]
+        f"(pkplus_373m_1024k.yaml: 1e-3 against 1e-4): --pkm-values-lr-ratio {want:g}")]
 
 
 class TrainingNotice:
@@ -448,7 +448,7 @@ class TrainingNotice:
         if self.done or not module.training:
             return
         self.done = True
-        for _, text in optimizer_notices(self.args):
+        for text in optimizer_notices(self.args):
             logger.warning(text)
 
 

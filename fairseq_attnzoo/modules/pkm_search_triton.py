@@ -469,8 +469,8 @@ def _precision(dtype: torch.dtype) -> str:
     return (FP32_PRECISION or "ieee") if dtype == torch.float32 else "tf32"
 
 
-def search_launch(half: int, knn: int, n_keys: int, dtype: torch.dtype = torch.bfloat16,
-                  precision: Optional[str] = None) -> SearchLaunch:
+def search_launch(half: int, knn: int, n_keys: int,
+                  dtype: torch.dtype = torch.bfloat16) -> SearchLaunch:
     """The forward's launch for half-queries of ``half`` dims in ``dtype``: GROUPS = 4·knn
     group maxima (their knn-th largest leaves ~1.1·knn scores >= τ on random rows, 35 at knn 32,
     whatever n_keys), TILE = 2·knn, steps of 32 sub-keys, 10 bisection steps."""
@@ -482,7 +482,7 @@ def search_launch(half: int, knn: int, n_keys: int, dtype: torch.dtype = torch.b
         GROUPS=max(16, min(_pow2(n_keys), _pow2(4 * knn))), KB=kb,
         TILE=max(knn_p, _pow2(2 * knn)), FB=max(kb, knn_p), KNN=knn_p,
         PAIRS=_pow2(sum(knn // (a + 1) for a in range(knn))), BISECT=BISECT,
-        PRECISION=precision or _precision(dtype), warps=4)
+        PRECISION=_precision(dtype), warps=4)
 
 
 # ---- the choice: auto, triton, torch -------------------------------------------------------
@@ -566,11 +566,10 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and pkm_triton.interpreted()
 
 
-def _search(query: Tensor, keys: Tensor, knn: int, launch: Optional[SearchLaunch] = None,
+def _search(query: Tensor, keys: Tensor, knn: int,
             stats: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`search_op`; ``launch`` (of :func:`search_launch`) may be given (the benchmark's
-    rows, the tests); ``stats`` (a dict) gets ``"fallback"``: how many (block of tokens, head,
-    half) took the exact fallback (a host sync: the tests and the benchmark only)."""
+    """:func:`search_op`; ``stats`` (a dict) gets ``"fallback"``: how many (block of tokens,
+    head, half) took the exact fallback (a host sync: the tests and the benchmark only)."""
     halves_kernel, pairs_kernel = _search_kernels()[:2]
     _check(query, keys, knn)
     h, n, k_dim = query.shape
@@ -582,7 +581,7 @@ def _search(query: Tensor, keys: Tensor, knn: int, launch: Optional[SearchLaunch
     slots = torch.empty(n, h, knn, dtype=torch.int32, device=query.device)
     sub = torch.empty(n, h, 2, knn, dtype=torch.int32, device=query.device)
     if n:
-        L = launch or search_launch(half, knn, n_keys, query.dtype)
+        L = search_launch(half, knn, n_keys, query.dtype)
         grid = (-(-n // L.BLOCK_N), h)
         tiles = torch.empty(grid[0] * h * L.BLOCK_N * L.TILE, dtype=torch.int64,
                             device=query.device)
