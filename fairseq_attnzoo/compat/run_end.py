@@ -17,6 +17,7 @@ from typing import List, Optional
 
 from ..checkpoints import LM_TASKS, load_stored, stored_update, stored_validation
 from ..messages.command import program
+from .data import segmentation_counts
 
 logger = logging.getLogger("fairseq_attnzoo.summary")
 
@@ -43,9 +44,8 @@ def _segmentation_flag(task) -> List[str]:
     dictionary = getattr(task, "target_dictionary", None)
     if dictionary is None:
         return []
-    symbols = dictionary.symbols[getattr(dictionary, "nspecial", 0):]
-    pieces = sum(s.startswith("▁") for s in symbols)
-    marked = sum(s.endswith("@@") for s in symbols)
+    counts = segmentation_counts(dictionary)
+    pieces, marked = counts["▁"], counts["@@"]
     if pieces > marked:
         return ["--remove-bpe", "sentencepiece"]
     return ["--remove-bpe"] if marked else []

@@ -100,8 +100,7 @@ def hint_missing_data(exc, text, ctx) -> Optional[str]:
     if os.path.basename(str(missing)).startswith("dict."):
         where = data or os.path.dirname(str(missing))
         folder = os.path.dirname(str(missing)) or "."
-        pair = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                      if re.fullmatch(r"dict\.[^.]+\.txt", f))
+        pair = [f for f in _dictionaries(folder) if f != "dict.txt"]
         if os.path.basename(str(missing)) == "dict.txt" and pair:
             return (f"{where} is translation data ({', '.join(pair)}), not language-model data "
                     "(dict.txt): binarise the text with fairseq-preprocess --only-source for a "

@@ -403,9 +403,9 @@ def owner_label(names: List[str]) -> str:
     return f"the {family(names)} sublayer{'s' if len(names) > 1 else ''}"
 
 
-def and_list(items: List[str]) -> str:
+def and_list(items: List[str], conjunction: str = "and") -> str:
     items = list(items)
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
 
 
 def fill_sublayer_defaults(args, decoder_only: bool = False):

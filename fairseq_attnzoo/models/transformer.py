@@ -61,6 +61,7 @@ from .sublayers import (
     SUBLAYER_REGISTRY,
     SublayerSpec,
     add_sublayer_args,
+    and_list,
     build_sublayer,
     fill_sublayer_defaults,
     is_stock,
@@ -171,7 +172,7 @@ def _check_host(args, names: Dict[str, List[str]]):
             if fix is None:
                 continue
             others = [n for n in rotating() if n != name]  # (the stock attention at least)
-            choices = " or ".join(filter(None, [", ".join(others[:-1]), others[-1]]))
+            choices = and_list(others, "or")
             raise ZooConfigError(
                 f"--rope is not implemented for the {name} self-attention"
                 f"{' with these options' if fix else ''} (no q.k product to rotate): "
