@@ -153,14 +153,12 @@ def rescaling_position(load_state_dict):
     number of processes saved it: fairseq's position counts the batches ONE rank consumed, so a
     run resumed on W' processes from W skipped W'/W times the batches the saved run had read
     (replaying or skipping data). The position becomes the same number of batches in all."""
-    import logging
-
     def load_state_dict_at_any_world_size(self, state_dict):
         saved, position = state_dict.get("num_shards"), state_dict.get("iterations_in_epoch", 0)
         if saved and position and saved != self.num_shards:
             consumed = position * saved
             if consumed % self.num_shards:
-                logging.getLogger("fairseq_attnzoo.compat").warning(
+                logger.warning(
                     f"resumed on {self.num_shards} processes from a run on {saved} that had read "
                     f"{consumed} batches of epoch {state_dict['epoch']}, not a multiple of "
                     f"{self.num_shards}: the epoch goes on from batch "

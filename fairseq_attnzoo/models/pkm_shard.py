@@ -32,7 +32,7 @@ import torch.distributed as dist
 from fairseq.distributed import utils as distributed_utils
 
 from .. import compat
-from ..modules.pkm_shard import (ShardedValueTable, ShardLayout, describe_masters,
+from ..modules.pkm_shard import (ShardedValueTable, ShardLayout, clip_grads_, describe_masters,
                                  finish_gradients, grad_norm, is_split, local_state, whole_state)
 from .registry import building_from_checkpoint
 
@@ -122,11 +122,7 @@ def norm_with_split_tables(clip_grad_norm_):
             return clip_grad_norm_(params, max_norm, aggregate_norm_fn)
         total = grad_norm(params, aggregate_norm_fn)
         if max_norm > 0:
-            coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
-            for p in params:
-                if p.grad is not None:
-                    g = p.grad._values() if p.grad.is_sparse else p.grad
-                    g.mul_(coef.to(g.dtype))
+            clip_grads_(params, total, max_norm)
         return total
 
     return clip_grad_norm_with_split_tables

@@ -319,6 +319,16 @@ def grad_norm(params: Iterable[Tensor], aggregate=None) -> Tensor:
     return total.sqrt()
 
 
+def clip_grads_(params: Iterable[Tensor], norm: Tensor, max_norm: float):
+    """Scale the gradients of ``params`` (whose norm, :func:`grad_norm`, is ``norm``) to at
+    most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does; a sparse gradient's values."""
+    coef = (float(max_norm) / (norm + 1e-6)).clamp_(max=1)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad._values() if p.grad.is_sparse else p.grad
+            g.mul_(coef.to(g.dtype))
+
+
 # ---- optimizer state in the whole tables' form -------------------------------------------------
 
 def whole_state(p: Tensor, value):

@@ -74,7 +74,8 @@ from omegaconf import II, OmegaConf
 
 from .. import compat
 from ..modules.pkm import VALUES_GROUP
-from ..modules.pkm_shard import EXCHANGES, all_reduce_sparse_rows, coalesced, grad_norm, is_split
+from ..modules.pkm_shard import (EXCHANGES, all_reduce_sparse_rows, clip_grads_, coalesced,
+                                 grad_norm, is_split)
 
 logger = logging.getLogger(__name__)
 
@@ -360,10 +361,7 @@ class PKMAdam(FairseqOptimizer):
             norm = grad_norm(params, aggregate_norm_fn)
             norms.append(norm)
             if params and limit > 0:
-                coef = (float(limit) / (norm + 1e-6)).clamp_(max=1)
-                for p in params:
-                    g = p.grad._values() if p.grad.is_sparse else p.grad
-                    g.mul_(coef.to(g.dtype))
+                clip_grads_(params, norm, limit)
         if values:
             metrics.log_scalar("pkm_values_gnorm", norms[1], round=3)
         device = (model or values)[0].grad.device
