@@ -64,19 +64,16 @@ def test_fairseq_train_prints_neither_pin_memory_nor_autocast_warning(mt_data):
     pin) and fairseq's torch.cuda.amp.autocast FutureWarning (the same context under an old
     name); compat entries torch_pin_memory_without_accelerator and fairseq_cuda_amp_autocast
     filter exactly those, in the console scripts. With the entries disabled both are back."""
-    from console_server import ConsoleServer
+    from test_one_line_errors import cli  # (its console server: fairseq-train's imports once)
     from zoo_testlib import USER_DIR
 
-    import os
-
-    server = ConsoleServer()
     argv = [mt_data, "--user-dir", USER_DIR, "--arch", "transformer", "--cpu", "--max-tokens",
             "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--no-save",
             "--encoder-layers", "1", "--decoder-layers", "1", "--num-workers", "0"]
     noise = ("'pin_memory' argument is set as true", "torch.cuda.amp.autocast(args...)")
     for disabled in ("", "torch_pin_memory_without_accelerator,fairseq_cuda_amp_autocast"):
-        env = dict(os.environ, OMP_NUM_THREADS="1", ATTNZOO_COMPAT_DISABLE=disabled)
-        code, out, _ = server.run("fairseq-train", argv, env=env, cwd=os.getcwd(), merge=True)
-        assert code == 0, out[-2000:]
-        printed = [n for n in noise if n in out]
+        code, lines = cli("fairseq-train", *argv, env={"ATTNZOO_COMPAT_DISABLE": disabled},
+                          stdout_too=True)
+        assert code == 0, lines[-20:]
+        printed = [n for n in noise if any(n in line for line in lines)]
         assert printed == ([] if not disabled else list(noise)), (disabled, printed)

@@ -15,17 +15,16 @@ Without a GPU the fused kernel runs in Triton's interpreter (``TRITON_INTERPRET=
 tests/conftest.py)."""
 
 import functools
-import os
 
 import pytest
 import torch
 
-from fairseq_attnzoo.modules import pkm as pkm_module
 from fairseq_attnzoo.modules import pkm_search_triton, pkm_triton
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory, product_topk
 from fairseq_attnzoo.modules.pkm_search import _ProductTopk
 
-DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
+from test_pkm_triton import DEVICE, DTYPES  # (the kernel tests' device and dtypes)
+
 HALF = [torch.bfloat16, torch.float16]
 needs_triton = pytest.mark.skipif(not pkm_triton.HAS_TRITON,
                                   reason="Triton is not installed (make install adds it)")
@@ -215,10 +214,9 @@ def test_half_search_dtype_flag_reaches_the_memory_and_a_bad_value_is_one_line(l
 
 # ---- (b) batch invariance -----------------------------------------------------------------------
 
-#: a batch of 1,000 tokens and the positions searched alone (in the fused kernel's blocks of 16
-#: tokens: first, inside, at the block's end, in the ragged last block)
-BATCH, ALONE = 1000, (0, 537, 15, 999)
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+#: a batch of 1,000 tokens and the positions searched alone (in the fused kernel's blocks of
+#: BLOCK_N tokens: first, inside, at the first block's end, in the ragged last block)
+BATCH, ALONE = 1000, (0, 537, pkm_search_triton.BLOCK_N - 1, 999)
 
 
 def _search_inputs(dtype, exact=False, heads=2, n_keys=32, k_dim=32):

@@ -12,20 +12,19 @@ import sys
 
 import pytest
 
-from zoo_testlib import json_logs, run_cli, sweep_train_flags
+from zoo_testlib import TRAINED_UPDATES as N, json_logs, run_cli, sweep_train_flags
 
 
 @pytest.mark.parametrize("arch,kind", [("attnzoo_transformer", "H-"), ("attnzoo_lm", "Loss")])
-def test_a_finished_run_ends_with_its_summary_and_the_command_that_scores_it(arch, kind, data_for,
-                                                                             tmp_path):
-    data, save = data_for(arch), str(tmp_path / "ckpt")
-    logs = run_cli("train", sweep_train_flags(arch, data, save, 4))
+def test_a_finished_run_ends_with_its_summary_and_the_command_that_scores_it(arch, kind, trained):
+    run = trained(arch)  # (the shared tiny fairseq-train run: its log and its folder)
+    data, save, logs = run.data, run.folder, run.logs
     summary = [x for x in logs if x.startswith("[fairseq_attnzoo.summary]")]
     assert len(summary) == 2, logs[-5:]
     valid = json_logs(logs, "valid")
-    assert [v["valid_num_updates"] for v in valid] == ["4"], valid
-    assert f"best checkpoint {save}/checkpoint_best.pt (update 4)" in summary[0], summary
-    assert (f"run summary: best valid loss {float(valid[0]['valid_loss']):.4g} at update 4 "
+    assert [v["valid_num_updates"] for v in valid] == [str(N)], valid
+    assert f"best checkpoint {save}/checkpoint_best.pt (update {N})" in summary[0], summary
+    assert (f"run summary: best valid loss {float(valid[0]['valid_loss']):.4g} at update {N} "
             "(epoch 1)") in summary[0], (summary, valid)
     command = shlex.split(summary[1].split("score it: ", 1)[1])
     program = "generate" if arch == "attnzoo_transformer" else "eval_lm"
@@ -71,7 +70,7 @@ def test_a_log_that_is_not_a_terminal_gets_a_progress_line_every_log_interval(mt
     assert not [x for x in lines if "| train_inner |" in x]
 
 
-def test_where_training_ran_in_spawned_processes_the_best_checkpoint_tells(mt_data, tmp_path):
+def test_where_training_ran_in_spawned_processes_the_best_checkpoint_tells(trained):
     """fairseq spawns one process per GPU and the summary is printed by the process that started
     them, which validated nothing itself: the best checkpoint's own validation is the line."""
     from fairseq import options
@@ -79,15 +78,15 @@ def test_where_training_ran_in_spawned_processes_the_best_checkpoint_tells(mt_da
 
     from fairseq_attnzoo.compat.run_end import summary_lines
 
-    save = str(tmp_path / "ckpt")
-    flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 4)
-    valid = json_logs(run_cli("train", flags), "valid")
+    run = trained("attnzoo_transformer")
+    flags = sweep_train_flags("attnzoo_transformer", run.data, run.folder, N)  # (the run's own)
+    valid = json_logs(run.logs, "valid")
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
         options.get_training_parser(), flags))
     head, command = summary_lines(cfg, [])
     assert head == (f"run summary: best valid loss {float(valid[0]['valid_loss']):.4g} at update "
-                    f"4 (epoch 1); best checkpoint {save}/checkpoint_best.pt (update 4)")
-    assert command.startswith(f"score it: fairseq-generate {mt_data} --user-dir ")
+                    f"{N} (epoch 1); best checkpoint {run.folder}/checkpoint_best.pt (update {N})")
+    assert command.startswith(f"score it: fairseq-generate {run.data} --user-dir ")
 
 
 def test_fairseq_can_still_send_train_main_to_spawned_processes():

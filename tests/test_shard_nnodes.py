@@ -18,8 +18,9 @@ import torch
 
 from docs_testlib import blocks
 from preptest_util import REPO
+from scripts.bench.harness import fairseq_log
 from test_shard_values import _assert_close, _assert_same_updates
-from zoo_testlib import json_logs, tiny_flags
+from zoo_testlib import tiny_flags
 
 pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 
@@ -82,7 +83,7 @@ def test_shard_values_nnodes_documented_command_bf16_matches_one_process(lm_data
         for node in nodes:
             node.kill()
     assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in out)
-    split = [r for o in out for r in json_logs(_tagged(o), "train_inner")]
+    split = [r for o in out for r in fairseq_log(o, "train_inner")]
     # the same command on one process: its train.sh with one rank, 4 batches an update
     one = _node(tmp_path, "one", lm_data)
     subprocess.run(["bash", "-e", "-c", block.split("torchrun")[0]], cwd=one, env=env, check=True)
@@ -91,7 +92,7 @@ def test_shard_values_nnodes_documented_command_bf16_matches_one_process(lm_data
                                    LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                                    MASTER_PORT=str(_free_port()), UPDATE_FREQ="4"))
     assert solo.returncode == 0, solo.stdout[-2000:] + solo.stderr[-3000:]
-    single = json_logs(_tagged(solo.stdout + solo.stderr), "train_inner")
+    single = fairseq_log(solo.stdout + solo.stderr, "train_inner")
     print(f"2 nodes x 2 processes and one process: {time.time() - t0:.0f} s")
     rows = [[(r["num_updates"], r["loss"], r["bsz"], r["wpb"], r["gnorm"], None) for r in logs]
             for logs in (single, split)]
@@ -104,13 +105,3 @@ def test_shard_values_nnodes_documented_command_bf16_matches_one_process(lm_data
     assert a.keys() == b.keys() and any(k.endswith("values.weight") for k in a)
     for k in a:
         _assert_close(a[k], b[k], f"{k} after {UPDATES} updates", "bf16")
-
-
-def _tagged(text: str):
-    """fairseq's json log lines of a console run, as ``json_logs`` reads them ("[tag] {...}")."""
-    out = []
-    for line in text.splitlines():
-        if " | " in line and "{" in line:  # "DATE | INFO | train_inner | {...}"
-            parts = line.split(" | ")
-            out.append(f"[{parts[2].strip()}] {' | '.join(parts[3:])}")
-    return out
