@@ -1,24 +1,32 @@
 """Run console scripts without paying their imports each time (tests only).
 
-A ``fairseq-*`` script's process spends about 2.5 s of its start importing torch and fairseq (its
-first line, ``from fairseq_cli.train import cli_main``, imports the whole ``fairseq`` package).
-The server of a script runs the script file once as a module, which does its imports and nothing
-else (the script's main is under ``if __name__ == "__main__"``), then runs each command in a child
-forked from that state, so each command still has its own process: its argv, environment, working
-directory, stdin ``/dev/null`` and stdout/stderr. The child runs the script file as ``__main__``
-and ends as the interpreter ends a script: an uncaught exception goes to ``sys.excepthook``,
-atexit handlers run, the exit code is ``sys.exit``'s. test_console_server.py checks it against
-the real script.
+A ``fairseq-*`` script's process spends about 3 s of its start importing torch and fairseq (its
+first line, ``from fairseq_cli.train import cli_main``, imports the whole ``fairseq`` package),
+and about 1 s more where it builds its first optimizer (``torch.optim`` imports ``torch._dynamo``
+then). The server of a script runs the script file once as a module, which does its imports and
+nothing else (the script's main is under ``if __name__ == "__main__"``), imports
+``torch._dynamo``, then listens on a Unix socket and runs each command in a child forked from
+that state, so each command still has its own process: its argv, environment, working directory
+and the standard input, output and error of whoever asked (their file descriptors travel with the
+request). The child runs the script file as ``__main__`` and ends as the interpreter ends a
+script: an uncaught exception goes to ``sys.excepthook``, atexit handlers run, the exit code is
+``sys.exit``'s. test_console_server.py checks it against the real script.
 
     servers = ConsoleServer()   # one per test process; a script's server starts on its first use
     code, out, err = servers.run("fairseq-train", argv, env=..., cwd=..., merge=False)
+    servers.shims(folder, ["fairseq-train", ...])  # executables that run through the servers,
+                                                  # for commands that a shell runs: put first
+                                                  # on PATH
 """
 
 import atexit
 import json
 import os
 import runpy
+import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,30 +34,103 @@ import time
 
 BIN = os.path.dirname(sys.executable)
 
+#: what a shim runs: its argv, environment, folder and standard streams to the server, the exit
+#: code back; a signal it gets (Ctrl-C, a timeout's kill) goes on to the command
+SHIM = '''#!{python} -S
+import json, os, signal, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect({path!r})
+request = dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd())
+socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
+pid = json.loads(s.recv(4096))["pid"]
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, lambda n, frame: os.kill(pid, n))
+code = json.loads(s.recv(4096))["code"]
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+'''
+
 
 class ConsoleServer:
-    def __init__(self):
+    def __init__(self, env=None):
+        """``env``: the servers' own environment (default: this process's); each command still
+        runs with the environment it is given."""
+        self.env = env
         self.procs = {}  # script path -> its server
+        self.folder = tempfile.mkdtemp(prefix="console-servers-")
+        atexit.register(shutil.rmtree, self.folder, True)
+
+    def socket(self, program) -> str:
+        """The socket of console script ``program``'s server (started if it is not running)."""
+        return self._start([program])[0]
+
+    def _start(self, programs):
+        """Start the servers of ``programs`` that are not running (at once: each does its
+        imports), wait until they listen; their sockets."""
+        started, paths = [], []
+        for program in programs:
+            script = os.path.join(BIN, program)
+            paths.append(os.path.join(self.folder, program + ".sock"))
+            proc = self.procs.get(script)
+            if proc is None or proc.poll() is not None:
+                proc = self.procs[script] = subprocess.Popen(
+                    [sys.executable, __file__, script, paths[-1]], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True, env=self.env)
+                atexit.register(_stop, proc)
+                started.append((program, proc))
+        for program, proc in started:
+            assert proc.stdout.readline().strip() == "listening", \
+                f"the console server of {program} did not start"
+        return paths
+
+    def shims(self, folder, programs) -> str:
+        """An executable in ``folder`` for each console script of ``programs`` that runs it
+        through its server, as the script would run (put ``folder`` first on PATH). Returns
+        ``folder``."""
+        os.makedirs(folder, exist_ok=True)
+        for program, socket_path in zip(programs, self._start(programs)):
+            path = os.path.join(folder, program)
+            with open(path, "w") as f:
+                f.write(SHIM.format(python=sys.executable, path=socket_path))
+            os.chmod(path, 0o755)
+        return folder
 
     def run(self, program, argv, env, cwd, merge=False, timeout=300):
         """Run console script ``program`` (in this Python's bin folder) with ``argv``: (exit code,
         stdout, stderr); with ``merge`` stderr goes to stdout (and the third item is empty)."""
-        script = os.path.join(BIN, program)
-        proc = self.procs.get(script)
-        if proc is None or proc.poll() is not None:
-            proc = self.procs[script] = subprocess.Popen(
-                [sys.executable, __file__, script], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True)
-            atexit.register(proc.stdin.close)  # a server ends with its input
-        request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "merge": merge,
-                   "timeout": timeout}
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
-        reply = proc.stdout.readline()
-        assert reply, f"the console server of {program} died"
-        reply = json.loads(reply)
-        assert not reply["timed_out"], f"{program} {argv} ran past {timeout} s"
-        return reply["code"], reply["out"], reply["err"]
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
+                open(os.devnull) as stdin, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(self.socket(program))
+            request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd)}
+            fds = [stdin.fileno(), out.fileno(), (out if merge else err).fileno()]
+            socket.send_fds(s, [json.dumps(request).encode()], fds)
+            pid = json.loads(s.recv(4096))["pid"]
+            s.settimeout(timeout)
+            try:
+                reply = s.recv(4096)
+            except socket.timeout:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"{program} {argv} ran past {timeout} s") from None
+            assert reply, f"the console server of {program} died"
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read())
+        return json.loads(reply)["code"], texts[0], texts[1]
+
+
+def _stop(proc):
+    """A server ends with its input."""
+    proc.stdin.close()
+    proc.stdout.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _exit_code(code) -> int:
@@ -78,15 +159,16 @@ def _script(path, argv) -> int:
     return code
 
 
-def _child(script, request, out_path, err_path):
+def _child(script, request, fds):
     try:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        out = os.open(out_path, os.O_WRONLY)
-        os.dup2(out, 1)
-        os.dup2(out if request["merge"] else os.open(err_path, os.O_WRONLY), 2)
+        tempfile.tempdir = None  # TMPDIR as the command's environment says
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         code = _script(script, request["argv"])
     except BaseException:  # the server's own failure: say so on the child's stderr
         import traceback
@@ -96,43 +178,54 @@ def _child(script, request, out_path, err_path):
     os._exit(code)
 
 
-def _serve(script):
+def _serve(script, path):
     sys.path[0] = os.path.dirname(script)  # as when the script itself is run, not this file
     runpy.run_path(script, run_name="__console_server__")  # the script's imports
+    import torch._dynamo  # noqa: F401  (what building an optimizer imports)
 
-    # mkdtemp, not TemporaryDirectory: its finalizer is an atexit handler, which the child runs
-    folder = tempfile.mkdtemp(prefix="console-server-")
-    paths = [os.path.join(folder, name) for name in ("out", "err")]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a test run: the commands' business
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(64)
+    print("listening", flush=True)
+    running = {}  # child pid -> the connection its exit code goes to
+    while True:
+        ready, _, _ = select.select([server, sys.stdin], [], [], 0.01)
+        if sys.stdin in ready and not sys.stdin.buffer.read1(1):
+            break  # our input closed: the test process is done
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            _reply(running.pop(pid), code=os.waitstatus_to_exitcode(status))
+        if server not in ready:
+            continue
+        conn, _ = server.accept()
+        conn.settimeout(None)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for s in (server, conn, *running.values()):
+                s.close()
+            _child(script, request, fds)
+        for fd in fds:
+            os.close(fd)
+        running[pid] = conn
+        _reply(conn, pid=pid)
+
+
+def _reply(conn, **message):
+    """Send ``message``; a client that is gone (a killed shim) leaves its command running."""
     try:
-        for line in sys.stdin:
-            request = json.loads(line)
-            for p in paths:
-                open(p, "w").close()
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                _child(script, request, *paths)
-            deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
-            while status is None:
-                done, raw = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    status = raw
-                elif time.monotonic() > deadline:
-                    os.kill(pid, 9)
-                    status, timed_out = os.waitpid(pid, 0)[1], True
-                else:
-                    time.sleep(0.01)
-            texts = []
-            for p in paths:
-                with open(p, errors="replace") as f:
-                    texts.append(f.read())
-            reply = {"code": os.waitstatus_to_exitcode(status), "out": texts[0], "err": texts[1],
-                     "timed_out": timed_out}
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        conn.sendall(json.dumps(message).encode())
+        if "code" in message:
+            conn.close()
+    except OSError:
+        conn.close()
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(*sys.argv[1:3])

@@ -211,14 +211,15 @@ def make_workdir(root: str, data: str) -> str:
     return root
 
 
-def make_toy_wrappers(bin_dir: str, real_bin: str) -> str:
-    """``fairseq-train`` and ``fairseq-hydra-train`` wrappers in ``bin_dir`` that run the real
-    command with the toy sizes appended. Returns ``bin_dir`` (put it first on PATH)."""
+def make_toy_wrappers(bin_dir: str, commands: str) -> str:
+    """``fairseq-train`` and ``fairseq-hydra-train`` wrappers in ``bin_dir`` that run the command
+    of that name in ``commands`` (the scripts' folder, or their console-server shims) with the toy
+    sizes appended. Returns ``bin_dir`` (put it first on PATH)."""
     os.makedirs(bin_dir, exist_ok=True)
     for name, toy in (("fairseq-train", TOY_TRAIN), ("fairseq-hydra-train", TOY_HYDRA)):
         path = os.path.join(bin_dir, name)
         with open(path, "w") as f:
-            f.write(f'#!/bin/bash\nexec "{os.path.join(real_bin, name)}" "$@" {toy}\n')
+            f.write(f'#!/bin/bash\nexec "{os.path.join(commands, name)}" "$@" {toy}\n')
         os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return bin_dir
 

@@ -41,3 +41,19 @@ def test_a_command_runs_as_in_its_own_process(mt_data):
             assert any("| INFO | fairseq_cli.train |" in line for line in out.splitlines())
         else:
             assert code != 0 and err == real.stderr and "--pkm-knn" in err
+
+
+def test_a_shim_runs_the_command_with_the_callers_streams_and_exit_code(tmp_path):
+    """A shim (what a shell runs: the documented commands' test puts them on PATH) writes to the
+    caller's own stdout and stderr -- a pipe here -- and exits with the command's code."""
+    shims = ConsoleServer().shims(str(tmp_path / "bin"), ["fairseq-train"])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for argv in (["--help"], ["--no-such-flag"]):  # (stock: its parser's RuntimeError)
+        real = subprocess.run([os.path.join(BIN, "fairseq-train"), *argv], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        shim = subprocess.run(["bash", "-o", "pipefail", "-c", 'fairseq-train "$@" | cat', "bash",
+                               *argv], env=dict(env, PATH=f"{shims}:{env['PATH']}"),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert (shim.returncode, shim.stdout) == (real.returncode, real.stdout)
+        assert shim.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:]
+    assert real.returncode == 1 and real.stderr.splitlines()[-1] == "RuntimeError"

@@ -3,17 +3,20 @@
 The fenced ```bash/```sh blocks of README.md, docs/*.md and examples/*/README.md run with bash, in
 document order, in a directory laid out like the repository after ``make data`` (toy corpora in the
 demo's paths), with ``fairseq-train`` / ``fairseq-hydra-train`` wrappers first on PATH that append
-two-update toy flags (docs_testlib.TOY_TRAIN / TOY_HYDRA). A block that cannot run here is marked
+two-update toy flags (docs_testlib.TOY_TRAIN / TOY_HYDRA); the ``fairseq-*`` commands run through
+tests/console_server.py (each its own process, forked from one that did fairseq's imports). A block that cannot run here is marked
 ``<!-- not-run: reason -->`` right before its fence. The README's "In your own PyTorch model"
 examples run with fairseq blocked from import.
 """
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
+from console_server import BIN, ConsoleServer
 from docs_testlib import (BLOCK_FAIRSEQ, REPO, blocks, build_demo_data, doc_files, is_pytorch_example,
                           demo_rows_used, is_shell, make_toy_wrappers, make_workdir,
                           stray_markers, train_demo_rows)
@@ -51,12 +54,25 @@ def test_readme_fits_first_contact():
     assert n <= 150, f"README.md has {n} lines (at most 150: the rest belongs in docs/)"
 
 
-def _env(tmp_path):
-    real_bin = os.path.dirname(sys.executable)
-    wrappers = make_toy_wrappers(str(tmp_path / "toybin"), real_bin)
-    return dict(os.environ, PATH=f"{wrappers}:{real_bin}:{os.environ.get('PATH', '')}",
-                PYTHONPATH=REPO, OMP_NUM_THREADS="1", ATTNZOO_TRACEBACK="1",
-                MPLBACKEND="Agg")
+#: the environment of the commands but for PATH (and of their console servers)
+ENV = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", ATTNZOO_TRACEBACK="1",
+           MPLBACKEND="Agg")
+#: the fairseq console scripts run through tests/console_server.py: the same commands, each in a
+#: process of its own, without each paying fairseq's imports
+SERVERS = ConsoleServer(env=ENV)
+
+
+@pytest.fixture(scope="module")
+def shims(tmp_path_factory):
+    programs = sorted({name for p in doc_files() for b in _runnable(p)
+                       for name in re.findall(r"\bfairseq-[a-z-]+", b.text)
+                       if os.path.exists(os.path.join(BIN, name))})
+    return SERVERS.shims(str(tmp_path_factory.mktemp("shims")), programs)
+
+
+def _env(tmp_path, shims):
+    wrappers = make_toy_wrappers(str(tmp_path / "toybin"), shims)
+    return dict(ENV, PATH=f"{wrappers}:{shims}:{BIN}:{os.environ.get('PATH', '')}")
 
 
 def _run(cmd, cwd, env, where, **kwargs):
@@ -68,14 +84,14 @@ def _run(cmd, cwd, env, where, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
+def demo_data(tmp_path_factory, shims):
     """data/ as `make data` leaves it, and work/demo/ROW/checkpoints of every demo row a
     documented command reads, as `make demo` leaves them (toy sizes)."""
     root = tmp_path_factory.mktemp("demo")
     data = build_demo_data(str(root))
     rows = demo_rows_used([b.text for p in doc_files() for b in _runnable(p)])
     if rows:
-        train_demo_rows(make_workdir(str(root / "trained"), data), rows, _env(root))
+        train_demo_rows(make_workdir(str(root / "trained"), data), rows, _env(root, shims))
         os.symlink(str(root / "trained" / "work"), os.path.join(data, "..", "work"))
     return data
 
@@ -84,7 +100,7 @@ def demo_data(tmp_path_factory):
 @pytest.mark.xdist_group("docs")
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in doc_files() if _runnable(p)])
-def test_documented_commands_run(path, demo_data, tmp_path):
+def test_documented_commands_run(path, demo_data, shims, tmp_path):
     """Each file's runnable shell blocks, in order, in a fresh copy of the demo layout (a block
     may use what an earlier block of the same file wrote, never another file's)."""
     cwd = make_workdir(str(tmp_path / "repo"), demo_data)
@@ -92,7 +108,7 @@ def test_documented_commands_run(path, demo_data, tmp_path):
     if os.path.exists(work):  # the demo's checkpoints, read-only in spirit
         os.makedirs(os.path.join(cwd, "work"))
         os.symlink(os.path.join(os.path.realpath(work), "demo"), os.path.join(cwd, "work", "demo"))
-    env = _env(tmp_path)
+    env = _env(tmp_path, shims)
     for b in _runnable(path):
         t0 = time.time()
         _run(["bash", "-e", "-o", "pipefail", "-c", b.text], cwd, env, b.where)
