@@ -272,6 +272,18 @@ def lm_data(tiny_data):
     return tiny_data("lm")
 
 
+@pytest.fixture(scope="session")
+def console_shims(tmp_path_factory):
+    """``console_shims(*programs)``: a folder of executables named after these console scripts
+    (``fairseq-train``, ...) that run them through tests/console_server.py -- each command its
+    own process, forked from one that did the script's imports -- for the commands a shell or
+    torchrun starts (put the folder first on PATH, or call them by path)."""
+    from console_server import SERVERS
+
+    folder = str(tmp_path_factory.mktemp("shims"))
+    return lambda *programs: SERVERS.shims(folder, programs)
+
+
 @pytest.fixture
 def data_for(mt_data, lm_data):
     from zoo_testlib import is_lm

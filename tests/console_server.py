@@ -12,11 +12,12 @@ request). The child runs the script file as ``__main__`` and ends as the interpr
 script: an uncaught exception goes to ``sys.excepthook``, atexit handlers run, the exit code is
 ``sys.exit``'s. test_console_server.py checks it against the real script.
 
-    servers = ConsoleServer()   # one per test process; a script's server starts on its first use
-    code, out, err = servers.run("fairseq-train", argv, env=..., cwd=..., merge=False)
-    servers.shims(folder, ["fairseq-train", ...])  # executables that run through the servers,
-                                                  # for commands that a shell runs: put first
-                                                  # on PATH
+    # SERVERS: this test process's (a script's server starts on its first use)
+    code, out, err = SERVERS.run("fairseq-train", argv, env=..., cwd=..., merge=False)
+    SERVERS.shims(folder, ["fairseq-train", ...])  # executables that run through the servers,
+                                                  # for commands that a shell or torchrun
+                                                  # starts: put first on PATH (conftest's
+                                                  # console_shims fixture)
 """
 
 import atexit
@@ -24,7 +25,6 @@ import json
 import os
 import runpy
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,8 +59,8 @@ class ConsoleServer:
         runs with the environment it is given."""
         self.env = env
         self.procs = {}  # script path -> its server
-        self.folder = tempfile.mkdtemp(prefix="console-servers-")
-        atexit.register(shutil.rmtree, self.folder, True)
+        # abstract socket names (Linux, "\0" in front): nothing on disk to clean up or leave
+        self.prefix = f"attnzoo-console-{os.getpid()}-{id(self)}-"
 
     def socket(self, program) -> str:
         """The socket of console script ``program``'s server (started if it is not running)."""
@@ -72,11 +72,11 @@ class ConsoleServer:
         started, paths = [], []
         for program in programs:
             script = os.path.join(BIN, program)
-            paths.append(os.path.join(self.folder, program + ".sock"))
+            paths.append("\0" + self.prefix + program)
             proc = self.procs.get(script)
             if proc is None or proc.poll() is not None:
                 proc = self.procs[script] = subprocess.Popen(
-                    [sys.executable, __file__, script, paths[-1]], stdin=subprocess.PIPE,
+                    [sys.executable, __file__, script, paths[-1][1:]], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, text=True, env=self.env)
                 atexit.register(_stop, proc)
                 started.append((program, proc))
@@ -122,6 +122,10 @@ class ConsoleServer:
         return json.loads(reply)["code"], texts[0], texts[1]
 
 
+#: the servers of this test process
+SERVERS = ConsoleServer()
+
+
 def _stop(proc):
     """A server ends with its input."""
     proc.stdin.close()
@@ -165,6 +169,8 @@ def _child(script, request, fds):
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # TMPDIR as the command's environment says
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[1:1] = [p for p in extra if p not in sys.path]  # as its interpreter would
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -178,14 +184,14 @@ def _child(script, request, fds):
     os._exit(code)
 
 
-def _serve(script, path):
+def _serve(script, name):
     sys.path[0] = os.path.dirname(script)  # as when the script itself is run, not this file
     runpy.run_path(script, run_name="__console_server__")  # the script's imports
     import torch._dynamo  # noqa: F401  (what building an optimizer imports)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a test run: the commands' business
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.bind(path)
+    server.bind("\0" + name)
     server.listen(64)
     print("listening", flush=True)
     running = {}  # child pid -> the connection its exit code goes to

@@ -138,14 +138,14 @@ STOCK_LM = LM_FAMILIES["transformer_lm"] + [
     "--disable-validation", "--log-format", "simple", "--log-interval", "1"]
 
 
-def test_stock_lm_resumes_on_two_processes_from_rank_0s_copy(lm_data, tmp_path):
+def test_stock_lm_resumes_on_two_processes_from_rank_0s_copy(lm_data, console_shims, tmp_path):
     """A one-process checkpoint of stock transformer_lm resumed on 2 processes: fairseq loads it
     on rank 0 and broadcasts it. With the plugin loaded it trains on (the compat row
     fairseq_resume_broadcast); with that row off, rank 1 dies unpickling the broadcast with
     torch's weights-only loader, as stock fairseq does under torch >= 2.6."""
     from zoo_testlib import USER_DIR
 
-    train = [os.path.join(os.path.dirname(sys.executable), "fairseq-train"), lm_data,
+    train = [os.path.join(console_shims("fairseq-train"), "fairseq-train"), lm_data,
              "--user-dir", USER_DIR] + STOCK_LM
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first = subprocess.run(train + ["--max-update", "2", "--save-dir", str(tmp_path / "one")],

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from console_server import BIN, ConsoleServer
+from console_server import BIN
 from docs_testlib import (BLOCK_FAIRSEQ, REPO, blocks, build_demo_data, doc_files, is_pytorch_example,
                           demo_rows_used, is_shell, make_toy_wrappers, make_workdir,
                           stray_markers, train_demo_rows)
@@ -54,25 +54,20 @@ def test_readme_fits_first_contact():
     assert n <= 150, f"README.md has {n} lines (at most 150: the rest belongs in docs/)"
 
 
-#: the environment of the commands but for PATH (and of their console servers)
-ENV = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", ATTNZOO_TRACEBACK="1",
-           MPLBACKEND="Agg")
-#: the fairseq console scripts run through tests/console_server.py: the same commands, each in a
-#: process of its own, without each paying fairseq's imports
-SERVERS = ConsoleServer(env=ENV)
-
-
 @pytest.fixture(scope="module")
-def shims(tmp_path_factory):
-    programs = sorted({name for p in doc_files() for b in _runnable(p)
-                       for name in re.findall(r"\bfairseq-[a-z-]+", b.text)
-                       if os.path.exists(os.path.join(BIN, name))})
-    return SERVERS.shims(str(tmp_path_factory.mktemp("shims")), programs)
+def shims(console_shims):
+    """The fairseq console scripts the blocks call, run through tests/console_server.py: the
+    same commands, each in a process of its own, without each paying fairseq's imports."""
+    return console_shims(*sorted({name for p in doc_files() for b in _runnable(p)
+                                  for name in re.findall(r"\bfairseq-[a-z-]+", b.text)
+                                  if os.path.exists(os.path.join(BIN, name))}))
 
 
 def _env(tmp_path, shims):
     wrappers = make_toy_wrappers(str(tmp_path / "toybin"), shims)
-    return dict(ENV, PATH=f"{wrappers}:{shims}:{BIN}:{os.environ.get('PATH', '')}")
+    return dict(os.environ, PATH=f"{wrappers}:{shims}:{BIN}:{os.environ.get('PATH', '')}",
+                PYTHONPATH=REPO, OMP_NUM_THREADS="1", ATTNZOO_TRACEBACK="1",
+                MPLBACKEND="Agg")
 
 
 def _run(cmd, cwd, env, where, **kwargs):

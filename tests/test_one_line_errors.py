@@ -8,16 +8,13 @@ import os
 
 import pytest
 
-from console_server import ConsoleServer
+from console_server import SERVERS
 from zoo_testlib import REPO, USER_DIR, LogCapture, quiet, run_cli
 
 TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
            "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
            "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
            "--decoder-attention-heads", "2"]
-
-
-SERVER = ConsoleServer()
 
 
 def cli(program, *argv, env=None, cwd=None, stdout_too=False):
@@ -28,8 +25,8 @@ def cli(program, *argv, env=None, cwd=None, stdout_too=False):
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("ATTNZOO_TRACEBACK", None)
     full_env.update(env or {})
-    code, out, err = SERVER.run(program, argv, env=full_env, cwd=cwd or os.getcwd(),
-                                merge=stdout_too)
+    code, out, err = SERVERS.run(program, argv, env=full_env, cwd=cwd or os.getcwd(),
+                                 merge=stdout_too)
     return code, [line for line in (out if stdout_too else err).splitlines() if line.strip()]
 
 

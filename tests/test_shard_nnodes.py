@@ -41,10 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _toy_fairseq_train(folder, lm_data) -> str:
-    """A `fairseq-train` that runs the real one with the documented flags, then toy sizes, the
-    CPU's flags and this test's logging ($UPDATE_FREQ: the one-process run's batches)."""
-    real = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+def _toy_fairseq_train(folder, lm_data, real) -> str:
+    """A `fairseq-train` that runs ``real`` (the real one or its console-server shim) with the
+    documented flags, then toy sizes, the CPU's flags and this test's logging ($UPDATE_FREQ: the
+    one-process run's batches)."""
     toy = tiny_flags(ARCH, lm_data)[1:] + [
         "--cpu", "--distributed-backend", "gloo", "--max-tokens", "200",
         "--max-update", str(UPDATES), "--save-interval-updates", "2", "--adam-eps", "1e-4",
@@ -67,9 +67,11 @@ def _node(root, name, lm_data):
     return cwd
 
 
-def test_shard_values_nnodes_documented_command_bf16_matches_one_process(lm_data, tmp_path):
+def test_shard_values_nnodes_documented_command_bf16_matches_one_process(lm_data, console_shims,
+                                                                        tmp_path):
     block = documented_block()
-    bin_dir = _toy_fairseq_train(str(tmp_path / "bin"), lm_data)
+    bin_dir = _toy_fairseq_train(str(tmp_path / "bin"), lm_data,
+                                 os.path.join(console_shims("fairseq-train"), "fairseq-train"))
     env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:"
                f"{os.environ.get('PATH', '')}", PYTHONPATH=REPO, OMP_NUM_THREADS="1",
                HOST="127.0.0.1", PORT=str(_free_port()), GPUS="2", UPDATE_FREQ="1")
