@@ -21,6 +21,8 @@ script: an uncaught exception goes to ``sys.excepthook``, atexit handlers run, t
 """
 
 import atexit
+import hashlib
+import importlib
 import json
 import os
 import runpy
@@ -58,26 +60,30 @@ class ConsoleServer:
         """``env``: the servers' own environment (default: this process's); each command still
         runs with the environment it is given."""
         self.env = env
-        self.procs = {}  # script path -> its server
+        self.procs = {}  # socket name -> its server
         # abstract socket names (Linux, "\0" in front): nothing on disk to clean up or leave
         self.prefix = f"attnzoo-console-{os.getpid()}-{id(self)}-"
 
-    def socket(self, program) -> str:
-        """The socket of console script ``program``'s server (started if it is not running)."""
-        return self._start([program])[0]
+    def socket(self, program, preload=(), cwd=None) -> str:
+        """The socket of ``program``'s server (started if it is not running): a console script
+        of this Python's bin folder, or ``-m MODULE`` (what ``python -m MODULE`` runs in ``cwd``),
+        its server importing the modules of ``preload`` too."""
+        return self._start([program], preload, cwd)[0]
 
-    def _start(self, programs):
+    def _start(self, programs, preload=(), cwd=None):
         """Start the servers of ``programs`` that are not running (at once: each does its
         imports), wait until they listen; their sockets."""
         started, paths = [], []
         for program in programs:
-            script = os.path.join(BIN, program)
-            paths.append("\0" + self.prefix + program)
-            proc = self.procs.get(script)
+            key = " ".join([program, *preload])
+            name = self.prefix + hashlib.sha1(key.encode()).hexdigest()[:12]  # (108 bytes at most)
+            paths.append("\0" + name)
+            proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
-                proc = self.procs[script] = subprocess.Popen(
-                    [sys.executable, __file__, script, paths[-1][1:]], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True, env=self.env)
+                target = program if program.startswith("-m ") else os.path.join(BIN, program)
+                proc = self.procs[name] = subprocess.Popen(
+                    [sys.executable, __file__, target, name, *preload], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True, env=self.env, cwd=cwd)
                 atexit.register(_stop, proc)
                 started.append((program, proc))
         for program, proc in started:
@@ -97,13 +103,14 @@ class ConsoleServer:
             os.chmod(path, 0o755)
         return folder
 
-    def run(self, program, argv, env, cwd, merge=False, timeout=300):
-        """Run console script ``program`` (in this Python's bin folder) with ``argv``: (exit code,
-        stdout, stderr); with ``merge`` stderr goes to stdout (and the third item is empty)."""
+    def run(self, program, argv, env, cwd, merge=False, timeout=300, preload=()):
+        """Run ``program`` (a console script of this Python's bin folder, or ``-m MODULE``) with
+        ``argv``: (exit code, stdout, stderr); with ``merge`` stderr goes to stdout (and the third
+        item is empty). ``preload``: modules its server imports besides the program's own."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
                 open(os.devnull) as stdin, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.connect(self.socket(program))
+            s.connect(self.socket(program, preload, cwd))
             request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd)}
             fds = [stdin.fileno(), out.fileno(), (out if merge else err).fileno()]
             socket.send_fds(s, [json.dumps(request).encode()], fds)
@@ -147,10 +154,14 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _script(path, argv) -> int:
-    sys.argv = [path, *argv]
+def _script(target, argv) -> int:
     try:
-        runpy.run_path(path, run_name="__main__")
+        if target.startswith("-m "):
+            sys.argv = [target, *argv]  # (runpy puts the module's file first)
+            runpy.run_module(target[3:], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *argv]
+            runpy.run_path(target, run_name="__main__")
         code = 0
     except SystemExit as e:
         code = _exit_code(e.code)
@@ -163,19 +174,21 @@ def _script(path, argv) -> int:
     return code
 
 
-def _child(script, request, fds):
+def _child(target, request, fds):
     try:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # TMPDIR as the command's environment says
+        if target.startswith("-m "):
+            sys.path[0] = os.getcwd()  # as `python -m` puts it
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[1:1] = [p for p in extra if p not in sys.path]  # as its interpreter would
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
+        for std, fd in enumerate(fds):
+            os.dup2(fd, std)
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
-        code = _script(script, request["argv"])
+        code = _script(target, request["argv"])
     except BaseException:  # the server's own failure: say so on the child's stderr
         import traceback
 
@@ -184,10 +197,15 @@ def _child(script, request, fds):
     os._exit(code)
 
 
-def _serve(script, name):
-    sys.path[0] = os.path.dirname(script)  # as when the script itself is run, not this file
-    runpy.run_path(script, run_name="__console_server__")  # the script's imports
-    import torch._dynamo  # noqa: F401  (what building an optimizer imports)
+def _serve(target, name, *preload):
+    if target.startswith("-m "):  # the module's imports (its main is under __name__ == ...)
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target[3:], run_name="__console_server__")
+    else:  # the script's imports
+        sys.path[0] = os.path.dirname(target)  # as when the script itself is run, not this file
+        runpy.run_path(target, run_name="__console_server__")
+    for module in ("torch._dynamo", *preload):  # (torch._dynamo: what an optimizer imports)
+        importlib.import_module(module)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a test run: the commands' business
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -216,7 +234,7 @@ def _serve(script, name):
         if pid == 0:
             for s in (server, conn, *running.values()):
                 s.close()
-            _child(script, request, fds)
+            _child(target, request, fds)
         for fd in fds:
             os.close(fd)
         running[pid] = conn
@@ -234,4 +252,4 @@ def _reply(conn, **message):
 
 
 if __name__ == "__main__":
-    _serve(*sys.argv[1:3])
+    _serve(*sys.argv[1:])

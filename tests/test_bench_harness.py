@@ -3,10 +3,13 @@ cold split and the peak-memory path on a fairseq log, the sanity floor, and the 
 (``--check`` against the records). The figures themselves come from a GPU (docs/performance.md)."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
+from console_server import SERVERS
 from zoo_testlib import REPO
 
 STAGES = f"{REPO}/scripts/bench/stages.sh"
@@ -23,6 +26,30 @@ def mt163(tiny_data):
     return tiny_data("mt", n_train=163)
 
 
+#: what a train or decode child imports before its work (not the plugin: a child loads it as
+#: --user-dir does, test_a_child_imports_the_plugin_only_as_user_dir_does)
+CHILD_IMPORTS = ("fairseq_cli.train", "fairseq_cli.generate", "fairseq_cli.eval_lm")
+
+
+@pytest.fixture(autouse=True)
+def children_forked(monkeypatch):
+    """The harness's children (``python -m scripts.bench.harness --_train ...``, its command line,
+    environment and folder as the harness builds them) run through tests/console_server.py: each
+    its own process, forked from one that did the child's imports, instead of paying them each."""
+    run = subprocess.run
+
+    def forked(cmd, cwd=None, env=None, capture_output=False, text=False, **kwargs):
+        if cmd[:3] != [sys.executable, "-m", "scripts.bench.harness"]:
+            return run(cmd, cwd=cwd, env=env, capture_output=capture_output, text=text,
+                       **kwargs)
+        assert capture_output and text and not kwargs, kwargs  # (what harness.child asks)
+        code, out, err = SERVERS.run("-m scripts.bench.harness", cmd[3:], env=env or os.environ,
+                                     cwd=cwd or os.getcwd(), timeout=600, preload=CHILD_IMPORTS)
+        return subprocess.CompletedProcess(cmd, code, out, err)
+
+    monkeypatch.setattr(subprocess, "run", forked)
+
+
 def _dry(*argv, data_mt, data_lm, out):
     from scripts.bench.harness import main
 
@@ -37,8 +64,6 @@ def test_a_child_imports_the_plugin_only_as_user_dir_does():
     ``--user-dir``, which skips a module already imported (and with it the compat table: stock
     --bf16 then asks for a TPU); so importing the harness imports no plugin module (the cases,
     which do, are the parent's alone)."""
-    import subprocess
-
     code = ("import sys, scripts.bench.harness; "
             "print(sorted(m for m in sys.modules if m.startswith('fairseq_attnzoo')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
