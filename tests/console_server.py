@@ -66,8 +66,8 @@ class ConsoleServer:
 
     def socket(self, program, preload=(), cwd=None) -> str:
         """The socket of ``program``'s server (started if it is not running): a console script
-        of this Python's bin folder, or ``-m MODULE`` (what ``python -m MODULE`` runs in ``cwd``),
-        its server importing the modules of ``preload`` too."""
+        of this Python's bin folder, a script's absolute path, or ``-m MODULE`` (what ``python -m
+        MODULE`` runs in ``cwd``), its server importing the modules of ``preload`` too."""
         return self._start([program], preload, cwd)[0]
 
     def _start(self, programs, preload=(), cwd=None):
@@ -80,7 +80,8 @@ class ConsoleServer:
             paths.append("\0" + name)
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
-                target = program if program.startswith("-m ") else os.path.join(BIN, program)
+                target = (program if program.startswith("-m ") or os.path.isabs(program) else
+                          os.path.join(BIN, program))
                 proc = self.procs[name] = subprocess.Popen(
                     [sys.executable, __file__, target, name, *preload], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, text=True, env=self.env, cwd=cwd)
@@ -92,19 +93,21 @@ class ConsoleServer:
         return paths
 
     def shims(self, folder, programs) -> str:
-        """An executable in ``folder`` for each console script of ``programs`` that runs it
-        through its server, as the script would run (put ``folder`` first on PATH). Returns
+        """An executable in ``folder`` for each console script (or script path) of ``programs``,
+        named as the script, that runs it through its server, as the script would run (put
+        ``folder`` first on PATH, or give torchrun ``--no-python`` and its path). Returns
         ``folder``."""
         os.makedirs(folder, exist_ok=True)
         for program, socket_path in zip(programs, self._start(programs)):
-            path = os.path.join(folder, program)
+            path = os.path.join(folder, os.path.basename(program))
             with open(path, "w") as f:
                 f.write(SHIM.format(python=sys.executable, path=socket_path))
             os.chmod(path, 0o755)
         return folder
 
     def run(self, program, argv, env, cwd, merge=False, timeout=300, preload=()):
-        """Run ``program`` (a console script of this Python's bin folder, or ``-m MODULE``) with
+        """Run ``program`` (a console script of this Python's bin folder, a script's absolute
+        path, or ``-m MODULE``) with
         ``argv``: (exit code, stdout, stderr); with ``merge`` stderr goes to stdout (and the third
         item is empty). ``preload``: modules its server imports besides the program's own."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \

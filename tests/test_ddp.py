@@ -13,11 +13,13 @@ import sys
 import pytest
 import torch
 
+from console_server import SERVERS
 from test_stock_differential import LM_FAMILIES
 from zoo_testlib import wirings, zoo_archs
 
 ARCHS = list(wirings(zoo_archs()))
 HERE = os.path.dirname(os.path.abspath(__file__))
+RUNNER = os.path.join(HERE, "ddp_runner.py")
 pytestmark = [pytest.mark.xdist_group("ddp"), pytest.mark.slow]
 
 
@@ -26,15 +28,21 @@ SPARSE_UPDATES = 3
 
 
 def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=(), world=2):
-    cmd = [sys.executable]
-    if mode == "ddp":
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    cmd += [os.path.join(HERE, "ddp_runner.py"), "--mode", mode, "--archs", ",".join(archs),
-            "--mt-data", mt_data, "--lm-data", lm_data, "--out", out, "--world", str(world)
-            ] + list(extra)
+    """tests/ddp_runner.py in ``mode``: one process, or ``world`` under torchrun; each process
+    forked from its console server (tests/console_server.py: the runner's imports done once)."""
+    argv = ["--mode", mode, "--archs", ",".join(archs), "--mt-data", mt_data, "--lm-data",
+            lm_data, "--out", out, "--world", str(world)] + list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]
+    if mode == "ddp":
+        shim = os.path.join(SERVERS.shims(os.path.join(os.path.dirname(out), "bin"), [RUNNER]),
+                            os.path.basename(RUNNER))
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node", str(world), "--no-python", shim, *argv],
+                              env=env, capture_output=True, text=True, timeout=1500)
+        code, err = proc.returncode, proc.stderr
+    else:
+        code, _, err = SERVERS.run(RUNNER, argv, env=env, cwd=os.getcwd(), timeout=1500)
+    assert code == 0 and os.path.exists(out), err[-4000:]
     with open(out) as f:
         return json.load(f)
 

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from console_server import SERVERS
 from preptest_util import REPO
 from test_ddp import _run
 from zoo_testlib import USER_DIR, build, eval_flags, run_cli
@@ -441,9 +442,11 @@ def test_shard_values_memory_and_bytes_per_rank(tmp_path):
     small fraction of the bytes replicated DDP with dense values sends per update
     (tests/shard_measure.py counts them)."""
     out = tmp_path / "measure.json"
+    measure = os.path.join(HERE, "shard_measure.py")  # (each rank forked from its server)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "shard_measure.py"), "--out", str(out), "--repeats", "1",
-           "--n-keys", "256", "--tokens", "256"]
+           "--no-python", os.path.join(SERVERS.shims(str(tmp_path / "bin"), [measure]),
+                                       "shard_measure.py"),
+           "--out", str(out), "--repeats", "1", "--n-keys", "256", "--tokens", "256"]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
