@@ -190,6 +190,12 @@ def _child(target, request, fds):
         for std, fd in enumerate(fds):
             os.dup2(fd, std)
             os.close(fd)
+        # buffered as a fresh interpreter would buffer them (the same objects: logging's
+        # handlers made at import hold them): a line at a time on a terminal or under
+        # PYTHONUNBUFFERED, which also writes through
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        sys.stdout.reconfigure(line_buffering=unbuffered or os.isatty(1), write_through=unbuffered)
+        sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         code = _script(target, request["argv"])
     except BaseException:  # the server's own failure: say so on the child's stderr

@@ -10,6 +10,7 @@ import time
 import types
 
 import pytest
+from console_server import SERVERS
 from preptest_util import ROOT
 
 from fairseq_attnzoo.cli import collab_reparametrize
@@ -18,8 +19,9 @@ from scripts.demo import config, demo
 
 
 def run_demo(*args):
-    return subprocess.run([sys.executable, "-m", "scripts.demo.demo", *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    """``python -m scripts.demo.demo ARGS`` from the repository root, forked from its console
+    server (tests/console_server.py): (exit code, stdout, stderr)."""
+    return SERVERS.run("-m scripts.demo.demo", args, env=os.environ, cwd=ROOT, timeout=120)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -29,9 +31,9 @@ def run_demo(*args):
     (["--archs", "transformer", "--lm-archs", "nosuch_lm"], "unknown demo arch(s) ['nosuch_lm']"),
 ])
 def test_bad_arch_lists_fail_in_one_line(args, message):
-    r = run_demo(*args, "--data", "/nonexistent")
-    assert r.returncode != 0
-    assert message in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_demo(*args, "--data", "/nonexistent")
+    assert code != 0
+    assert message in err and "Traceback" not in err
 
 
 class FakeRow:

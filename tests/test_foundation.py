@@ -239,14 +239,13 @@ def test_cli_hint_for_missing_or_unbinarised_data(monkeypatch, tmp_path):
     assert hint_for(ValueError("something else")) is None
 
 
-def test_fairseq_train_on_missing_data_ends_with_one_line_hint(tmp_path):
+def test_fairseq_train_on_missing_data_ends_with_one_line_hint(console_shims, tmp_path):
     import os
     import subprocess
-    import sys
 
     from zoo_testlib import USER_DIR
 
-    exe = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+    exe = os.path.join(console_shims("fairseq-train"), "fairseq-train")  # (its own process)
     proc = subprocess.run([exe, str(tmp_path / "missing"), "--user-dir", USER_DIR, "--arch",
                            "attnzoo_transformer", "--cpu", "--max-tokens", "100"],
                           capture_output=True, text=True, timeout=300,

@@ -581,21 +581,21 @@ def test_resume_with_the_same_host_options_resumes(trained, tmp_path):
     assert any("num_updates" in x and '"4"' in x for x in lines), lines[-5:]
 
 
-def _interrupted(flags, cwd, when):
-    """Run a real fairseq-train with ``flags`` in ``cwd``, send it SIGINT at the first output line
-    for which ``when(line)`` holds: (exit code, its lines)."""
+def _interrupted(shims, flags, cwd, when):
+    """Run fairseq-train (its shim in ``shims``: tests/console_server.py, SIGINT forwarded) with
+    ``flags`` in ``cwd``, send it SIGINT at the first output line for which ``when(line)`` holds:
+    (exit code, its lines)."""
     import signal
     import subprocess
-    import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("ATTNZOO_TRACEBACK", None)
     # SIGINT at its default in the child whatever this process inherited: a shell starts
     # background jobs (`make test &`, a CI step) with SIGINT ignored, and Python then installs
     # no KeyboardInterrupt handler -- the signal would be lost and the run go on
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=str(cwd),
+    proc = subprocess.Popen([os.path.join(shims, "fairseq-train"), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(cwd),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
@@ -611,7 +611,7 @@ def _interrupted(flags, cwd, when):
     return proc.returncode or 1, lines + [x for x in rest.splitlines() if x.strip()]
 
 
-def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
+def test_ctrl_c_during_training_says_where_it_resumes(mt_data, console_shims, tmp_path):
     """SIGINT to a real fairseq-train after it saved a checkpoint: one line naming the checkpoint
     and its update, not a KeyboardInterrupt traceback."""
     from zoo_testlib import sweep_train_flags
@@ -620,7 +620,8 @@ def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
     flags = sweep_train_flags("attnzoo_transformer", mt_data, save, 100000) + [
         "--save-interval-updates", "10", "--save-interval", "1000", "--log-format", "simple",
         "--disable-validation"]  # (one save every 10 updates, none at an epoch's end)
-    code, lines = _interrupted(flags, tmp_path, lambda line: "Saved checkpoint" in line)
+    code, lines = _interrupted(console_shims("fairseq-train"), flags, tmp_path,
+                               lambda line: "Saved checkpoint" in line)
     import torch
 
     state = torch.load(f"{save}/checkpoint_last.pt", map_location="cpu", weights_only=False)
@@ -631,7 +632,8 @@ def test_ctrl_c_during_training_says_where_it_resumes(mt_data, tmp_path):
     assert not any("KeyboardInterrupt" in x for x in lines), lines[-10:]
 
 
-def test_ctrl_c_under_no_save_says_it_went_on_from_the_loaded_update(trained, tmp_path):
+def test_ctrl_c_under_no_save_says_it_went_on_from_the_loaded_update(trained, console_shims,
+                                                                     tmp_path):
     """--no-save in a folder holding a checkpoint_last.pt: fairseq loaded its update (3) and
     went on, saving nothing. The line said "nothing was saved; the same command starts again at
     update 0"; it says where the run started and where the same command starts again."""
@@ -640,7 +642,8 @@ def test_ctrl_c_under_no_save_says_it_went_on_from_the_loaded_update(trained, tm
     run = trained("attnzoo_transformer")
     save = run.copy_to(tmp_path / "ckpt")
     flags = sweep_train_flags("attnzoo_transformer", run.data, save, 100000) + ["--no-save"]
-    code, lines = _interrupted(flags, tmp_path, lambda line: '"num_updates": "5"' in line)
+    code, lines = _interrupted(console_shims("fairseq-train"), flags, tmp_path,
+                               lambda line: '"num_updates": "5"' in line)
     assert any('"num_updates": "4"' in x for x in lines), lines[-10:]  # it went on from 3
     assert_one_line(code, lines, "nothing new was saved (--no-save)",
                     f"this run had loaded update 3 from {save}/checkpoint_last.pt and went on "

@@ -8,7 +8,6 @@ epoch lines)."""
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -41,8 +40,9 @@ def test_a_run_that_saves_nothing_says_so(mt_data, tmp_path):
     assert "nothing was saved (--no-save): no checkpoint to score" in summary[0]
 
 
-def _train_with_stderr_on_a_terminal(data, folder, disabled=""):
-    """fairseq-train with its log (stdout) in a pipe and stderr on a pseudo-terminal: stdout."""
+def _train_with_stderr_on_a_terminal(shims, data, folder, disabled=""):
+    """fairseq-train (its shim in ``shims``: the command gets the shim's own streams) with its
+    log (stdout) in a pipe and stderr on a pseudo-terminal: stdout."""
     import pty
 
     master, slave = pty.openpty()
@@ -50,9 +50,9 @@ def _train_with_stderr_on_a_terminal(data, folder, disabled=""):
     flags = sweep_train_flags("attnzoo_transformer", data, str(folder), 6)
     flags = [f for f in flags if f not in ("--log-format", "json")]  # fairseq's default format
     try:
-        run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
-                              *flags, "--log-interval", "2"], stdout=subprocess.PIPE,
-                             stderr=slave, text=True, env=env, timeout=300, cwd=folder.parent)
+        run = subprocess.run([os.path.join(shims, "fairseq-train"), *flags, "--log-interval", "2"],
+                             stdout=subprocess.PIPE, stderr=slave, text=True, env=env,
+                             timeout=300, cwd=folder.parent)
     finally:
         os.close(slave)
         os.close(master)
@@ -60,12 +60,15 @@ def _train_with_stderr_on_a_terminal(data, folder, disabled=""):
     return run.stdout.splitlines()
 
 
-def test_a_log_that_is_not_a_terminal_gets_a_progress_line_every_log_interval(mt_data, tmp_path):
-    lines = _train_with_stderr_on_a_terminal(mt_data, tmp_path / "a")
+def test_a_log_that_is_not_a_terminal_gets_a_progress_line_every_log_interval(mt_data,
+                                                                               console_shims,
+                                                                               tmp_path):
+    shims = console_shims("fairseq-train")
+    lines = _train_with_stderr_on_a_terminal(shims, mt_data, tmp_path / "a")
     inner = [x for x in lines if "| train_inner |" in x]
     assert [x.split("num_updates=")[1].split(",")[0] for x in inner] == ["2", "4", "6"], inner
     # the switch: fairseq's own choice, a tqdm bar on the terminal and nothing in the log
-    lines = _train_with_stderr_on_a_terminal(mt_data, tmp_path / "b",
+    lines = _train_with_stderr_on_a_terminal(shims, mt_data, tmp_path / "b",
                                              "fairseq_train_progress_in_log")
     assert not [x for x in lines if "| train_inner |" in x]
 
