@@ -707,24 +707,32 @@ def test_sacrebleu_scorer_does_not_call_fairseq_s_own_tokenization_a_mistake(cap
 
 RANK_DRIVER = '''
 import os, runpy, sys
-script = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
-sys.argv = [script] + sys.argv[1:] + ["--distributed-rank", os.environ["RANK"], "--device-id",
-                                      os.environ["LOCAL_RANK"]]
-if os.environ["RANK"] == "1":  # this rank's training step fails at update 2; rank 0 waits for it
-    import fairseq_attnzoo
-    from fairseq.tasks.translation import TranslationTask
-    from fairseq_attnzoo.messages.errors import ZooConfigError
+from fairseq_cli import train  # noqa: F401  (fairseq-train's own imports: the server's, once)
 
-    fairseq_attnzoo.enable()  # (--user-dir finds the package imported: it applies nothing)
-    step = TranslationTask.train_step
 
-    def failing(self, sample, model, criterion, optimizer, update_num, *args, **kwargs):
-        if update_num == 1:
-            raise ZooConfigError("rank 1's own error")
-        return step(self, sample, model, criterion, optimizer, update_num, *args, **kwargs)
+def main():
+    script = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+    sys.argv = [script] + sys.argv[1:] + ["--distributed-rank", os.environ["RANK"],
+                                          "--device-id", os.environ["LOCAL_RANK"]]
+    if os.environ["RANK"] == "1":  # this rank's training step fails at update 2; rank 0 waits
+        import fairseq_attnzoo
+        from fairseq.tasks.translation import TranslationTask
+        from fairseq_attnzoo.messages.errors import ZooConfigError
 
-    TranslationTask.train_step = failing
-runpy.run_path(script, run_name="__main__")
+        fairseq_attnzoo.enable()  # (--user-dir finds the package imported: it applies nothing)
+        step = TranslationTask.train_step
+
+        def failing(self, sample, model, criterion, optimizer, update_num, *args, **kwargs):
+            if update_num == 1:
+                raise ZooConfigError("rank 1's own error")
+            return step(self, sample, model, criterion, optimizer, update_num, *args, **kwargs)
+
+        TranslationTask.train_step = failing
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
 '''
 
 
@@ -740,10 +748,11 @@ def test_under_torchrun_a_rank_that_lost_its_peer_says_one_line(mt_data, tmp_pat
     driver.write_text(RANK_DRIVER)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)  # (the driver imports us)
     env.pop("ATTNZOO_TRACEBACK", None)
+    shim = os.path.join(SERVERS.shims(str(tmp_path / "bin"), [str(driver)]), driver.name)
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "--monitor-interval", "2",  # (rank 0 meets the closed peer before torchrun stops it)
-         str(driver), mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
+         "--no-python", shim, mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
          *TINY_MT, "--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update",
          "4", "--no-save", "--num-workers", "0", "--distributed-backend", "gloo",
          "--distributed-init-method", "env://", "--distributed-no-spawn",
