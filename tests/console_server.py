@@ -1,18 +1,20 @@
-"""Run console scripts without paying their imports each time (tests only).
+"""Run commands without paying their imports each time (tests only).
 
 A ``fairseq-*`` script's process spends about 3 s of its start importing torch and fairseq (its
 first line, ``from fairseq_cli.train import cli_main``, imports the whole ``fairseq`` package),
 and about 1 s more where it builds its first optimizer (``torch.optim`` imports ``torch._dynamo``
-then). The server of a script runs the script file once as a module, which does its imports and
-nothing else (the script's main is under ``if __name__ == "__main__"``), imports
-``torch._dynamo``, then listens on a Unix socket and runs each command in a child forked from
-that state, so each command still has its own process: its argv, environment, working directory
+then). The server of a program -- a console script, a script's path, or ``-m MODULE`` -- runs it
+once as a module, which does its imports and nothing else (its main is under ``if __name__ ==
+"__main__"``), imports ``torch._dynamo`` and any modules it is asked to preload, then listens on
+a Unix socket and runs each command in a child forked from that state, so each command still has
+its own process: its argv, environment (and PYTHONPATH on its ``sys.path``), working directory,
 and the standard input, output and error of whoever asked (their file descriptors travel with the
-request). The child runs the script file as ``__main__`` and ends as the interpreter ends a
-script: an uncaught exception goes to ``sys.excepthook``, atexit handlers run, the exit code is
-``sys.exit``'s. test_console_server.py checks it against the real script.
+request), buffered as a fresh interpreter would buffer them. The child runs the program as
+``__main__`` and ends as the interpreter ends a script: an uncaught exception goes to
+``sys.excepthook``, atexit handlers run, the exit code is ``sys.exit``'s.
+test_console_server.py checks a command and a shim against the real script.
 
-    # SERVERS: this test process's (a script's server starts on its first use)
+    # SERVERS: this test process's (a program's server starts on its first use)
     code, out, err = SERVERS.run("fairseq-train", argv, env=..., cwd=..., merge=False)
     SERVERS.shims(folder, ["fairseq-train", ...])  # executables that run through the servers,
                                                   # for commands that a shell or torchrun
@@ -32,7 +34,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 BIN = os.path.dirname(sys.executable)
 
@@ -107,9 +108,9 @@ class ConsoleServer:
 
     def run(self, program, argv, env, cwd, merge=False, timeout=300, preload=()):
         """Run ``program`` (a console script of this Python's bin folder, a script's absolute
-        path, or ``-m MODULE``) with
-        ``argv``: (exit code, stdout, stderr); with ``merge`` stderr goes to stdout (and the third
-        item is empty). ``preload``: modules its server imports besides the program's own."""
+        path, or ``-m MODULE``) with ``argv``: (exit code, stdout, stderr); with ``merge`` stderr
+        goes to stdout (and the third item is empty). ``preload``: modules its server imports
+        besides the program's own."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
                 open(os.devnull) as stdin, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
