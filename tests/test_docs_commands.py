@@ -3,10 +3,10 @@
 The fenced ```bash/```sh blocks of README.md, docs/*.md and examples/*/README.md run with bash, in
 document order, in a directory laid out like the repository after ``make data`` (toy corpora in the
 demo's paths), with ``fairseq-train`` / ``fairseq-hydra-train`` wrappers first on PATH that append
-two-update toy flags (docs_testlib.TOY_TRAIN / TOY_HYDRA); the ``fairseq-*`` commands run through
-tests/console_server.py (each its own process, forked from one that did fairseq's imports). A block that cannot run here is marked
-``<!-- not-run: reason -->`` right before its fence. The README's "In your own PyTorch model"
-examples run with fairseq blocked from import.
+two-update toy flags (docs_testlib.TOY_TRAIN / TOY_HYDRA); the ``fairseq-*`` commands run
+through tests/console_server.py (each its own process, forked from one that did fairseq's
+imports). A block that cannot run here is marked ``<!-- not-run: reason -->`` right before its
+fence. The README's "In your own PyTorch model" examples run with fairseq blocked from import.
 """
 import os
 import re
