@@ -5,7 +5,7 @@ level), checked here against the real ``fairseq-train``."""
 import os
 import subprocess
 
-from console_server import BIN, ConsoleServer
+from console_server import BIN, SERVERS
 from zoo_testlib import tiny_flags
 
 TRAIN = ["--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--num-workers", "0",
@@ -26,14 +26,13 @@ def test_a_command_runs_as_in_its_own_process(mt_data):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ATTNZOO_TRACEBACK", None)
     cwd = os.getcwd()  # the test's own folder
-    server = ConsoleServer()
     for argv, merge in ((["--max-update", "1"], True),  # trains: its log on stdout
                         (["--pkm-knn", "32"], False)):  # our one-line error on stderr
         argv = [*tiny_flags("transformer_pkm", mt_data), *TRAIN, *argv]
         real = subprocess.run([os.path.join(BIN, "fairseq-train"), *argv], env=env, cwd=cwd,
                               stdout=subprocess.PIPE, text=True, timeout=300,
                               stderr=subprocess.STDOUT if merge else subprocess.PIPE)
-        code, out, err = server.run("fairseq-train", argv, env=env, cwd=cwd, merge=merge)
+        code, out, err = SERVERS.run("fairseq-train", argv, env=env, cwd=cwd, merge=merge)
         assert code == real.returncode
         if merge:
             assert code == 0, out[-2000:]
@@ -46,7 +45,7 @@ def test_a_command_runs_as_in_its_own_process(mt_data):
 def test_a_shim_runs_the_command_with_the_callers_streams_and_exit_code(tmp_path):
     """A shim (what a shell runs: the documented commands' test puts them on PATH) writes to the
     caller's own stdout and stderr -- a pipe here -- and exits with the command's code."""
-    shims = ConsoleServer().shims(str(tmp_path / "bin"), ["fairseq-train"])
+    shims = SERVERS.shims(str(tmp_path / "bin"), ["fairseq-train"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for argv in (["--help"], ["--no-such-flag"]):  # (stock: its parser's RuntimeError)
         real = subprocess.run([os.path.join(BIN, "fairseq-train"), *argv], env=env, cwd=tmp_path,
