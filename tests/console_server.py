@@ -106,6 +106,11 @@ class ConsoleServer:
             os.chmod(path, 0o755)
         return folder
 
+    def shim(self, folder, program) -> str:
+        """The path of ``program``'s shim in ``folder`` (:meth:`shims`), e.g. for ``torchrun
+        --no-python``."""
+        return os.path.join(self.shims(folder, [program]), os.path.basename(program))
+
     def run(self, program, argv, env, cwd, merge=False, timeout=300, preload=()):
         """Run ``program`` (a console script of this Python's bin folder, a script's absolute
         path, or ``-m MODULE``) with ``argv``: (exit code, stdout, stderr); with ``merge`` stderr

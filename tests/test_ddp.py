@@ -34,8 +34,7 @@ def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=(), world=2):
             lm_data, "--out", out, "--world", str(world)] + list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if mode == "ddp":
-        shim = os.path.join(SERVERS.shims(os.path.join(os.path.dirname(out), "bin"), [RUNNER]),
-                            os.path.basename(RUNNER))
+        shim = SERVERS.shim(os.path.join(os.path.dirname(out), "bin"), RUNNER)
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node", str(world), "--no-python", shim, *argv],
                               env=env, capture_output=True, text=True, timeout=1500)

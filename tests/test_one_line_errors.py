@@ -748,7 +748,7 @@ def test_under_torchrun_a_rank_that_lost_its_peer_says_one_line(mt_data, tmp_pat
     driver.write_text(RANK_DRIVER)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)  # (the driver imports us)
     env.pop("ATTNZOO_TRACEBACK", None)
-    shim = os.path.join(SERVERS.shims(str(tmp_path / "bin"), [str(driver)]), driver.name)
+    shim = SERVERS.shim(str(tmp_path / "bin"), str(driver))
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "--monitor-interval", "2",  # (rank 0 meets the closed peer before torchrun stops it)

@@ -444,8 +444,7 @@ def test_shard_values_memory_and_bytes_per_rank(tmp_path):
     out = tmp_path / "measure.json"
     measure = os.path.join(HERE, "shard_measure.py")  # (each rank forked from its server)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--no-python", os.path.join(SERVERS.shims(str(tmp_path / "bin"), [measure]),
-                                       "shard_measure.py"),
+           "--no-python", SERVERS.shim(str(tmp_path / "bin"), measure),
            "--out", str(out), "--repeats", "1", "--n-keys", "256", "--tokens", "256"]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=600)
