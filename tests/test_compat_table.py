@@ -55,7 +55,8 @@ def _python_env(code: str, env: dict, argv=()) -> dict:
 
 #: the rows that change something only in a console script (fairseq-*, attnzoo-*): in this
 #: process, and in a ``python -c`` one, they change nothing
-CONSOLE_ONLY = {"fairseq_cli_hints", "fairseq_mmap_dataset_del", "fairseq_root_log_level",
+CONSOLE_ONLY = {"fairseq_cli_hints", "fairseq_mmap_dataset_del", "python_interrupt_in_callback",
+                "fairseq_root_log_level",
                 "torch_pin_memory_without_accelerator", "fairseq_cuda_amp_autocast"}
 
 

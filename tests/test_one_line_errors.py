@@ -650,6 +650,35 @@ def test_ctrl_c_under_no_save_says_it_went_on_from_the_loaded_update(trained, co
                     "from it, so the same command starts again from update 3")
 
 
+def test_ctrl_c_inside_a_callback_still_stops_the_command():
+    """A Ctrl-C that Python delivers while a weakref callback (or a ``__del__``, the garbage
+    collector) runs cannot propagate from there: Python printed "Exception ignored in ..." with a
+    KeyboardInterrupt traceback and the command went on training (seen once in the suite, in
+    test_ctrl_c_during_training_says_where_it_resumes). In a console script it stops the command
+    (row python_interrupt_in_callback)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, weakref\n"
+            "sys.argv[0] = 'fairseq-train'\n"
+            "import fairseq_attnzoo\n"
+            "fairseq_attnzoo.enable()\n"
+            "class Held: pass\n"
+            "def arrives_here(ref): raise KeyboardInterrupt  # as Ctrl-C in this callback\n"
+            "held = Held(); ref = weakref.ref(held, arrives_here)\n"
+            "try:\n"
+            "    del held\n"
+            "    for _ in range(10 ** 7): pass\n"
+            "    print('went on')\n"
+            "except KeyboardInterrupt:\n"
+            "    print('stopped')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["stopped"], (proc.stdout, proc.stderr[-3000:])
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def sentencepiece_run(tmp_path_factory):
     """SentencePiece-like translation data (every word a '▁' piece) and a transformer trained one

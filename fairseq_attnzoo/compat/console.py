@@ -1,12 +1,14 @@
 """How a console script answers a mistake, as the table's rows in :mod:`.fixes` install it: the
 excepthook that prints the one line of :mod:`fairseq_attnzoo.messages.one_line` instead of a
 traceback (``fairseq_cli_hints``, with ``HYDRA_FULL_ERROR`` for fairseq-hydra-train), the
-unraisable error of a half-built dataset passed over (``fairseq_mmap_dataset_del``), fairseq's
+unraisable error of a half-built dataset passed over (``fairseq_mmap_dataset_del``), a Ctrl-C
+raised inside a callback raised again (``python_interrupt_in_callback``), fairseq's
 parsers answering in one line (``fairseq_parser_one_line``, ``fairseq_train_parser_one_line``)
 and the root logger's level (``fairseq_root_log_level``). What the lines say is
 :mod:`fairseq_attnzoo.messages`; here is only where they are hooked in. Each installer changes
 something only in a console script, and returns its undo or NOTHING_CHANGED."""
 
+import _thread
 import argparse
 import inspect
 import logging
@@ -71,6 +73,29 @@ def ignore_half_built_mmap_dataset():
     def hook(unraisable):
         if not (isinstance(unraisable.exc_value, AttributeError)
                 and "_bin_buffer_mmap" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    return lambda: setattr(sys, "unraisablehook", previous)
+
+
+def interrupt_again_after_callback():
+    """In a console script, a Ctrl-C that Python raised inside a callback (a weakref's, a
+    ``__del__``, the garbage collector's), where it cannot propagate -- Python printed "Exception
+    ignored in ..." and the command went on -- is raised again in the main thread: the command
+    stops as on any other Ctrl-C (row ``python_interrupt_in_callback``). Every other unraisable
+    error is passed on as before. A new thread calls ``_thread.interrupt_main``: called here, the
+    interrupt would be raised at once, inside this hook, and be ignored again; the thread runs
+    once the main thread gives up the interpreter (at most Python's switch interval later), and
+    should that be inside a callback again, this hook sends it once more."""
+    if not in_console_script():
+        return NOTHING_CHANGED
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _thread.start_new_thread(_thread.interrupt_main, ())
+        else:
             previous(unraisable)
 
     sys.unraisablehook = hook

@@ -87,6 +87,12 @@ register(Patch(
     "__del__: that one error is not printed after the hint's line; every other one is",
     always, console.ignore_half_built_mmap_dataset, "fairseq 0.12.3"))
 register(Patch(
+    "python_interrupt_in_callback", f"sys.unraisablehook {CONSOLE}",
+    "a Ctrl-C that Python raises inside a weakref callback, a __del__ or the garbage collector "
+    "cannot propagate: Python printed 'Exception ignored in ...' and the command went on "
+    "training. It is raised again in the main thread, so the command stops as on any Ctrl-C",
+    always, console.interrupt_again_after_callback, "CPython 3"))
+register(Patch(
     "fairseq_root_log_level", f"the root logger's level {OURS_TOO}",
     "importing fairseq's models runs logging.basicConfig(level=DEBUG) (wav2vec2_classification), "
     "and fairseq-generate / fairseq-eval-lm configure logging only after that import, so hydra's "
