@@ -16,15 +16,19 @@ with the ``cuobjdump`` that Triton ships:
 
 A specialisation spills when its stack or its local loads/stores are not 0. The compiles run in
 ONE child process where Triton is not in interpreter mode (the tests' conftest sets
-``TRITON_INTERPRET=1``), with a fresh Triton cache (nothing read from an earlier run)::
+``TRITON_INTERPRET=1``), with a fresh Triton cache (nothing read from an earlier run), and
+without fairseq (the kernels are plain PyTorch modules: the package's ``__init__`` would spend
+about 6 s importing fairseq for nothing)::
 
     python -m scripts.sm90                          # every module's specialisations, a table
     python -m scripts.sm90 pkm_triton aop_triton    # some modules
     python -m scripts.sm90 --spec MODULE:FUNCTION   # a function's (a test's own kernels; tests/
-                                                    # is on the path)
+                                                    # is on the path); --spec may repeat
+    python -m scripts.sm90 --all --spec M:F         # every module's, then a function's
 """
 
 import importlib
+import importlib.abc
 import json
 import os
 import pkgutil
@@ -102,18 +106,43 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
+class _WithoutFairseq(importlib.abc.MetaPathFinder):
+    """Refuses ``fairseq`` and ``fairseq_cli``: ``fairseq_attnzoo``'s ``__init__`` then registers
+    nothing (its without-fairseq path) and the kernel modules import as they do anywhere."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fairseq", "fairseq_cli"):
+            raise ImportError(f"{name}: not imported where kernels are compiled (scripts/sm90.py)")
+        return None
+
+
+def _selected(argv: List[str]) -> Iterator[Tuple[str, tuple]]:
+    """``(module, spec)`` of what ``argv`` names, in its order: module names, ``--all`` (every
+    module's) and ``--spec MODULE:FUNCTION`` (a function returning specialisations, e.g. a
+    test's own: module ``"test"``); every module's when it names nothing."""
+    modules, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--spec":
+            if modules:
+                yield from specializations(modules)
+                modules = []
+            module, function = argv[i + 1].split(":")
+            yield from (("test", s) for s in getattr(importlib.import_module(module), function)())
+            i += 2
+            continue
+        modules += kernel_modules() if argv[i] == "--all" else [argv[i]]
+        i += 1
+    if modules or not argv:
+        yield from specializations(modules or None)
+
+
 def _main(argv: List[str]):
-    """In the child process: one JSON line per specialisation of the modules named (all if
-    none), or of ``--spec MODULE:FUNCTION`` (a function returning specialisations, e.g. a test's
-    own)."""
+    """In the child process: one JSON line per specialisation that ``argv`` names
+    (:func:`_selected`)."""
     assert os.environ.get("TRITON_INTERPRET", "0") in ("0", ""), "compile in a plain process"
     sys.path[:0] = [REPO, TESTS]
-    if argv[:1] == ["--spec"]:
-        module, function = argv[1].split(":")
-        specs = (("test", s) for s in getattr(importlib.import_module(module), function)())
-    else:
-        specs = specializations(argv or None)
-    for module, (label, kernel, signature, constexprs, num_warps) in specs:
+    sys.meta_path.insert(0, _WithoutFairseq())
+    for module, (label, kernel, signature, constexprs, num_warps) in _selected(argv):
         compiled = compile_sm90(kernel, signature, constexprs, num_warps)
         print(json.dumps(dict(module=module, label=label, warps=num_warps,
                               **disassemble(compiled.asm["cubin"])[0])), flush=True)

@@ -11,21 +11,32 @@ import pytest
 from scripts import sm90
 from fairseq_attnzoo.modules.pkm_triton import HAS_TRITON
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON or os.environ.get("ATTNZOO_TEST_DEVICE", "cpu")
-                                != "cpu", reason="compiled on the CPU, where Triton is installed")
+pytestmark = [pytest.mark.skipif(not HAS_TRITON or os.environ.get("ATTNZOO_TEST_DEVICE", "cpu")
+                                 != "cpu", reason="compiled on the CPU, where Triton is installed"),
+              pytest.mark.xdist_group("sm90")]  # (one worker: the compiles below, once)
+
+#: the kernels below made to spill, compiled with the shipped ones
+MADE_TO_SPILL = ["test_sm90_spills:hoarding_kernel_specializations",
+                 "test_sm90_spills:float32_search_specializations"]
 
 
-@pytest.fixture(autouse=True)
-def _cuobjdump():
+@pytest.fixture(scope="module")
+def compiled():
+    """Every module's specialisations, then MADE_TO_SPILL's, compiled in ONE child process (its
+    imports paid once): ``(shipped rows, {label: row} of the others)``."""
     if not os.path.exists(sm90.tool("cuobjdump")):
         pytest.skip("Triton ships no cuobjdump here: the compiled code cannot be read")
+    rows = sm90.report(["--all"] + [a for spec in MADE_TO_SPILL for a in ("--spec", spec)])
+    made = {r["label"]: r for r in rows if r["module"] == "test"}
+    assert len(made) == len(MADE_TO_SPILL), made
+    return [r for r in rows if r["module"] != "test"], made
 
 
-def test_no_kernel_spills_registers_on_sm90():
+def test_no_kernel_spills_registers_on_sm90(compiled):
     """The value kernels (read; rows and blocks backward, dense and sparse, each gradient alone;
     the launch sweep's launches) and the AOP kernels in every dtype the layers run, and whatever
     else a module lists: none has a stack frame or a local load or store."""
-    rows = sm90.report()
+    rows = compiled[0]
     print(sm90.table(rows))
     assert {"pkm_triton", "aop_triton"} <= {r["module"] for r in rows}
     assert not any(sm90.spills(r) for r in rows), sm90.table(rows)
@@ -50,10 +61,10 @@ def hoarding_kernel_specializations():
                                COLS="constexpr"), dict(ROWS=128, COLS=64), 1
 
 
-def test_spill_check_fails_on_a_kernel_that_spills():
+def test_spill_check_fails_on_a_kernel_that_spills(compiled):
     """The check can fail: a kernel whose tile cannot fit the registers is reported with a stack
     and local loads/stores (the check before read cuobjdump's ``LOCAL`` column, 0 for spills)."""
-    [row] = sm90.report(["--spec", "test_sm90_spills:hoarding_kernel_specializations"])
+    row = compiled[1]["hoard"]
     assert sm90.spills(row) and row["stack"] > 0 and row["local ops"] > 0, row
 
 
@@ -66,7 +77,7 @@ def float32_search_specializations():
     yield next(pkm_search_triton.sm90_specializations(dtypes=(torch.float32,)))
 
 
-def test_spill_check_fails_on_the_float32_search_that_auto_does_not_ship():
+def test_spill_check_fails_on_the_float32_search_that_auto_does_not_ship(compiled):
     """The check fails on a real kernel: the fused search's forward on float32 inputs (tl.dot in
     IEEE float32) spills on sm_90 -- which is why ``auto`` keeps float32 searches on the PyTorch
     path (``pkm_search_triton.FP32_PRECISION`` is None) and ships only bf16/fp16."""
@@ -75,5 +86,5 @@ def test_spill_check_fails_on_the_float32_search_that_auto_does_not_ship():
     from fairseq_attnzoo.modules import pkm_search_triton
 
     assert torch.float32 not in pkm_search_triton.shipped_dtypes()
-    [row] = sm90.report(["--spec", "test_sm90_spills:float32_search_specializations"])
-    assert row["label"] == "search fp32" and sm90.spills(row), row
+    row = compiled[1]["search fp32"]
+    assert sm90.spills(row), row
