@@ -5,10 +5,11 @@ first line, ``from fairseq_cli.train import cli_main``, imports the whole ``fair
 and about 1 s more where it builds its first optimizer (``torch.optim`` imports ``torch._dynamo``
 then). The server of a program -- a console script, a script's path, or ``-m MODULE`` -- runs it
 once as a module, which does its imports and nothing else (its main is under ``if __name__ ==
-"__main__"``), imports ``torch._dynamo`` and any modules it is asked to preload, then listens on
-a Unix socket and runs each command in a child forked from that state, so each command still has
-its own process: its argv, environment (and PYTHONPATH on its ``sys.path``), working directory,
-and the standard input, output and error of whoever asked (their file descriptors travel with the
+"__main__"``; ``-c``, for ``python -c CODE``, has no module: its code comes with each command),
+imports ``torch._dynamo`` and any modules it is asked to preload, then listens on a Unix socket
+and runs each command in a child forked from that state, so each command still has its own
+process: its argv, environment (and PYTHONPATH on its ``sys.path``), working directory, and the
+standard input, output and error of whoever asked (their file descriptors travel with the
 request), buffered as a fresh interpreter would buffer them. The child runs the program as
 ``__main__`` and ends as the interpreter ends a script: an uncaught exception goes to
 ``sys.excepthook``, atexit handlers run, the exit code is ``sys.exit``'s.
@@ -23,6 +24,7 @@ test_console_server.py checks a command and a shim against the real script.
 """
 
 import atexit
+import builtins
 import hashlib
 import importlib
 import json
@@ -67,8 +69,9 @@ class ConsoleServer:
 
     def socket(self, program, preload=(), cwd=None) -> str:
         """The socket of ``program``'s server (started if it is not running): a console script
-        of this Python's bin folder, a script's absolute path, or ``-m MODULE`` (what ``python -m
-        MODULE`` runs in ``cwd``), its server importing the modules of ``preload`` too."""
+        of this Python's bin folder, a script's absolute path, ``-m MODULE`` (what ``python -m
+        MODULE`` runs in ``cwd``) or ``-c`` (``python -c CODE``: the code is the command's first
+        argument), its server importing the modules of ``preload`` too."""
         return self._start([program], preload, cwd)[0]
 
     def _start(self, programs, preload=(), cwd=None):
@@ -81,7 +84,7 @@ class ConsoleServer:
             paths.append("\0" + name)
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
-                target = (program if program.startswith("-m ") or os.path.isabs(program) else
+                target = (program if program.startswith("-") or os.path.isabs(program) else
                           os.path.join(BIN, program))
                 proc = self.procs[name] = subprocess.Popen(
                     [sys.executable, __file__, target, name, *preload], stdin=subprocess.PIPE,
@@ -113,7 +116,8 @@ class ConsoleServer:
 
     def run(self, program, argv, env, cwd, merge=False, timeout=300, preload=()):
         """Run ``program`` (a console script of this Python's bin folder, a script's absolute
-        path, or ``-m MODULE``) with ``argv``: (exit code, stdout, stderr); with ``merge`` stderr
+        path, ``-m MODULE``, or ``-c`` with the code first in ``argv``) with ``argv``: (exit code,
+        stdout, stderr); with ``merge`` stderr
         goes to stdout (and the third item is empty). ``preload``: modules its server imports
         besides the program's own."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
@@ -165,7 +169,12 @@ def _exit_code(code) -> int:
 
 def _script(target, argv) -> int:
     try:
-        if target.startswith("-m "):
+        if target == "-c":  # as `python -c CODE ARGS...`: a fresh __main__, argv[0] "-c"
+            sys.argv = ["-c", *argv[1:]]
+            main = sys.modules["__main__"] = type(sys)("__main__")
+            main.__builtins__ = builtins
+            exec(compile(argv[0], "<string>", "exec"), main.__dict__)
+        elif target.startswith("-m "):
             sys.argv = [target, *argv]  # (runpy puts the module's file first)
             runpy.run_module(target[3:], run_name="__main__", alter_sys=True)
         else:
@@ -213,7 +222,9 @@ def _child(target, request, fds):
 
 
 def _serve(target, name, *preload):
-    if target.startswith("-m "):  # the module's imports (its main is under __name__ == ...)
+    if target == "-c":  # code comes with each command; sys.path[0] as `python -c` puts it
+        sys.path[0] = ""
+    elif target.startswith("-m "):  # the module's imports (its main is under __name__ == ...)
         sys.path[0] = os.getcwd()
         runpy.run_module(target[3:], run_name="__console_server__")
     else:  # the script's imports

@@ -3,7 +3,7 @@
 * every entry of the table is applied on the pinned stack and changes what it says it changes;
 * an entry whose target is not the version it was written for is skipped with a warning and leaves
   the target alone; ``ATTNZOO_COMPAT_DISABLE=NAME`` / ``=all`` leave the targets unchanged (these
-  run in a fresh interpreter, since patches are applied once per process);
+  run in a process of their own, since patches are applied once per process);
 * one undo contract: every row returns its undo or NOTHING_CHANGED (shown as ``unchanged``);
   ``fix()`` patches properties and environment variables; ``undo_all()`` gives back ``os.environ``
   and leaves torch's op registry as it was (importing and enabling register no op either);
@@ -16,13 +16,13 @@ The bounded-parameter projection (``modules/constrained.py``): tests/test_constr
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import fairseq_attnzoo
+from console_server import SERVERS
 from fairseq_attnzoo import compat
 from fairseq_attnzoo.messages.errors import ZooConfigError
 from preptest_util import REPO
@@ -31,10 +31,12 @@ from preptest_util import REPO
 fairseq_attnzoo.enable()  # this process uses the plugin with fairseq (the table applied)
 
 
-def _python(code: str, argv=(), **env) -> dict:
-    """Run ``code`` in a fresh interpreter (this checkout first on the path; ``argv`` its
-    arguments); it prints one JSON object on its last line, returned here."""
-    return _python_env(code, dict(_environ(), **env), argv)
+def _python(code: str, argv=(), preload=("fairseq",), **env) -> dict:
+    """Run ``code`` as ``python -c`` runs it (this checkout first on the path; ``argv`` its
+    arguments); it prints one JSON object on its last line, returned here. Its process is forked
+    from one that imported torch and ``preload`` (tests/console_server.py: those imports paid
+    once; nothing of ours is imported there)."""
+    return _python_env(code, dict(_environ(), **env), argv, preload)
 
 
 def _environ() -> dict:
@@ -42,13 +44,13 @@ def _environ() -> dict:
     return {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
 
 
-def _python_env(code: str, env: dict, argv=()) -> dict:
+def _python_env(code: str, env: dict, argv=(), preload=("fairseq",)) -> dict:
     """:func:`_python` with exactly the environment ``env`` (and this checkout on the path)."""
     env = dict(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {"stderr": out.stderr, **json.loads(out.stdout.strip().splitlines()[-1])}
+    code_, stdout, stderr = SERVERS.run("-c", [code, *argv], env=env, cwd=REPO, timeout=120,
+                                        preload=preload)
+    assert code_ == 0, stderr[-3000:]
+    return {"stderr": stderr, **json.loads(stdout.strip().splitlines()[-1])}
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -448,7 +450,7 @@ print(json.dumps({
                    and not m.startswith("fairseq_attnzoo.modules")),
 }))
 """
-    got = _python(code)
+    got = _python(code, preload=())  # (fairseq not imported: as a plain PyTorch script)
     assert {"__init__", "attention", "constrained", "precision"} <= set(got["imported"])
     assert got["hooks"] == 0 and not got["namespace_allowed"]
     assert not got["np_compat"] and got["excepthook"]

@@ -56,3 +56,24 @@ def test_a_shim_runs_the_command_with_the_callers_streams_and_exit_code(tmp_path
         assert (shim.returncode, shim.stdout) == (real.returncode, real.stdout)
         assert shim.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:]
     assert real.returncode == 1 and real.stderr.splitlines()[-1] == "RuntimeError"
+
+
+def test_python_c_runs_as_in_its_own_interpreter(tmp_path):
+    """``-c`` (test_compat_table's and test_plain_torch's scenarios): the code sees what ``python
+    -c CODE ARGS`` gives it -- argv, ``sys.path[0]``, ``__name__``, the working directory, the
+    environment -- and an uncaught error ends it as there (the traceback's last line, exit 1)."""
+    import sys
+
+    code = ("import json, os, sys\n"
+            "print(json.dumps([sys.argv, sys.path[0], __name__, os.getcwd(),\n"
+            "                  os.environ.get('ZOO_PROBE')]))\n"
+            "if sys.argv[1:] == ['fail']:\n"
+            "    raise ValueError('from the code')\n")
+    env = dict(os.environ, ZOO_PROBE="seen")
+    for argv in (["a", "b"], ["fail"]):
+        real = subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        got = SERVERS.run("-c", [code, *argv], env=env, cwd=tmp_path, timeout=60)
+        assert got[:2] == (real.returncode, real.stdout), (got, real)
+        assert got[2].splitlines()[-1:] == real.stderr.splitlines()[-1:], (got, real)
+    assert real.returncode == 1 and real.stderr.splitlines()[-1] == "ValueError: from the code"

@@ -14,16 +14,17 @@
 * spans are projected by the optimizer the user attaches (:func:`attach_projection`) or by the
   model after each update of fairseq's trainer, never by a hook on every optimizer.
 
-Each scenario runs in a fresh interpreter (the table is applied once per process).
+Each scenario runs in a process of its own, as ``python -c`` (the table is applied once per
+process), forked from one that imported torch, and fairseq where the scenario has it
+(tests/console_server.py).
 """
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from console_server import SERVERS
 from preptest_util import REPO
 from test_compat_table import CONSOLE_ONLY
 
@@ -116,18 +117,20 @@ result = dict(_global_state(), imported=imported, trained=trained,
 '''
 
 
-def _python(code: str, **env) -> dict:
-    """Run ``code`` in a fresh interpreter with this checkout first on the path; it leaves a dict
-    in ``result``, returned here."""
+def _python(code: str, preload=("fairseq",), **env) -> dict:
+    """Run ``code`` as ``python -c`` runs it, with this checkout first on the path; it leaves a
+    dict in ``result``, returned here. Its process is forked from one that imported torch and
+    ``preload`` (tests/console_server.py: those imports paid once; nothing of ours is imported
+    there): a code that blocks fairseq passes ``preload=()``."""
     full = {k: v for k, v in os.environ.items() if k != "ATTNZOO_COMPAT_DISABLE"}
     full.update(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1")
     code += "\nprint('RESULT ' + json.dumps(result))\n"
-    out = subprocess.run([sys.executable, "-c", code], env=full, cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return {"stderr": out.stderr, **json.loads(line[len("RESULT "):])}
+    returncode, stdout, stderr = SERVERS.run("-c", [code], env=full, cwd=REPO, timeout=300,
+                                             preload=preload)
+    assert returncode == 0, stderr[-3000:]
+    line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return {"stderr": stderr, **json.loads(line[len("RESULT "):])}
 
 
 UNCHANGED = {"optimizer_hooks": 0, "module_hooks": 0, "namespace_allowed": False,
@@ -141,7 +144,7 @@ def _unchanged(got):
 
 def test_modules_import_and_train_without_fairseq():
     got = _python(BLOCK_FAIRSEQ + BEFORE + "import fairseq_attnzoo\n" + TRAIN + REPORT
-                  + "result['registered'] = hasattr(fairseq_attnzoo, 'models')\n")
+                  + "result['registered'] = hasattr(fairseq_attnzoo, 'models')\n", preload=())
     assert {"pkm", "synthesizer", "aop", "collab", "adaptive_span", "span_stack",
             "constrained", "precision", "attention"} <= set(got["imported"])
     assert got["trained"] == {name: True for name in FAMILIES}
@@ -160,7 +163,7 @@ try:
 except ImportError as e:
     result = {"error": str(e)}
 '''
-    error = _python(code)["error"]
+    error = _python(code, preload=())["error"]
     assert error.startswith("fairseq_attnzoo needs fairseq") and "fairseq-fixed==0.12.3.1" in error
     assert "\n" not in error
 
