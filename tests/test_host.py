@@ -95,16 +95,16 @@ def test_rotary_scores_depend_on_the_distance_only():
 
 
 def test_rotary_importable_without_fairseq():
-    import subprocess
-    import sys
+    from console_server import SERVERS
 
     code = ("import sys; sys.modules['fairseq'] = None\n"
             "import fairseq_attnzoo.modules.rotary, fairseq_attnzoo.modules.rmsnorm, "
             "fairseq_attnzoo.modules.swiglu")
     from preptest_util import REPO  # (this checkout, whatever the working directory)
 
-    subprocess.run([sys.executable, "-c", code], check=True,
-                   env={**os.environ, "PYTHONPATH": REPO})
+    # (as python -c, forked from a process that imported torch only: tests/console_server.py)
+    assert SERVERS.run("-c", [code], env={**os.environ, "PYTHONPATH": REPO},
+                       cwd=os.getcwd())[0] == 0
 
 
 # ---- RoPE under incremental decoding -----------------------------------------------------------

@@ -656,9 +656,6 @@ def test_ctrl_c_inside_a_callback_still_stops_the_command():
     KeyboardInterrupt traceback and the command went on training (seen once in the suite, in
     test_ctrl_c_during_training_says_where_it_resumes). In a console script it stops the command
     (row python_interrupt_in_callback)."""
-    import subprocess
-    import sys
-
     code = ("import sys, weakref\n"
             "sys.argv[0] = 'fairseq-train'\n"
             "import fairseq_attnzoo\n"
@@ -672,11 +669,12 @@ def test_ctrl_c_inside_a_callback_still_stops_the_command():
             "    print('went on')\n"
             "except KeyboardInterrupt:\n"
             "    print('stopped')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["stopped"], (proc.stdout, proc.stderr[-3000:])
-    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+    # (as python -c, forked from a process that imported fairseq: tests/console_server.py)
+    returncode, out, err = SERVERS.run("-c", [code], env=dict(os.environ, PYTHONPATH=REPO),
+                                       cwd=REPO, timeout=120, preload=("fairseq",))
+    assert returncode == 0, err[-3000:]
+    assert out.split() == ["stopped"], (out, err[-3000:])
+    assert "Exception ignored" not in err, err[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ by conftest); ``ATTNZOO_TEST_DEVICE=cuda`` runs the same tests on a GPU's compil
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from console_server import SERVERS
 from fairseq_attnzoo.modules import pkm_search_triton as S
 from fairseq_attnzoo.modules import pkm_triton
 from fairseq_attnzoo.modules.pkm import ProductKeyMemory
@@ -326,10 +325,11 @@ print(before, after_import, ours())
 def test_importing_the_memory_registers_no_op():
     """Importing the memory (and the search kernel's module) leaves torch's op registry as it
     was; the custom ops ``attnzoo::pkm_search`` and its backward are registered on first use."""
-    run = subprocess.run([sys.executable, "-c", _OPS_AFTER_IMPORT], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[0] == (
+    # (as python -c, forked from a process that imported torch: tests/console_server.py)
+    code, out, err = SERVERS.run("-c", [_OPS_AFTER_IMPORT], timeout=300, cwd=os.getcwd(),
+                                 env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert code == 0, err[-3000:]
+    assert out.split("\n")[0] == (
         "[] [] ['attnzoo::pkm_search', 'attnzoo::pkm_search_backward']")
 
 

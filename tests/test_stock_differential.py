@@ -25,11 +25,10 @@ then exactly that difference is asserted:
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from console_server import SERVERS
 from preptest_util import REPO
 
 
@@ -89,9 +88,11 @@ def run(mode, commands, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("ATTNZOO_COMPAT_DISABLE", "PYTHONPATH")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", RUNNER, mode, str(out), json.dumps(commands)],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    # (as python -c, forked from a process that imported fairseq and nothing of ours:
+    # tests/console_server.py)
+    code, _, err = SERVERS.run("-c", [RUNNER, mode, str(out), json.dumps(commands)], env=env,
+                               cwd=str(tmp_path), timeout=1500, preload=("fairseq",))
+    assert code == 0 and out.exists(), err[-3000:]
     results = json.loads(out.read_text())
     assert results[-1]["plugin_imported"] == (mode == "plugin")
     return results[:-1]

@@ -17,12 +17,11 @@ host takes what they declare, with no edit of the host:
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from console_server import SERVERS
 from preptest_util import REPO
 
 #: RoPE base each toy attention was built with (filled by the builder, in the child interpreter)
@@ -136,10 +135,11 @@ print(json.dumps(result))
 def test_toy_method_registered_outside_the_package_trains_with_rope_and_is_listed(lm_data):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
                OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", CHILD, lm_data], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # (as python -c, forked from a process that imported fairseq: tests/console_server.py)
+    code, out, err = SERVERS.run("-c", [CHILD, lm_data], env=env, cwd=REPO, timeout=300,
+                                 preload=("fairseq",))
+    assert code == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
 
     # fairseq-train --rope: 3 updates, and every layer's toy attention rotates
     assert len(got["losses"]) == 3 and all(0 < x < 100 for x in got["losses"])
