@@ -240,9 +240,12 @@ def _serve(target, name, *preload):
     print("listening", flush=True)
     running = {}  # child pid -> the connection its exit code goes to
     while True:
-        ready, _, _ = select.select([server, sys.stdin], [], [], 0.01)
+        ready, _, _ = select.select([server, sys.stdin, *running.values()], [], [], 0.01)
         if sys.stdin in ready and not sys.stdin.buffer.read1(1):
             break  # our input closed: the test process is done
+        for pid, conn in running.items():
+            if conn in ready:  # its caller hung up (a killed shim, a test's timeout): the
+                os.kill(pid, signal.SIGKILL)  # command dies with it, as its own process would
         while running:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
@@ -265,10 +268,12 @@ def _serve(target, name, *preload):
             os.close(fd)
         running[pid] = conn
         _reply(conn, pid=pid)
+    for pid in running:  # the test process is done: nothing waits for these any more
+        os.kill(pid, signal.SIGKILL)
 
 
 def _reply(conn, **message):
-    """Send ``message``; a client that is gone (a killed shim) leaves its command running."""
+    """Send ``message`` (to a client that may be gone: its command was killed)."""
     try:
         conn.sendall(json.dumps(message).encode())
         if "code" in message:

@@ -77,3 +77,41 @@ def test_python_c_runs_as_in_its_own_interpreter(tmp_path):
         assert got[:2] == (real.returncode, real.stdout), (got, real)
         assert got[2].splitlines()[-1:] == real.stderr.splitlines()[-1:], (got, real)
     assert real.returncode == 1 and real.stderr.splitlines()[-1] == "ValueError: from the code"
+
+
+def test_a_killed_shim_takes_its_command_with_it(tmp_path):
+    """SIGKILL to a shim (a test's timeout, ``proc.kill()``) ends its command as it would end the
+    command's own process: a command left running trained on for half an hour on one core after
+    a Ctrl-C test timed out."""
+    import signal
+    import time
+
+    script = tmp_path / "forever.py"
+    script.write_text("import os, sys, time\n"
+                      "if __name__ == '__main__':\n"
+                      "    open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                      "    while True:\n"
+                      "        time.sleep(0.05)\n")
+    pid_file = tmp_path / "pid"
+    shim = SERVERS.shim(str(tmp_path / "bin"), str(script))
+    proc = subprocess.Popen([shim, str(pid_file)])
+    try:
+        for _ in range(600):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        proc.kill()
+        proc.wait(timeout=10)
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the command outlived its killed shim")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
