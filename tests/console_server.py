@@ -41,11 +41,10 @@ BIN = os.path.dirname(sys.executable)
 
 #: what a shim runs: its argv, environment, folder and standard streams to the server, the exit
 #: code back; a signal it gets (Ctrl-C, a timeout's kill) goes on to the command
-SHIM = '''#!{python} -S
-import json, os, signal, socket, sys
+SHIM_CLIENT = '''
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-s.connect({path!r})
-request = dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd())
+s.connect(path)
+request = dict(argv=argv, env=dict(os.environ), cwd=os.getcwd())
 socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
 pid = json.loads(s.recv(4096))["pid"]
 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -56,6 +55,19 @@ if code < 0:
     os.kill(os.getpid(), -code)
 sys.exit(code)
 '''
+SHIM = '''#!{python} -S
+import json, os, signal, socket, sys
+path, argv = {path!r}, sys.argv[1:]
+''' + SHIM_CLIENT
+#: ``python`` for a shell or a script that runs ``python -m MODULE ARGS``: the modules it was made
+#: for run through their servers; anything else is this interpreter itself
+PYTHON_SHIM = '''#!{python} -S
+import json, os, signal, socket, sys
+sockets, argv = {sockets!r}, sys.argv[1:]
+if len(argv) < 2 or argv[0] != "-m" or argv[1] not in sockets:
+    os.execv({python!r}, [{python!r}, *argv])
+path, argv = sockets[argv[1]], argv[2:]
+''' + SHIM_CLIENT
 
 
 class ConsoleServer:
@@ -107,6 +119,18 @@ class ConsoleServer:
             with open(path, "w") as f:
                 f.write(SHIM.format(python=sys.executable, path=socket_path))
             os.chmod(path, 0o755)
+        return folder
+
+    def python_shim(self, folder, modules, cwd=None) -> str:
+        """A ``python`` in ``folder`` (put it first on PATH) that runs ``python -m MODULE ARGS``
+        through MODULE's server for each of ``modules`` (their servers started in ``cwd``, where
+        they import), and execs this interpreter for anything else. Returns ``folder``."""
+        os.makedirs(folder, exist_ok=True)
+        sockets = dict(zip(modules, self._start([f"-m {m}" for m in modules], cwd=cwd)))
+        path = os.path.join(folder, "python")
+        with open(path, "w") as f:
+            f.write(PYTHON_SHIM.format(python=sys.executable, sockets=sockets))
+        os.chmod(path, 0o755)
         return folder
 
     def shim(self, folder, program) -> str:
