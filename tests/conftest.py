@@ -163,9 +163,29 @@ def own_folder(request, tmp_path_factory, monkeypatch):
 _AT_START: dict = {}
 
 
+#: the deepest TMPDIR _own_folder makes below the run's base folder (an xdist worker's session
+#: folder; a test's own ``tNNN`` is shorter)
+DEEPEST = "/popen-gw99/session99/tmp"
+
+
 def pytest_sessionstart(session):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _check_tmpdir_length(session.config)
         _AT_START.update(_outside(whole=True))
+
+
+def _check_tmpdir_length(config):
+    """Where the run starts, before any worker: a TMPDIR too long for _own_folder stops the run
+    in one line (a worker's pytest.exit reaches xdist's controller as an INTERNALERROR naming the
+    test it was running, and the line is lost)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    deepest = str(factory.getbasetemp()) + DEEPEST
+    if len(deepest) > MAX_TMPDIR:
+        pytest.exit(f"the tests' temporary folders ({deepest}: {len(deepest)} characters) are too "
+                    f"long for multiprocessing's sockets (at most {MAX_TMPDIR}): set TMPDIR to a "
+                    f"shorter folder", returncode=4)
 
 
 def pytest_sessionfinish(session, exitstatus):
