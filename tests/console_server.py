@@ -141,9 +141,8 @@ class ConsoleServer:
     def run(self, program, argv, env, cwd, merge=False, timeout=300, preload=()):
         """Run ``program`` (a console script of this Python's bin folder, a script's absolute
         path, ``-m MODULE``, or ``-c`` with the code first in ``argv``) with ``argv``: (exit code,
-        stdout, stderr); with ``merge`` stderr
-        goes to stdout (and the third item is empty). ``preload``: modules its server imports
-        besides the program's own."""
+        stdout, stderr); with ``merge`` stderr goes to stdout (and the third item is empty).
+        ``preload``: modules its server imports besides the program's own."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
                 open(os.devnull) as stdin, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
