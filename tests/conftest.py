@@ -169,8 +169,9 @@ DEEPEST = "/popen-gw99/session99/tmp"
 
 
 def pytest_sessionstart(session):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not hasattr(session.config, "workerinput"):  # (an xdist worker has it)
         _check_tmpdir_length(session.config)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         _AT_START.update(_outside(whole=True))
 
 

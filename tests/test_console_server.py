@@ -81,8 +81,8 @@ def test_python_c_runs_as_in_its_own_interpreter(tmp_path):
 
 def test_a_killed_shim_takes_its_command_with_it(tmp_path):
     """SIGKILL to a shim (a test's timeout, ``proc.kill()``) ends its command as it would end the
-    command's own process: a command left running trained on for half an hour on one core after
-    a Ctrl-C test timed out."""
+    command's own process: a command left running trained on for about 45 minutes on one core
+    after a Ctrl-C test timed out."""
     import signal
     import time
 
