@@ -61,22 +61,31 @@ def console_hints():
     return together(hook, replace(ENV + "HYDRA_FULL_ERROR", hydra_full_error))
 
 
-def ignore_half_built_mmap_dataset():
-    """In a console script, ``sys.unraisablehook`` passes over the one error fairseq's
-    MMapIndexedDataset raises again in ``__del__`` when its ``np.memmap`` failed (an empty split:
-    "Exception ignored in ..." and a traceback after the hint's line); every other one is printed
-    as before (row ``fairseq_mmap_dataset_del``)."""
+def unraisable_handled_first(handled):
+    """In a console script, ``sys.unraisablehook`` hands each unraisable error to
+    ``handled(unraisable)`` first and passes it on to the hook before when that returns False;
+    the undo puts that hook back (the rows ``fairseq_mmap_dataset_del`` and
+    ``python_interrupt_in_callback``)."""
     if not in_console_script():
         return NOTHING_CHANGED
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, AttributeError)
-                and "_bin_buffer_mmap" in str(unraisable.exc_value)):
+        if not handled(unraisable):
             previous(unraisable)
 
     sys.unraisablehook = hook
     return lambda: setattr(sys, "unraisablehook", previous)
+
+
+def ignore_half_built_mmap_dataset():
+    """In a console script, ``sys.unraisablehook`` passes over the one error fairseq's
+    MMapIndexedDataset raises again in ``__del__`` when its ``np.memmap`` failed (an empty split:
+    "Exception ignored in ..." and a traceback after the hint's line); every other one is printed
+    as before (row ``fairseq_mmap_dataset_del``)."""
+    return unraisable_handled_first(
+        lambda unraisable: isinstance(unraisable.exc_value, AttributeError)
+        and "_bin_buffer_mmap" in str(unraisable.exc_value))
 
 
 def interrupt_again_after_callback():
@@ -88,18 +97,14 @@ def interrupt_again_after_callback():
     interrupt would be raised at once, inside this hook, and be ignored again; the thread runs
     once the main thread gives up the interpreter (at most Python's switch interval later), and
     should that be inside a callback again, this hook sends it once more."""
-    if not in_console_script():
-        return NOTHING_CHANGED
-    previous = sys.unraisablehook
 
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            _thread.start_new_thread(_thread.interrupt_main, ())
-        else:
-            previous(unraisable)
+    def interrupt_again(unraisable) -> bool:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return False
+        _thread.start_new_thread(_thread.interrupt_main, ())
+        return True
 
-    sys.unraisablehook = hook
-    return lambda: setattr(sys, "unraisablehook", previous)
+    return unraisable_handled_first(interrupt_again)
 
 
 # ---- fairseq's parsers ---------------------------------------------------------------------------
