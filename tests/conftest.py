@@ -128,10 +128,7 @@ def _own_folder(mp, folder):
     """Work in ``folder``: ``folder/cwd`` the working directory, ``folder/tmp`` the TMPDIR."""
     (folder / "cwd").mkdir()
     (folder / "tmp").mkdir()
-    if len(str(folder / "tmp")) > MAX_TMPDIR:
-        pytest.exit(f"the tests' temporary folders ({folder}) are too long for multiprocessing's "
-                    f"sockets (at most {MAX_TMPDIR} characters): set TMPDIR to a shorter folder",
-                    returncode=4)
+    _refuse_too_long(str(folder / "tmp"))
     mp.chdir(folder / "cwd")
     mp.setenv("TMPDIR", str(folder / "tmp"))
     mp.setattr(tempfile, "tempdir", str(folder / "tmp"))
@@ -168,10 +165,15 @@ _AT_START: dict = {}
 DEEPEST = "/popen-gw99/session99/tmp"
 
 
+def _where_the_run_started(config) -> bool:
+    """The xdist controller, or the only process (an xdist worker's config has ``workerinput``;
+    unlike the PYTEST_XDIST_WORKER variable, a pytest that a test starts does not inherit it)."""
+    return not hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):  # (an xdist worker has it)
+    if _where_the_run_started(session.config):
         _check_tmpdir_length(session.config)
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
         _AT_START.update(_outside(whole=True))
 
 
@@ -180,11 +182,15 @@ def _check_tmpdir_length(config):
     in one line (a worker's pytest.exit reaches xdist's controller as an INTERNALERROR naming the
     test it was running, and the line is lost)."""
     factory = getattr(config, "_tmp_path_factory", None)
-    if factory is None:
-        return
-    deepest = str(factory.getbasetemp()) + DEEPEST
-    if len(deepest) > MAX_TMPDIR:
-        pytest.exit(f"the tests' temporary folders ({deepest}: {len(deepest)} characters) are too "
+    if factory is not None:
+        _refuse_too_long(str(factory.getbasetemp()) + DEEPEST)
+
+
+def _refuse_too_long(tmpdir: str):
+    """Stop the run in one line when ``tmpdir`` (a test's TMPDIR) is too long for
+    multiprocessing's sockets."""
+    if len(tmpdir) > MAX_TMPDIR:
+        pytest.exit(f"the tests' temporary folders ({tmpdir}: {len(tmpdir)} characters) are too "
                     f"long for multiprocessing's sockets (at most {MAX_TMPDIR}): set TMPDIR to a "
                     f"shorter folder", returncode=4)
 
@@ -193,7 +199,7 @@ def pytest_sessionfinish(session, exitstatus):
     """The whole run (module and session fixtures too) left the watched folders as it found
     them, the folders git ignores included; checked once, where the run started (the xdist
     controller, or the only process)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") or not _AT_START:
+    if not _where_the_run_started(session.config) or not _AT_START:
         return
     written = _written(_AT_START, _outside(whole=True))
     if written:
