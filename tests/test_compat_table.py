@@ -44,10 +44,10 @@ def _environ() -> dict:
     return {k: v for k, v in os.environ.items() if k != compat.ENV_DISABLE}
 
 
-def _python_env(code: str, env: dict, argv=(), preload=("fairseq",)) -> dict:
+def _python_env(code: str, env: dict, argv=(), preload=("fairseq",), timeout=120) -> dict:
     """:func:`_python` with exactly the environment ``env`` (and this checkout on the path)."""
     env = dict(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    code_, stdout, stderr = SERVERS.run("-c", [code, *argv], env=env, cwd=REPO, timeout=120,
+    code_, stdout, stderr = SERVERS.run("-c", [code, *argv], env=env, cwd=REPO, timeout=timeout,
                                         preload=preload)
     assert code_ == 0, stderr[-3000:]
     return {"stderr": stderr, **json.loads(stdout.strip().splitlines()[-1])}

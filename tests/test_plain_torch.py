@@ -19,14 +19,12 @@ process), forked from one that imported torch, and fairseq where the scenario ha
 (tests/console_server.py).
 """
 
-import json
 import os
 
 import pytest
 
-from console_server import SERVERS
 from preptest_util import REPO
-from test_compat_table import CONSOLE_ONLY
+from test_compat_table import CONSOLE_ONLY, _environ, _python_env
 
 
 #: blocks ``import fairseq`` (and fairseq_cli) in this interpreter, as if it were not installed
@@ -118,19 +116,11 @@ result = dict(_global_state(), imported=imported, trained=trained,
 
 
 def _python(code: str, preload=("fairseq",), **env) -> dict:
-    """Run ``code`` as ``python -c`` runs it, with this checkout first on the path; it leaves a
-    dict in ``result``, returned here. Its process is forked from one that imported torch and
-    ``preload`` (tests/console_server.py: those imports paid once; nothing of ours is imported
-    there): a code that blocks fairseq passes ``preload=()``."""
-    full = {k: v for k, v in os.environ.items() if k != "ATTNZOO_COMPAT_DISABLE"}
-    full.update(env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1")
-    code += "\nprint('RESULT ' + json.dumps(result))\n"
-    returncode, stdout, stderr = SERVERS.run("-c", [code], env=full, cwd=REPO, timeout=300,
-                                             preload=preload)
-    assert returncode == 0, stderr[-3000:]
-    line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return {"stderr": stderr, **json.loads(line[len("RESULT "):])}
+    """Run ``code`` as ``python -c`` runs it (test_compat_table's ``_python_env``: forked from a
+    process that imported torch and ``preload``, never our package); it leaves a dict in
+    ``result``, returned here. A code that blocks fairseq passes ``preload=()``."""
+    return _python_env(code + "\nprint(json.dumps(result))\n",
+                       dict(_environ(), OMP_NUM_THREADS="1", **env), preload=preload, timeout=300)
 
 
 UNCHANGED = {"optimizer_hooks": 0, "module_hooks": 0, "namespace_allowed": False,
