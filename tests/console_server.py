@@ -6,14 +6,20 @@ and about 1 s more where it builds its first optimizer (``torch.optim`` imports 
 then). The server of a program -- a console script, a script's path, or ``-m MODULE`` -- runs it
 once as a module, which does its imports and nothing else (its main is under ``if __name__ ==
 "__main__"``; ``-c``, for ``python -c CODE``, has no module: its code comes with each command),
-imports ``torch._dynamo`` and any modules it is asked to preload, then listens on a Unix socket
-and runs each command in a child forked from that state, so each command still has its own
-process: its argv, environment (and PYTHONPATH on its ``sys.path``), working directory, and the
-standard input, output and error of whoever asked (their file descriptors travel with the
-request), buffered as a fresh interpreter would buffer them. The child runs the program as
-``__main__`` and ends as the interpreter ends a script: an uncaught exception goes to
-``sys.excepthook``, atexit handlers run, the exit code is ``sys.exit``'s.
-test_console_server.py checks a command and a shim against the real script.
+imports any modules it is asked to preload, then listens on a Unix socket and runs each command
+in a child forked from that state, so each command still has its own process: its argv,
+environment (and PYTHONPATH on its ``sys.path``), working directory, and the standard input,
+output and error of whoever asked (their file descriptors travel with the request), buffered as
+a fresh interpreter would buffer them. The child runs the program as ``__main__`` and ends as the
+interpreter ends a script: an uncaught exception goes to ``sys.excepthook``, atexit handlers run,
+the exit code is ``sys.exit``'s. test_console_server.py checks a command and a shim against the
+real script.
+
+The servers are forked in turn from a base process, which did the imports they share once: torch,
+``torch._dynamo`` and fairseq -- every program here imports fairseq (the ``fairseq-*`` scripts
+on their first line, ours through ``fairseq_attnzoo``) -- or, for ``-c`` without ``"fairseq"``
+in its preload (a scenario that blocks fairseq's import), torch and ``torch._dynamo`` only. A
+server's start then costs what its program imports besides (a fresh server paid 3-6 s).
 
     # SERVERS: this test process's (a program's server starts on its first use)
     code, out, err = SERVERS.run("fairseq-train", argv, env=..., cwd=..., merge=False)
@@ -75,7 +81,8 @@ class ConsoleServer:
         """``env``: the servers' own environment (default: this process's); each command still
         runs with the environment it is given."""
         self.env = env
-        self.procs = {}  # socket name -> its server
+        self.base = None  # the process the servers are forked from
+        self.servers = {}  # socket name -> its server's pid
         # abstract socket names (Linux, "\0" in front): nothing on disk to clean up or leave
         self.prefix = f"attnzoo-console-{os.getpid()}-{id(self)}-"
 
@@ -86,6 +93,19 @@ class ConsoleServer:
         argument), its server importing the modules of ``preload`` too."""
         return self._start([program], preload, cwd)[0]
 
+    def _base(self) -> str:
+        """The socket of the base process (started if it is not running), which forks the
+        servers."""
+        name = self.prefix + "base"
+        if self.base is None or self.base.poll() is not None:
+            self.base = subprocess.Popen([sys.executable, __file__, "--base", name],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, env=self.env)
+            atexit.register(_stop, self.base)
+            assert self.base.stdout.readline().strip() == "listening", \
+                "the console servers' base process did not start"
+        return "\0" + name
+
     def _start(self, programs, preload=(), cwd=None):
         """Start the servers of ``programs`` that are not running (at once: each does its
         imports), wait until they listen; their sockets."""
@@ -94,18 +114,20 @@ class ConsoleServer:
             key = " ".join([program, *preload])
             name = self.prefix + hashlib.sha1(key.encode()).hexdigest()[:12]  # (108 bytes at most)
             paths.append("\0" + name)
-            proc = self.procs.get(name)
-            if proc is None or proc.poll() is not None:
+            if not _alive(self.servers.get(name)):
                 target = (program if program.startswith("-") or os.path.isabs(program) else
                           os.path.join(BIN, program))
-                proc = self.procs[name] = subprocess.Popen(
-                    [sys.executable, __file__, target, name, *preload], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True, env=self.env, cwd=cwd)
-                atexit.register(_stop, proc)
-                started.append((program, proc))
-        for program, proc in started:
-            assert proc.stdout.readline().strip() == "listening", \
-                f"the console server of {program} did not start"
+                base = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                base.connect(self._base())
+                base.sendall(json.dumps(dict(target=target, name=name, preload=list(preload),
+                                             cwd=str(cwd or os.getcwd()),
+                                             env=dict(self.env or os.environ))).encode())
+                started.append((program, name, base))
+        for program, name, base in started:
+            with base:
+                reply = base.recv(4096)
+            assert reply, f"the console server of {program} did not start"
+            self.servers[name] = json.loads(reply)["pid"]
         return paths
 
     def shims(self, folder, programs) -> str:
@@ -244,7 +266,75 @@ def _child(target, request, fds):
     os._exit(code)
 
 
-def _serve(target, name, *preload):
+def _alive(pid) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+#: what the base process imports for every server: torch with ``torch._dynamo`` (what an optimizer
+#: imports) and the two libraries of fairseq's import that take longest (fairseq/criterions/
+#: sentence_prediction.py's sklearn.metrics and scipy.stats) -- neither configures logging, unlike
+#: fairseq's own modules (whose ``logging.basicConfig`` calls must come after a script's own)
+BASE_IMPORTS = ("torch._dynamo", "sklearn.metrics", "scipy.stats")
+
+
+def _base(name):
+    """The base process: :data:`BASE_IMPORTS` done once; each request (a server's target,
+    socket name, preload, folder and environment) forks a server (:func:`_serve`), which
+    answers the request with its pid once it listens. Ends with its input, as its servers do."""
+    import logging
+
+    for module in BASE_IMPORTS:
+        importlib.import_module(module)
+    assert not logging.root.handlers and logging.root.level == logging.WARNING, \
+        "an import of the console servers' base configured logging: a command's log would not " \
+        "be its own process's"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a test run: the commands' business
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    print("listening", flush=True)
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.5)
+        if sys.stdin in ready and not sys.stdin.buffer.read1(1):
+            break
+        while True:  # (servers end with the input they share with this process)
+            try:
+                if not os.waitpid(-1, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                break
+        if listener in ready:
+            conn, _ = listener.accept()
+            request = json.loads(conn.recv(1 << 20))
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                try:
+                    _serve(conn=conn, **request)
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                os._exit(70)
+            conn.close()
+
+
+def _serve(target, name, preload, cwd, env, conn):
+    """A server (in a child of :func:`_base`): ``target``'s imports and ``preload``'s in
+    ``cwd`` and ``env``, as its own interpreter would do them; its pid to ``conn`` once it
+    listens; then a child forked for each command."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [p for p in extra if p not in sys.path]
     if target == "-c":  # code comes with each command; sys.path[0] as `python -c` puts it
         sys.path[0] = ""
     elif target.startswith("-m "):  # the module's imports (its main is under __name__ == ...)
@@ -253,17 +343,25 @@ def _serve(target, name, *preload):
     else:  # the script's imports
         sys.path[0] = os.path.dirname(target)  # as when the script itself is run, not this file
         runpy.run_path(target, run_name="__console_server__")
-    for module in ("torch._dynamo", *preload):  # (torch._dynamo: what an optimizer imports)
+    for module in preload:
         importlib.import_module(module)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a test run: the commands' business
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind("\0" + name)
     server.listen(64)
-    print("listening", flush=True)
+    conn.sendall(json.dumps({"pid": os.getpid()}).encode())  # (listening)
+    conn.close()
     running = {}  # child pid -> the connection its exit code goes to
+    # a command's end wakes the select below (SIGCHLD writes to `wake`): idle, a server sleeps
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(woken)
     while True:
-        ready, _, _ = select.select([server, sys.stdin, *running.values()], [], [], 0.01)
+        ready, _, _ = select.select([server, sys.stdin, wake, *running.values()], [], [])
+        if wake in ready:
+            os.read(wake, 4096)
         if sys.stdin in ready and not sys.stdin.buffer.read1(1):
             break  # our input closed: the test process is done
         for pid, conn in running.items():
@@ -284,8 +382,12 @@ def _serve(target, name, *preload):
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for s in (server, conn, *running.values()):
                 s.close()
+            for fd in (wake, woken):
+                os.close(fd)
             _child(target, request, fds)
         for fd in fds:
             os.close(fd)
@@ -306,4 +408,4 @@ def _reply(conn, **message):
 
 
 if __name__ == "__main__":
-    _serve(*sys.argv[1:])
+    _base(sys.argv[2])  # (--base NAME)
