@@ -6,6 +6,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # must be set before Triton is imported. ATTNZOO_TEST_DEVICE=cuda runs the compiled kernels.
 if os.environ.get("ATTNZOO_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # (the kernel tests say so: they need Triton)
+        pass
+    else:  # the interpreter without its repeated work (tests/interpreter_testlib.py)
+        from interpreter_testlib import patch_once_a_launch
+
+        patch_once_a_launch()
 
 import tempfile  # noqa: E402
 
