@@ -7,7 +7,7 @@ float32 (modules/pkm_search.py, ``_ProductTopk`` and the fused kernel of pkm_sea
   two references' half-precision formulations computed here (Memory+'s bf16 scores, XLM's fp16
   scores); the backward; what "the model's dtype" is (a cast model, autocast, fp32); incremental
   decoding == the full pass for every memory arch in half precision, on both search paths.
-* ``batch_invariant``: a token searched alone and inside a batch of 1,000 gets the same slots and
+* ``batch_invariant``: a token searched alone and inside a batch of 200 gets the same slots and
   bit-equal weights: on the fused kernel (Triton's interpreter here) in every dtype; on the
   PyTorch path wherever the score GEMM is (the stages after it work row by row).
 
@@ -214,13 +214,15 @@ def test_half_search_dtype_flag_reaches_the_memory_and_a_bad_value_is_one_line(l
 
 # ---- (b) batch invariance -----------------------------------------------------------------------
 
-#: a batch of 1,000 tokens and the positions searched alone (in the fused kernel's blocks of
-#: BLOCK_N tokens: first, inside, at the first block's end, in the ragged last block)
-BATCH, ALONE = 1000, (0, 537, pkm_search_triton.BLOCK_N - 1, 999)
+#: a batch of 200 tokens and the positions searched alone (in the fused kernel's blocks of
+#: BLOCK_N = 64 tokens, the last of 8: first, inside the third, at the first block's end, in the
+#: ragged last block)
+BATCH = 3 * pkm_search_triton.BLOCK_N + 8
+ALONE = (0, 2 * pkm_search_triton.BLOCK_N + 9, pkm_search_triton.BLOCK_N - 1, BATCH - 1)
 
 
 def _search_inputs(dtype, exact=False, heads=2, n_keys=32, k_dim=32):
-    """Queries [H, 1000, k_dim] (a view of [N, H, k_dim], as the layer hands them over) and
+    """Queries [H, BATCH, k_dim] (a view of [N, H, k_dim], as the layer hands them over) and
     sub-keys [H, 2, n_keys, k_dim/2] in ``dtype``. ``exact``: values k/128 with |k| <= 127
     (exact in bf16 and fp16), so that every product and every sum of the score GEMM is exact
     in float32, whatever the order of the sum."""
@@ -250,7 +252,7 @@ def _torch_search(query, keys, knn):  # the layer's PyTorch path (lookup), token
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_batch_invariant_fused_search(dtype):
     """The fused search reduces each token's scores in a fixed order (its blocks of sub-keys,
-    the dims of a tl.dot step), so a token searched alone and inside a batch of 1,000 gets the
+    the dims of a tl.dot step), so a token searched alone and inside a batch of 200 gets the
     same slots and bit-equal weights, in every input dtype."""
     q, keys = _search_inputs(dtype)
     for (w, s), (w1, s1) in _alone_and_in_batch(pkm_search_triton.search, q, keys, 4):
