@@ -44,6 +44,8 @@ import sys
 import tempfile
 
 BIN = os.path.dirname(sys.executable)
+#: ``python -m torch.distributed.run`` (torchrun) as a program of :meth:`ConsoleServer.run`
+TORCHRUN = "-m torch.distributed.run"
 
 #: what a shim runs: its argv, environment, folder and standard streams to the server, the exit
 #: code back; a signal it gets (Ctrl-C, a timeout's kill) goes on to the command

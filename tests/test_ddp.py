@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from console_server import SERVERS
+from console_server import SERVERS, TORCHRUN
 from test_stock_differential import LM_FAMILIES
 from zoo_testlib import wirings, zoo_archs
 
@@ -35,10 +35,9 @@ def _run(mode, out, mt_data, lm_data, archs=ARCHS, extra=(), world=2):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if mode == "ddp":
         shim = SERVERS.shim(os.path.join(os.path.dirname(out), "bin"), RUNNER)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node", str(world), "--no-python", shim, *argv],
-                              env=env, capture_output=True, text=True, timeout=1500)
-        code, err = proc.returncode, proc.stderr
+        code, _, err = SERVERS.run(TORCHRUN, ["--standalone", "--nproc_per_node", str(world),
+                                              "--no-python", shim, *argv],
+                                   env=env, cwd=os.getcwd(), timeout=1500)
     else:
         code, _, err = SERVERS.run(RUNNER, argv, env=env, cwd=os.getcwd(), timeout=1500)
     assert code == 0 and os.path.exists(out), err[-4000:]
@@ -161,17 +160,15 @@ def test_stock_lm_resumes_on_two_processes_from_rank_0s_copy(lm_data, console_sh
     ranks = tmp_path / "rank.sh"  # (fairseq takes a process's rank from its flags)
     ranks.write_text('#!/bin/bash\nexec "$@" --distributed-rank "$RANK" --device-id "$LOCAL_RANK"\n')
     for off in ("", "fairseq_resume_broadcast"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "2", "--no-python", "bash", str(ranks)] + train + [
-            "--distributed-backend", "gloo", "--distributed-init-method", "env://",
-            "--distributed-no-spawn", "--distributed-world-size", "2", "--ddp-backend",
-            "legacy_ddp", "--max-update", "4", "--save-dir", str(tmp_path / f"two{off}"),
-            "--restore-file", str(tmp_path / "one" / "checkpoint_last.pt")]
-        run = subprocess.run(cmd, env=dict(env, ATTNZOO_COMPAT_DISABLE=off), capture_output=True,
-                             text=True, timeout=300)
-        log = run.stdout + run.stderr
+        argv = ["--standalone", "--nproc_per_node", "2", "--no-python", "bash", str(ranks)] + \
+            train + ["--distributed-backend", "gloo", "--distributed-init-method", "env://",
+                     "--distributed-no-spawn", "--distributed-world-size", "2", "--ddp-backend",
+                     "legacy_ddp", "--max-update", "4", "--save-dir", str(tmp_path / f"two{off}"),
+                     "--restore-file", str(tmp_path / "one" / "checkpoint_last.pt")]
+        code, log, _ = SERVERS.run(TORCHRUN, argv, env=dict(env, ATTNZOO_COMPAT_DISABLE=off),
+                                   cwd=tmp_path, merge=True, timeout=300)
         if off:
-            assert run.returncode != 0 and "Weights only load failed" in log, log[-3000:]
+            assert code != 0 and "Weights only load failed" in log, log[-3000:]
         else:
-            assert run.returncode == 0, log[-3000:]
+            assert code == 0, log[-3000:]
             assert "Loaded checkpoint" in log and "num_updates 4" in log, log[-3000:]

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from console_server import SERVERS
+from console_server import SERVERS, TORCHRUN
 from zoo_testlib import REPO, USER_DIR, LogCapture, quiet, run_cli
 
 TINY_MT = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
@@ -768,25 +768,22 @@ def test_under_torchrun_a_rank_that_lost_its_peer_says_one_line(mt_data, tmp_pat
     """One rank's error on 2 gloo processes: the other rank, waiting in a collective, printed
     gloo's 'Connection closed by peer' traceback after the one line; it now prints one line
     saying it lost its peer, and the failing rank's own line stays."""
-    import subprocess
-    import sys
-
     driver = tmp_path / "rank_driver.py"
     driver.write_text(RANK_DRIVER)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)  # (the driver imports us)
     env.pop("ATTNZOO_TRACEBACK", None)
     shim = SERVERS.shim(str(tmp_path / "bin"), str(driver))
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "--monitor-interval", "2",  # (rank 0 meets the closed peer before torchrun stops it)
-         "--no-python", shim, mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
-         *TINY_MT, "--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update",
-         "4", "--no-save", "--num-workers", "0", "--distributed-backend", "gloo",
-         "--distributed-init-method", "env://", "--distributed-no-spawn",
-         "--distributed-world-size", "2", "--ddp-backend", "legacy_ddp"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    ranks = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("[rank")]
-    assert run.returncode != 0
+    code, out, err = SERVERS.run(TORCHRUN, [
+        "--standalone", "--nproc_per_node", "2",
+        "--monitor-interval", "2",  # (rank 0 meets the closed peer before torchrun stops it)
+        "--no-python", shim, mt_data, "--user-dir", USER_DIR, "--cpu", "--arch", "transformer",
+        *TINY_MT, "--max-tokens", "500", "--optimizer", "adam", "--lr", "1e-3", "--max-update",
+        "4", "--no-save", "--num-workers", "0", "--distributed-backend", "gloo",
+        "--distributed-init-method", "env://", "--distributed-no-spawn",
+        "--distributed-world-size", "2", "--ddp-backend", "legacy_ddp"],
+        env=env, cwd=tmp_path, timeout=300)
+    ranks = [x for x in (out + err).splitlines() if x.startswith("[rank")]
+    assert code != 0
     assert not any("Traceback" in x for x in ranks), ranks[-30:]
     assert [x for x in ranks if "fairseq-attnzoo: " in x] == [
         "[rank1]: fairseq-attnzoo: rank 1's own error",

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from console_server import SERVERS
+from console_server import SERVERS, TORCHRUN
 from preptest_util import REPO
 from test_ddp import _run
 from zoo_testlib import USER_DIR, build, eval_flags, run_cli
@@ -443,12 +443,12 @@ def test_shard_values_memory_and_bytes_per_rank(tmp_path):
     (tests/shard_measure.py counts them)."""
     out = tmp_path / "measure.json"
     measure = os.path.join(HERE, "shard_measure.py")  # (each rank forked from its server)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--no-python", SERVERS.shim(str(tmp_path / "bin"), measure),
-           "--out", str(out), "--repeats", "1", "--n-keys", "256", "--tokens", "256"]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    argv = ["--standalone", "--nproc_per_node", "2", "--no-python",
+            SERVERS.shim(str(tmp_path / "bin"), measure),
+            "--out", str(out), "--repeats", "1", "--n-keys", "256", "--tokens", "256"]
+    code, _, err = SERVERS.run(TORCHRUN, argv, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               cwd=tmp_path, timeout=600)
+    assert code == 0, err[-4000:]
     m = json.loads(out.read_text())
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         rep, split = m[dtype]["replicated"], m[dtype]["sharded"]
