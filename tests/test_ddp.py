@@ -8,7 +8,6 @@ identical on both ranks."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch

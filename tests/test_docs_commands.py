@@ -11,12 +11,11 @@ fence. The README's "In your own PyTorch model" examples run with fairseq blocke
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
-from console_server import BIN
+from console_server import BIN, SERVERS
 from docs_testlib import (BLOCK_FAIRSEQ, REPO, blocks, build_demo_data, doc_files, is_pytorch_example,
                           demo_rows_used, is_shell, make_toy_wrappers, make_workdir,
                           stray_markers, train_demo_rows)
@@ -117,4 +116,8 @@ def test_pytorch_example_runs_without_fairseq(index, tmp_path):
     """The README's plain-PyTorch examples: fairseq cannot be imported and none of it loads."""
     b = [b for b in blocks("README.md") if is_pytorch_example(b)][index]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    _run([sys.executable, "-c", BLOCK_FAIRSEQ + "\n" + b.text], str(tmp_path), env, b.where)
+    # (as python -c, forked from a console server that imported torch, never fairseq)
+    code, out, err = SERVERS.run("-c", [BLOCK_FAIRSEQ + "\n" + b.text], env=env, cwd=tmp_path,
+                                 timeout=BLOCK_TIMEOUT)
+    assert code == 0, f"{b.where} failed (exit {code}):\n--- stdout\n{out[-3000:]}\n--- stderr\n" \
+                      f"{err[-5000:]}"
