@@ -52,7 +52,7 @@ TORCHRUN = "-m torch.distributed.run"
 SHIM_CLIENT = '''
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(path)
-request = dict(argv=argv, env=dict(os.environ), cwd=os.getcwd())
+request = dict(argv=argv, env=dict(os.environ), cwd=os.getcwd(), executable=executable)
 socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
 pid = json.loads(s.recv(4096))["pid"]
 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -65,13 +65,14 @@ sys.exit(code)
 '''
 SHIM = '''#!{python} -S
 import json, os, signal, socket, sys
-path, argv = {path!r}, sys.argv[1:]
+path, argv, executable = {path!r}, sys.argv[1:], None
 ''' + SHIM_CLIENT
 #: ``python`` for a shell or a script that runs ``python -m MODULE ARGS``: the modules it was made
-#: for run through their servers; anything else is this interpreter itself
+#: for run through their servers, with the shim as their ``sys.executable`` (a ``sys.executable
+#: -m MODULE`` they start goes through it too); anything else is this interpreter itself
 PYTHON_SHIM = '''#!{python} -S
 import json, os, signal, socket, sys
-sockets, argv = {sockets!r}, sys.argv[1:]
+sockets, argv, executable = {sockets!r}, sys.argv[1:], os.path.abspath(sys.argv[0])
 if len(argv) < 2 or argv[0] != "-m" or argv[1] not in sockets:
     os.execv({python!r}, [{python!r}, *argv])
 path, argv = sockets[argv[1]], argv[2:]
@@ -108,12 +109,13 @@ class ConsoleServer:
                 "the console servers' base process did not start"
         return "\0" + name
 
-    def _start(self, programs, preload=(), cwd=None):
+    def _start(self, programs, preload=(), cwd=None, own_folder=False):
         """Start the servers of ``programs`` that are not running (at once: each does its
-        imports), wait until they listen; their sockets."""
+        imports), wait until they listen; their sockets. ``own_folder``: servers of their own
+        for ``cwd`` (a ``-m`` module imports from the folder its server starts in)."""
         started, paths = [], []
         for program in programs:
-            key = " ".join([program, *preload])
+            key = " ".join([program, *preload, *([str(cwd)] if own_folder else [])])
             name = self.prefix + hashlib.sha1(key.encode()).hexdigest()[:12]  # (108 bytes at most)
             paths.append("\0" + name)
             if not _alive(self.servers.get(name)):
@@ -147,10 +149,12 @@ class ConsoleServer:
 
     def python_shim(self, folder, modules, cwd=None) -> str:
         """A ``python`` in ``folder`` (put it first on PATH) that runs ``python -m MODULE ARGS``
-        through MODULE's server for each of ``modules`` (their servers started in ``cwd``, where
-        they import), and execs this interpreter for anything else. Returns ``folder``."""
+        through MODULE's server for each of ``modules`` (servers of ``cwd``'s own, where they
+        import), with the shim as the command's ``sys.executable``, and execs this interpreter
+        for anything else. Returns ``folder``."""
         os.makedirs(folder, exist_ok=True)
-        sockets = dict(zip(modules, self._start([f"-m {m}" for m in modules], cwd=cwd)))
+        sockets = dict(zip(modules, self._start([f"-m {m}" for m in modules], cwd=cwd,
+                                                own_folder=True)))
         path = os.path.join(folder, "python")
         with open(path, "w") as f:
             f.write(PYTHON_SHIM.format(python=sys.executable, sockets=sockets))
@@ -245,6 +249,8 @@ def _child(target, request, fds):
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # TMPDIR as the command's environment says
+        if request.get("executable"):  # (a python shim's command)
+            sys.executable = request["executable"]
         if target.startswith("-m "):
             sys.path[0] = os.getcwd()  # as `python -m` puts it
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

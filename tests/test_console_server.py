@@ -115,3 +115,28 @@ def test_a_killed_shim_takes_its_command_with_it(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_python_shim_runs_its_modules_and_what_they_start_with_sys_executable(tmp_path):
+    """``SERVERS.python_shim``: ``python -m MODULE`` of its modules runs through their servers
+    (started in the given folder, where the module is imported from), with the shim as
+    ``sys.executable``, so a ``sys.executable -m MODULE`` the command starts goes through it too;
+    anything else is the interpreter itself."""
+    import sys
+
+    (tmp_path / "probe.py").write_text(
+        "import subprocess, sys\n"
+        "if __name__ == '__main__':\n"
+        "    print(sys.argv[1], sys.executable, __file__, flush=True)\n"
+        "    if sys.argv[1] == 'parent':\n"
+        "        subprocess.run([sys.executable, '-m', 'probe', 'child'], check=True)\n")
+    folder = SERVERS.python_shim(str(tmp_path / "bin"), ["probe"], cwd=tmp_path)
+    python = os.path.join(folder, "python")
+    run = subprocess.run([python, "-m", "probe", "parent"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    probe = str(tmp_path / "probe.py")
+    assert run.stdout.splitlines() == [f"parent {python} {probe}", f"child {python} {probe}"]
+    other = subprocess.run([python, "-c", "import sys; print(sys.executable)"],
+                           capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() == sys.executable

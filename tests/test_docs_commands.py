@@ -62,8 +62,18 @@ def shims(console_shims):
                                   if os.path.exists(os.path.join(BIN, name))}))
 
 
-def _env(tmp_path, shims):
+#: the modules the blocks run with ``python -m`` (and those start with ``sys.executable -m``)
+PYTHON_MODULES = ["scripts.bench", "scripts.bench.harness", "scripts.data.prepare_text",
+                  "fairseq_cli.preprocess"]
+
+
+def _env(tmp_path, shims, cwd=None):
+    """The blocks' environment; with ``cwd``, a ``python`` whose ``-m`` of PYTHON_MODULES runs
+    through console servers started there (each command its own process, as in
+    tests/console_server.py)."""
     wrappers = make_toy_wrappers(str(tmp_path / "toybin"), shims)
+    if cwd:
+        wrappers += ":" + SERVERS.python_shim(str(tmp_path / "pybin"), PYTHON_MODULES, cwd=cwd)
     return dict(os.environ, PATH=f"{wrappers}:{shims}:{BIN}:{os.environ.get('PATH', '')}",
                 PYTHONPATH=REPO, OMP_NUM_THREADS="1", ATTNZOO_TRACEBACK="1",
                 MPLBACKEND="Agg")
@@ -102,7 +112,7 @@ def test_documented_commands_run(path, demo_data, shims, tmp_path):
     if os.path.exists(work):  # the demo's checkpoints, read-only in spirit
         os.makedirs(os.path.join(cwd, "work"))
         os.symlink(os.path.join(os.path.realpath(work), "demo"), os.path.join(cwd, "work", "demo"))
-    env = _env(tmp_path, shims)
+    env = _env(tmp_path, shims, cwd)
     for b in _runnable(path):
         t0 = time.time()
         _run(["bash", "-e", "-o", "pipefail", "-c", b.text], cwd, env, b.where)

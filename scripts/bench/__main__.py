@@ -2,4 +2,5 @@ import sys
 
 from scripts.bench.harness import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (imported without running: the tests' console server)
+    sys.exit(main())
