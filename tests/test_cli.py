@@ -11,6 +11,7 @@ import fairseq_attnzoo  # noqa: F401
 from fairseq_attnzoo.cli import archs as archs_cli
 from fairseq_attnzoo.cli import sample as sample_cli
 
+from console_server import SERVERS
 from zoo_testlib import REPO, USER_DIR, make_mono_text, preprocess, run_cli, zoo_archs
 
 TINY_LM = ["--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed-dim", "16",
@@ -21,17 +22,14 @@ TINY_LM = ["--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed
            "--seed", "1"]
 
 
-def _run_module(name, *argv):
-    """``python -m fairseq_attnzoo.cli.NAME`` in the test's own folder (not the repository)."""
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", f"fairseq_attnzoo.cli.{name}", *argv],
-                          cwd=os.getcwd(), env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_archs_lists_every_zoo_arch_from_another_directory():
-    out = _run_module("archs", "--list")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == zoo_archs()
+    """``python -m fairseq_attnzoo.cli.archs --list`` in the test's own folder (not the
+    repository; forked from its console server)."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    code, out, err = SERVERS.run("-m fairseq_attnzoo.cli.archs", ["--list"], env=env,
+                                 cwd=os.getcwd(), timeout=120)
+    assert code == 0, err[-2000:]
+    assert out.split() == zoo_archs()
     mt = archs_cli.zoo_archs(task="translation", method="synth")
     assert mt and all(a.startswith("transformer_synth") for a in mt)
     assert archs_cli.zoo_archs(method="none") == ["attnzoo_lm", "attnzoo_transformer"]

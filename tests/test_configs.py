@@ -6,7 +6,6 @@ import json
 import math
 import os
 import struct
-import subprocess
 import sys
 
 import pytest
@@ -112,11 +111,10 @@ def test_fairseq_hydra_train_runs_configs(mt_data, lm_data, tmp_path):
                      "checkpoint.no_epoch_checkpoints=true", "dataset.num_workers=0",
                      f"task.data={data}"] + sizes + extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    r = subprocess.run([sys.executable, "-W", "ignore", f"{REPO}/tests/hydra_runner.py",
-                        json.dumps(runs)], capture_output=True, text=True, cwd=tmp_path, env=env,
-                       timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    code, out, err = SERVERS.run(f"{REPO}/tests/hydra_runner.py", [json.dumps(runs)], env=env,
+                                 cwd=tmp_path, timeout=300)
+    out += err
+    assert code == 0, out[-3000:]
     valid = {}
     current = None
     for line in out.splitlines():
