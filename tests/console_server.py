@@ -109,6 +109,13 @@ class ConsoleServer:
                 "the console servers' base process did not start"
         return "\0" + name
 
+    def close(self):
+        """End the base process and its servers (else they end with this process)."""
+        if self.base is not None:
+            _stop(self.base)
+            self.base = None
+            self.servers.clear()
+
     def _start(self, programs, preload=(), cwd=None, own_folder=False):
         """Start the servers of ``programs`` that are not running (at once: each does its
         imports), wait until they listen; their sockets. ``own_folder``: servers of their own

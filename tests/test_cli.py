@@ -11,7 +11,7 @@ import fairseq_attnzoo  # noqa: F401
 from fairseq_attnzoo.cli import archs as archs_cli
 from fairseq_attnzoo.cli import sample as sample_cli
 
-from console_server import SERVERS
+from console_server import SERVERS, ConsoleServer
 from zoo_testlib import REPO, USER_DIR, make_mono_text, preprocess, run_cli, zoo_archs
 
 TINY_LM = ["--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed-dim", "16",
@@ -176,19 +176,24 @@ def test_console_commands_of_a_plain_pip_install_work_from_another_directory(tmp
                          capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stderr[-2000:]
     env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
-
-    def run(*argv):
-        return subprocess.run([*argv], cwd=os.getcwd(), env=env, capture_output=True,
-                              text=True, timeout=120)
-
-    where = run(sys.executable, "-c", "import fairseq_attnzoo; print(fairseq_attnzoo.__file__)")
+    where = subprocess.run([sys.executable, "-c", "import fairseq_attnzoo; "
+                            "print(fairseq_attnzoo.__file__)"], cwd=os.getcwd(), env=env,
+                           capture_output=True, text=True, timeout=120)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr[-1000:]
-    listed = run(str(site / "bin" / "attnzoo-archs"), "--list")
-    assert listed.returncode == 0 and listed.stdout.split() == zoo_archs(), listed.stderr[-2000:]
-    for command in ("attnzoo-sample", "attnzoo-average-checkpoints",
-                    "attnzoo-collab-reparametrize", "attnzoo-plot"):
-        out = run(str(site / "bin" / command), "--help")
-        assert out.returncode == 0 and "usage" in out.stdout.lower(), (command, out.stderr[-1000:])
+    # the console scripts: each its own process, forked from a console server of this
+    # environment (PYTHONPATH: the install) after the script's imports (tests/console_server.py)
+    servers = ConsoleServer(env=env)
+    try:
+        code, out, err = servers.run(str(site / "bin" / "attnzoo-archs"), ["--list"], env=env,
+                                     cwd=os.getcwd())
+        assert code == 0 and out.split() == zoo_archs(), err[-2000:]
+        for command in ("attnzoo-sample", "attnzoo-average-checkpoints",
+                        "attnzoo-collab-reparametrize", "attnzoo-plot"):
+            code, out, err = servers.run(str(site / "bin" / command), ["--help"], env=env,
+                                         cwd=os.getcwd())
+            assert code == 0 and "usage" in out.lower(), (command, err[-1000:])
+    finally:
+        servers.close()
 
 
 @pytest.mark.slow

@@ -55,10 +55,11 @@ def test_readme_fits_first_contact():
 
 @pytest.fixture(scope="module")
 def shims(console_shims):
-    """The fairseq console scripts the blocks call, run through tests/console_server.py: the
-    same commands, each in a process of its own, without each paying fairseq's imports."""
+    """The fairseq and attnzoo console scripts the blocks call, run through
+    tests/console_server.py: the same commands, each in a process of its own, without each
+    paying fairseq's imports."""
     return console_shims(*sorted({name for p in doc_files() for b in _runnable(p)
-                                  for name in re.findall(r"\bfairseq-[a-z-]+", b.text)
+                                  for name in re.findall(r"\b(?:fairseq|attnzoo)-[a-z-]+", b.text)
                                   if os.path.exists(os.path.join(BIN, name))}))
 
 
