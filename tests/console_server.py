@@ -15,11 +15,11 @@ interpreter ends a script: an uncaught exception goes to ``sys.excepthook``, ate
 the exit code is ``sys.exit``'s. test_console_server.py checks a command and a shim against the
 real script.
 
-The servers are forked in turn from a base process, which did the imports they share once: torch,
-``torch._dynamo`` and fairseq -- every program here imports fairseq (the ``fairseq-*`` scripts
-on their first line, ours through ``fairseq_attnzoo``) -- or, for ``-c`` without ``"fairseq"``
-in its preload (a scenario that blocks fairseq's import), torch and ``torch._dynamo`` only. A
-server's start then costs what its program imports besides (a fresh server paid 3-6 s).
+The servers are forked in turn from one base process (a :class:`ConsoleServer`'s), which did once
+the imports they share (:data:`BASE_IMPORTS`: torch, ``torch._dynamo``, and the two libraries
+that take longest in fairseq's import); fairseq itself is each program's own import, since its
+modules configure logging as they load. A server's start then costs what its program imports
+besides (under 1 s for a ``fairseq-*`` script; a fresh server paid 3-6 s).
 
     # SERVERS: this test process's (a program's server starts on its first use)
     code, out, err = SERVERS.run("fairseq-train", argv, env=..., cwd=..., merge=False)
