@@ -120,23 +120,22 @@ class ConsoleServer:
         """Start the servers of ``programs`` that are not running (at once: each does its
         imports), wait until they listen; their sockets. ``own_folder``: servers of their own
         for ``cwd`` (a ``-m`` module imports from the folder its server starts in)."""
-        started, paths = [], []
+        started, paths, cwd = [], [], str(cwd or os.getcwd())
         for program in programs:
-            key = " ".join([program, *preload, *([str(cwd)] if own_folder else [])])
+            key = " ".join([program, *preload, *([cwd] if own_folder else [])])
             name = self.prefix + hashlib.sha1(key.encode()).hexdigest()[:12]  # (108 bytes at most)
             paths.append("\0" + name)
             if not _alive(self.servers.get(name)):
                 target = (program if program.startswith("-") or os.path.isabs(program) else
                           os.path.join(BIN, program))
-                base = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                base.connect(self._base())
-                base.sendall(json.dumps(dict(target=target, name=name, preload=list(preload),
-                                             cwd=str(cwd or os.getcwd()),
-                                             env=dict(self.env or os.environ))).encode())
-                started.append((program, name, base))
-        for program, name, base in started:
-            with base:
-                reply = base.recv(4096)
+                ask = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                ask.connect(self._base())
+                ask.sendall(json.dumps(dict(target=target, name=name, preload=list(preload),
+                                            cwd=cwd, env=dict(self.env or os.environ))).encode())
+                started.append((program, name, ask))
+        for program, name, ask in started:
+            with ask:
+                reply = ask.recv(4096)
             assert reply, f"the console server of {program} did not start"
             self.servers[name] = json.loads(reply)["pid"]
         return paths
@@ -250,18 +249,29 @@ def _script(target, argv) -> int:
     return code
 
 
+def _enter(cwd, env):
+    """Work in ``cwd`` with exactly the environment ``env`` (TMPDIR as it says)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+
+
+def _on_path(first=None):
+    """``sys.path`` as an interpreter started here would have it: ``first`` in front (None:
+    as it is), then the entries of PYTHONPATH."""
+    if first is not None:
+        sys.path[0] = first
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [p for p in extra if p not in sys.path]
+
+
 def _child(target, request, fds):
     try:
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        tempfile.tempdir = None  # TMPDIR as the command's environment says
+        _enter(request["cwd"], request["env"])
         if request.get("executable"):  # (a python shim's command)
             sys.executable = request["executable"]
-        if target.startswith("-m "):
-            sys.path[0] = os.getcwd()  # as `python -m` puts it
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[1:1] = [p for p in extra if p not in sys.path]  # as its interpreter would
+        _on_path(os.getcwd() if target.startswith("-m ") else None)  # (as `python -m` puts it)
         for std, fd in enumerate(fds):
             os.dup2(fd, std)
             os.close(fd)
@@ -344,19 +354,14 @@ def _serve(target, name, preload, cwd, env, conn):
     """A server (in a child of :func:`_base`): ``target``'s imports and ``preload``'s in
     ``cwd`` and ``env``, as its own interpreter would do them; its pid to ``conn`` once it
     listens; then a child forked for each command."""
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = None
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[1:1] = [p for p in extra if p not in sys.path]
+    _enter(cwd, env)
     if target == "-c":  # code comes with each command; sys.path[0] as `python -c` puts it
-        sys.path[0] = ""
+        _on_path("")
     elif target.startswith("-m "):  # the module's imports (its main is under __name__ == ...)
-        sys.path[0] = os.getcwd()
+        _on_path(os.getcwd())
         runpy.run_module(target[3:], run_name="__console_server__")
     else:  # the script's imports
-        sys.path[0] = os.path.dirname(target)  # as when the script itself is run, not this file
+        _on_path(os.path.dirname(target))  # as when the script itself runs, not this file
         runpy.run_path(target, run_name="__console_server__")
     for module in preload:
         importlib.import_module(module)

@@ -80,11 +80,15 @@ def _env(tmp_path, shims, cwd=None):
                 MPLBACKEND="Agg")
 
 
+def _ran(where, code, stdout, stderr):
+    assert code == 0, (f"{where} failed (exit {code}):\n--- stdout\n{stdout[-3000:]}\n"
+                       f"--- stderr\n{stderr[-5000:]}")
+
+
 def _run(cmd, cwd, env, where, **kwargs):
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=BLOCK_TIMEOUT, **kwargs)
-    assert p.returncode == 0, (f"{where} failed (exit {p.returncode}):\n--- stdout\n"
-                               f"{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-5000:]}")
+    _ran(where, p.returncode, p.stdout, p.stderr)
     return p
 
 
@@ -128,7 +132,5 @@ def test_pytorch_example_runs_without_fairseq(index, tmp_path):
     b = [b for b in blocks("README.md") if is_pytorch_example(b)][index]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     # (as python -c, forked from a console server that imported torch, never fairseq)
-    code, out, err = SERVERS.run("-c", [BLOCK_FAIRSEQ + "\n" + b.text], env=env, cwd=tmp_path,
-                                 timeout=BLOCK_TIMEOUT)
-    assert code == 0, f"{b.where} failed (exit {code}):\n--- stdout\n{out[-3000:]}\n--- stderr\n" \
-                      f"{err[-5000:]}"
+    _ran(b.where, *SERVERS.run("-c", [BLOCK_FAIRSEQ + "\n" + b.text], env=env, cwd=tmp_path,
+                               timeout=BLOCK_TIMEOUT))
