@@ -16,6 +16,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
         patch_once_a_launch()
 
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -318,6 +319,24 @@ def console_shims(tmp_path_factory):
 
     folder = str(tmp_path_factory.mktemp("shims"))
     return lambda *programs: SERVERS.shims(folder, programs)
+
+
+@pytest.fixture(scope="session")
+def _preprocess_python(tmp_path_factory):
+    from console_server import SERVERS
+
+    folder = SERVERS.python_shim(str(tmp_path_factory.mktemp("pybin")), ["fairseq_cli.preprocess"],
+                                 cwd=str(ROOT))
+    return os.path.join(folder, "python")
+
+
+@pytest.fixture
+def preprocess_through_server(_preprocess_python, monkeypatch):
+    """For this test ``sys.executable`` is a ``python`` whose ``-m fairseq_cli.preprocess`` (what
+    the data scripts run: scripts/data/preplib.py) goes through that module's console server
+    (tests/console_server.py): the same command in a process of its own, without paying
+    fairseq's imports each time; anything else it hands to this interpreter."""
+    monkeypatch.setattr(sys, "executable", _preprocess_python)
 
 
 @pytest.fixture

@@ -365,6 +365,8 @@ def _serve(target, name, preload, cwd, env, conn):
         runpy.run_path(target, run_name="__console_server__")
     for module in preload:
         importlib.import_module(module)
+    if target not in COMPOSE_NOTHING:
+        _first_config()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a test run: the commands' business
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -415,6 +417,42 @@ def _serve(target, name, preload, cwd, env, conn):
         _reply(conn, pid=pid)
     for pid in running:  # the test process is done: nothing waits for these any more
         os.kill(pid, signal.SIGKILL)
+
+
+#: programs whose commands compose no fairseq config (:func:`_first_config` would be wasted)
+COMPOSE_NOTHING = {os.path.join(BIN, "fairseq-preprocess"), "-m fairseq_cli.preprocess",
+                   os.path.join(BIN, "attnzoo-archs"), "-m fairseq_attnzoo.cli.archs"}
+
+
+def _first_config():
+    """Where the program imported fairseq, compose fairseq's config once, as a command's first
+    config would: hydra then has found its plugins, made its lazy imports and built its parser's
+    tables, and ``inspect`` knows the modules' files (hydra's ``initialize`` looks up its
+    caller's module), in this process rather than in each command's child -- a fairseq command's
+    config then takes about 0.35 s instead of 0.8 s. Nothing of it is left that a command could
+    see: no warning or log line, hydra not initialized, the warnings filters as they were."""
+    if "fairseq" not in sys.modules:
+        return
+    import inspect
+    import logging
+    import warnings
+
+    import fairseq
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    config = os.path.join(os.path.dirname(fairseq.__file__), "config")
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with hydra.initialize_config_dir(config_dir=config, version_base="1.1"):
+                hydra.compose("config", overrides=["common.seed=1"])
+            inspect.getmodule(compile("0", "<first config>", "eval"))
+    finally:
+        logging.disable(disabled)
+    assert not GlobalHydra.instance().is_initialized(), "the first config left hydra initialized"
 
 
 def _reply(conn, **message):

@@ -124,12 +124,11 @@ def test_sample_console_script_prints_no_debug_lines(sentencepiece_lm):
     """attnzoo-sample printed hydra's DEBUG:hydra.core.utils lines (fairseq's imports leave the
     root logger at DEBUG)."""
     data, ckpt = sentencepiece_lm
-    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "attnzoo-sample"), data,
-                          "--path", ckpt, "--cpu", "--len", "2", "--prompt", "▁w1"],
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert not [x for x in out.stderr.splitlines() if "DEBUG" in x], out.stderr[-2000:]
+    code, _, err = SERVERS.run("attnzoo-sample", [data, "--path", ckpt, "--cpu", "--len", "2",
+                                                  "--prompt", "▁w1"],
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
+    assert code == 0, err[-2000:]
+    assert not [x for x in err.splitlines() if "DEBUG" in x], err[-2000:]
 
 
 def test_archs_shows_on_off_flags_by_name_and_the_attention_the_host_builds(capsys):
@@ -218,14 +217,13 @@ def test_collab_finetune_command_refuses_a_missing_checkpoint(mt_data, tmp_path)
     assert "--restore-file" not in argv and argv[argv.index("--finetune-from-model") + 1] == missing
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ATTNZOO_TRACEBACK", None)
-    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:], "--cpu",
-                        "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1",
-                        "--max-tokens", "400"], capture_output=True, text=True, timeout=300,
-                       env=env, cwd=str(tmp_path))
-    last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode != 0 and not (tmp_path / "ft" / "checkpoint_last.pt").exists()
+    code, _, err = SERVERS.run(argv[0], [*argv[1:], "--cpu", "--optimizer", "adam", "--lr", "1e-3",
+                                         "--max-update", "1", "--max-tokens", "400"],
+                               env=env, cwd=tmp_path)
+    last = err.strip().splitlines()[-1]
+    assert code != 0 and not (tmp_path / "ft" / "checkpoint_last.pt").exists()
     assert last.startswith("fairseq-attnzoo: --finetune-from-model") and missing in last, last
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err
 
 
 def test_plot_spans_defaults_its_output_and_title(tmp_path, capsys):

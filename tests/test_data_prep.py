@@ -188,7 +188,7 @@ def test_libreoffice_end_to_end_tiny(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_libreoffice_binarize_tiny(tmp_path):
+def test_libreoffice_binarize_tiny(tmp_path, preprocess_through_server):
     """Full pipeline incl. fairseq-preprocess on a tiny synthetic help tree."""
     pytest.importorskip("sentencepiece")
     pytest.importorskip("fairseq")

@@ -43,19 +43,17 @@ def test_generate_and_eval_lm_print_no_debug_lines(lm_data, mt_data, tmp_path):
     imported, before fairseq-generate / fairseq-eval-lm configure logging: hydra's
     ``DEBUG:hydra.core.utils`` lines reached stderr (compat entry fairseq_root_log_level)."""
     import os
-    import subprocess
-    import sys
 
+    from console_server import SERVERS  # (each command its own process, imports paid once)
     from zoo_testlib import USER_DIR
 
     missing = str(tmp_path / "missing.pt")  # the DEBUG lines came before the checkpoint is read
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOGLEVEL", None)
     for program, data in (("fairseq-eval-lm", lm_data), ("fairseq-generate", mt_data)):
-        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), program), data,
-                            "--user-dir", USER_DIR, "--cpu", "--path", missing],
-                           capture_output=True, text=True, timeout=300, env=env)
-        out = r.stdout + r.stderr
+        code, out, _ = SERVERS.run(program, [data, "--user-dir", USER_DIR, "--cpu", "--path",
+                                             missing], env=env, cwd=tmp_path, merge=True)
+        assert code != 0 and "missing.pt" in out, (program, out[-2000:])
         assert not [line for line in out.splitlines() if "DEBUG" in line], (program, out[-2000:])
 
 

@@ -26,7 +26,8 @@ def _parallel(root, n=(120, 10, 10)):
         (root / f"{split}.en").write_text("\n".join(en) + "\n", encoding="utf-8")
 
 
-def test_parallel_text_to_data_bin_and_the_remove_bpe_to_score_it(tmp_path, capsys):
+def test_parallel_text_to_data_bin_and_the_remove_bpe_to_score_it(tmp_path, capsys,
+                                                                 preprocess_through_server):
     _parallel(tmp_path)
     raw, out = tmp_path, tmp_path / "out"
     code = prepare_text.main(["--src", "es", "--tgt", "en", "--train", f"{raw}/train", "--valid",
@@ -47,7 +48,7 @@ def test_parallel_text_to_data_bin_and_the_remove_bpe_to_score_it(tmp_path, caps
     assert (out / "spm" / "valid.en").read_text(encoding="utf-8").count("\n") == 10
 
 
-def test_text_to_language_model_data_bin(tmp_path, capsys):
+def test_text_to_language_model_data_bin(tmp_path, capsys, preprocess_through_server):
     _parallel(tmp_path)
     code = prepare_text.main(["--train", f"{tmp_path}/train.en", "--valid",
                               f"{tmp_path}/valid.en", "--test", f"{tmp_path}/test.en", "--out",

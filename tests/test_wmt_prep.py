@@ -99,7 +99,7 @@ def raw_corpus(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_prepare_raw_dir_end_to_end(raw_corpus, tmp_path, capsys):
+def test_prepare_raw_dir_end_to_end(raw_corpus, tmp_path, capsys, preprocess_through_server):
     raw, n_read = raw_corpus
     out = tmp_path / "out"
     args = ["--raw-dir", str(raw), "--out", str(out), "--vocab-size", "60", "--workers", "1"]
@@ -244,12 +244,26 @@ def test_average_checkpoints_epoch_fallback(tmp_path):
 
 
 # ------------------------------------------------------------------ shell scripts
-def _sh(script, *args, **env):
+def _sh(script, *args, python=sys.executable, **env):
     import os
 
-    full_env = {**os.environ, "PYTHON": sys.executable, "GPUS": "1", **env}
+    full_env = {**os.environ, "PYTHON": python, "GPUS": "1", **env}
     return subprocess.run(["bash", str(EXAMPLE / script), *args], capture_output=True, text=True,
                           env=full_env, cwd=os.getcwd())
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """A ``python`` whose ``-m fairseq_attnzoo.cli.archs`` (train.sh asks it for the archs) runs
+    through that module's console server (tests/console_server.py): the command's own process,
+    without paying fairseq's imports each time."""
+    import os
+
+    from console_server import SERVERS
+
+    folder = SERVERS.python_shim(str(tmp_path_factory.mktemp("pybin")),
+                                 ["fairseq_attnzoo.cli.archs"], cwd=ROOT)
+    return os.path.join(folder, "python")
 
 
 @pytest.mark.parametrize("script", ["prepare.sh", "train.sh", "generate.sh"])
@@ -259,16 +273,17 @@ def test_shell_syntax(script):
     assert "set -euo pipefail" in (EXAMPLE / script).read_text()
 
 
-def test_train_sh_unknown_arch_one_line():
-    r = _sh("train.sh", "transformer_nope")
+def test_train_sh_unknown_arch_one_line(python):
+    r = _sh("train.sh", "transformer_nope", python=python)
     assert r.returncode != 0
     assert r.stderr.count("\n") == 1 and "unknown ARCH 'transformer_nope'" in r.stderr
     assert "transformer_synth_random_vanilla" in r.stderr and "transformer_pkm" in r.stderr
     assert r.stdout == ""
 
 
-def test_train_sh_dry_run():
-    r = _sh("train.sh", "transformer_synth_random", "--max-epoch", "3", DRY_RUN="1")
+def test_train_sh_dry_run(python):
+    r = _sh("train.sh", "transformer_synth_random", "--max-epoch", "3", DRY_RUN="1",
+            python=python)
     assert r.returncode == 0, r.stderr
     cmd = r.stdout
     for flag in ("-m fairseq_cli.train", "--arch transformer_synth_random",
@@ -279,17 +294,18 @@ def test_train_sh_dry_run():
                  f"--save-dir {ROOT}/checkpoints/wmt14_en_de/transformer_synth_random",
                  "--max-epoch 3"):
         assert flag in cmd, flag
-    four = _sh("train.sh", "transformer_pkm", DRY_RUN="1", GPUS="4", MAX_UPDATE="250000").stdout
+    four = _sh("train.sh", "transformer_pkm", DRY_RUN="1", GPUS="4", MAX_UPDATE="250000",
+               python=python).stdout
     assert "--update-freq 2" in four and "--distributed-world-size 4" in four
     assert "--optimizer pkm_adam" in four and "--max-update 250000" in four
     from fairseq_attnzoo.cli.archs import zoo_archs
 
     known = ["transformer"] + zoo_archs(task="translation")  # the recipe asks the registry
     assert len(known) >= 16 and "transformer_pkm" in known
-    fork = _sh("train.sh", "transformer_collab_fork", DRY_RUN="1").stdout  # the paper's setup
-    assert "--arch transformer_collab_fork" in fork and "--collab-key-dim 128" in fork
+    fork = _sh("train.sh", "transformer_collab_fork", DRY_RUN="1", python=python).stdout
+    assert "--arch transformer_collab_fork" in fork and "--collab-key-dim 128" in fork  # (paper's)
     for arch in known:  # every known arch has a case branch
-        assert _sh("train.sh", arch, DRY_RUN="1").returncode == 0, arch
+        assert _sh("train.sh", arch, DRY_RUN="1", python=python).returncode == 0, arch
 
 
 def test_generate_sh_dry_run():
