@@ -12,9 +12,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     except ImportError:  # (the kernel tests say so: they need Triton)
         pass
     else:  # the interpreter without its repeated work (tests/interpreter_testlib.py)
-        from interpreter_testlib import patch_once_a_launch
+        from interpreter_testlib import numpy_xor_sum, patch_once_a_launch
 
         patch_once_a_launch()
+        numpy_xor_sum()
 
 import sys  # noqa: E402
 import tempfile  # noqa: E402

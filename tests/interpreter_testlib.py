@@ -8,7 +8,16 @@ language modules again (``inspect.getmembers``) and sets again what the launch s
 helper sees no language module the launch did not patch, that work changes nothing: it took
 about 30 % of the interpreter's time in this suite (the PKM kernel tests: 81 s -> 57 s).
 :func:`patch_once_a_launch` skips exactly those calls; the interpreted arithmetic is Triton's
-own. tests/test_interpreter_testlib.py checks it against the interpreter as Triton ships it."""
+own.
+
+The interpreter reduces with NumPy where the combine function is one it knows (sum, max, min,
+argmax, argmin) and otherwise element by element, calling the interpreted combine function once
+per element (``ReduceOps.generic_reduce``). ``tl.sort`` and ``tl.topk`` (the fused search's
+bitonic merges) reduce with ``xor_sum`` at every compare-and-swap step: about 30 % of the
+interpreter's time in the suite went there. :func:`numpy_xor_sum` reduces ``xor_sum`` with
+``np.bitwise_xor.reduce`` instead -- the same bits, integers being exact.
+
+tests/test_interpreter_testlib.py checks both against the interpreter as Triton ships it."""
 
 import inspect
 
@@ -51,3 +60,26 @@ def patch_once_a_launch():
     once.stock = patch_lang, launch  # (Triton's, for the test)
     interpreter._patch_lang = once
     interpreter.GridExecutor.__call__ = launch_once
+
+
+def numpy_xor_sum():
+    """The interpreter's reductions with ``xor_sum``'s combine function along an axis go to
+    ``np.bitwise_xor.reduce``; every other reduction is the interpreter's own. Idempotent."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    apply_impl = interpreter.ReduceOps.apply_impl
+    if getattr(apply_impl, "numpy_xor_sum", False):
+        return
+
+    def with_numpy_xor(self, input):
+        if self.combine_fn is not tl.standard._xor_combine or self.axis is None:
+            return apply_impl(self, input)
+        data = input[0].handle.data
+        return self.to_tensor(np.bitwise_xor.reduce(data, axis=self.axis,
+                                                    keepdims=self.keep_dims), input[0].dtype)
+
+    with_numpy_xor.numpy_xor_sum = True
+    with_numpy_xor.stock = apply_impl  # (Triton's, for the test)
+    interpreter.ReduceOps.apply_impl = with_numpy_xor

@@ -3,8 +3,6 @@ derived from the registry and the parameter counts; the picture report (scripts/
 from a tiny fake demo run."""
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -186,13 +184,13 @@ def test_report_from_a_tiny_fake_demo_run(mt_data, trained, tmp_path):
     results = [{"arch": n, "bleu": 1.5, "chrf": 20.25} for n in names[:-1]]
     results.append({"arch": "adaptive_span_lm_small", "bpc": 5.125})
     (out / "results.json").write_text(json.dumps(results))
-    # the command line, in a fresh interpreter (the plotters' imports must not clash with
-    # fairseq's --user-dir import of the checkpoints)
-    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "scripts.demo.report", "--out",
-                        str(out), "--docs", str(docs), "--data", mt_data], capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"report written to {docs / 'README.md'}" in r.stdout
+    # the command line, in a process of its own (the plotters' imports must not clash with
+    # fairseq's --user-dir import of the checkpoints), forked from its console server
+    code, stdout, stderr = SERVERS.run("-m scripts.demo.report", ["--out", str(out), "--docs",
+                                                                  str(docs), "--data", mt_data],
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    assert code == 0, stderr[-3000:]
+    assert f"report written to {docs / 'README.md'}" in stdout
     text = (docs / "README.md").read_text()
     assert config.make_command(names[:-1], names[-1:]) in text
     for n in names:
