@@ -1,0 +1,48 @@
+"""tests/hydra_testlib.py: with hydra's override parser memoised (as the pytest workers and
+tests/ddp_runner.py run it), a fairseq command's config is the one hydra as it ships composes,
+the second time too, and a string hydra refuses is still refused."""
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
+from omegaconf import OmegaConf
+
+from hydra_testlib import memoize_override_parsing
+from zoo_testlib import quiet, tiny_flags
+
+
+def _config(arch, data):
+    """(the composed config as yaml, the override strings hydra parsed for it)"""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf, override_module_args
+
+    with quiet():
+        args = options.parse_args_and_arch(options.get_training_parser(),
+                                           tiny_flags(arch, data) + ["--lr", "0.25"])
+        return (OmegaConf.to_yaml(convert_namespace_to_omegaconf(args)),
+                set(override_module_args(args)[0]))
+
+
+def test_a_memoised_parse_composes_hydras_config(mt_data, lm_data, monkeypatch):
+    memoize_override_parsing()  # (conftest did: a second call changes nothing)
+    memoized = OverridesParser.parse_rule
+    first, strings = _config("transformer_pkm", mt_data)
+    parsed = {key[0] for key in memoized.memo}
+    assert len(strings) > 100 and strings <= parsed  # each parsed once, kept
+    assert _config("transformer_pkm", mt_data)[0] == first  # (from the memo)
+    lm = _config("transformer_lm_pkm", lm_data)[0]
+    monkeypatch.setattr(OverridesParser, "parse_rule", memoized.stock)  # hydra as it ships
+    assert _config("transformer_pkm", mt_data)[0] == first
+    assert _config("transformer_lm_pkm", lm_data)[0] == lm
+
+
+def test_a_memoised_parse_is_a_copy_and_refusals_stay():
+    memoize_override_parsing()
+    parser = OverridesParser.create()
+    a, b = parser.parse_overrides(["optimization.lr=[0.25,0.5]"] * 2)
+    assert a == b and a is not b and a.value() is not b.value()
+    a.value().append(1.0)  # (hydra's own use may change what it was given)
+    assert parser.parse_overrides(["optimization.lr=[0.25,0.5]"])[0].value() == [0.25, 0.5]
+    for _ in range(2):
+        with pytest.raises(OverrideParseException, match="no viable alternative"):
+            parser.parse_overrides(["common.seed=[1"])
