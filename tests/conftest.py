@@ -24,14 +24,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-try:  # in-process fairseq commands parse each hydra override string once (tests/hydra_testlib.py)
+try:  # in-process fairseq commands compose their configs quicker (tests/hydra_testlib.py)
     import hydra  # noqa: F401
 except ImportError:  # (no fairseq: its tests say so)
     pass
 else:
-    from hydra_testlib import memoize_override_parsing
+    from hydra_testlib import quicker_compose
 
-    memoize_override_parsing()
+    quicker_compose()
 
 # ---- hermetic tests: each in its own folder, nothing written outside it --------------------------
 #

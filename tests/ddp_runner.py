@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from hydra_testlib import memoize_override_parsing  # noqa: E402
+from hydra_testlib import quicker_compose  # noqa: E402
 from zoo_testlib import is_lm, json_logs, run_cli, tiny_flags, train_flags  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main():
                         "-- every table of one process -- at that update's gradient "
                         "all-reduce)]: each trains every arch (or its own), in this one process")
     a = p.parse_args()
-    memoize_override_parsing()  # (the runs' configs share most override strings)
+    quicker_compose()  # (tests/hydra_testlib.py: one config a run)
     setups = json.loads(a.setups)
     if any(setup[1] in ("pytorch_ddp", "c10d") for setup in setups):
         _pytorch_ddp_on_cpu()

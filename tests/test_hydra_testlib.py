@@ -1,13 +1,14 @@
-"""tests/hydra_testlib.py: with hydra's override parser memoised (as the pytest workers and
-tests/ddp_runner.py run it), a fairseq command's config is the one hydra as it ships composes,
-the second time too, and a string hydra refuses is still refused."""
+"""tests/hydra_testlib.py: with hydra's override parser memoised and its structured-config source
+reading the live ConfigStore (as the pytest workers and tests/ddp_runner.py run it), a fairseq
+command's config is the one hydra as it ships composes, the second time too; a string hydra
+refuses is still refused, and copying a config repository no longer copies the store."""
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import OmegaConf
 
-from hydra_testlib import memoize_override_parsing
+from hydra_testlib import quicker_compose
 from zoo_testlib import quiet, tiny_flags
 
 
@@ -23,8 +24,11 @@ def _config(arch, data):
                 set(override_module_args(args)[0]))
 
 
-def test_a_memoised_parse_composes_hydras_config(mt_data, lm_data, monkeypatch):
-    memoize_override_parsing()  # (conftest did: a second call changes nothing)
+def test_a_quicker_compose_composes_hydras_config(mt_data, lm_data, monkeypatch):
+    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
+
+    quicker_compose()  # (conftest did: a second call changes nothing)
+    live_store = vars(StructuredConfigSource)["store"]
     memoized = OverridesParser.parse_rule
     first, strings = _config("transformer_pkm", mt_data)
     parsed = {key[0] for key in memoized.memo}
@@ -32,12 +36,14 @@ def test_a_memoised_parse_composes_hydras_config(mt_data, lm_data, monkeypatch):
     assert _config("transformer_pkm", mt_data)[0] == first  # (from the memo)
     lm = _config("transformer_lm_pkm", lm_data)[0]
     monkeypatch.setattr(OverridesParser, "parse_rule", memoized.stock)  # hydra as it ships
+    monkeypatch.delattr(StructuredConfigSource, "store")
+    assert isinstance(live_store, property) and not hasattr(StructuredConfigSource, "store")
     assert _config("transformer_pkm", mt_data)[0] == first
     assert _config("transformer_lm_pkm", lm_data)[0] == lm
 
 
 def test_a_memoised_parse_is_a_copy_and_refusals_stay():
-    memoize_override_parsing()
+    quicker_compose()
     parser = OverridesParser.create()
     a, b = parser.parse_overrides(["optimization.lr=[0.25,0.5]"] * 2)
     assert a == b and a is not b and a.value() is not b.value()
@@ -46,3 +52,18 @@ def test_a_memoised_parse_is_a_copy_and_refusals_stay():
     for _ in range(2):
         with pytest.raises(OverrideParseException, match="no viable alternative"):
             parser.parse_overrides(["common.seed=[1"])
+
+
+def test_a_copied_repository_reads_the_one_config_store():
+    import copy
+
+    from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_store import ConfigStore
+
+    quicker_compose()
+    repository = CachingConfigRepository(ConfigRepository(create_config_search_path(None)))
+    structured = [s for s in repository.get_sources() if s.scheme() == "structured"]
+    assert structured and all(s.store is ConfigStore.instance() for s in structured)
+    assert "store" not in vars(structured[0]) and copy.deepcopy(structured[0]).store is \
+        ConfigStore.instance()
