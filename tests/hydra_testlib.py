@@ -17,19 +17,28 @@ a run.
   holding it, as hydra does since its pull request 2928 ("Use latest configstore singleton
   instead of storing it"; hydra 1.3.2 here): a copy of the repository no longer copies it.
 
-:func:`quicker_compose` does both (the config then takes about 0.2 s): tests/conftest.py in the
+* :func:`one_frame_caller` has hydra's ``initialize`` (which finds its caller's file: a relative
+  config path is relative to it) read the one frame it uses instead of every frame of the
+  stack: ``inspect.stack()`` reads each frame's source line and looks up each frame's module,
+  and a frame without a module file (``<frozen runpy>``, a forked command's) searched every
+  loaded module each time.
+
+:func:`quicker_compose` does all three (the config then takes about 0.2 s): tests/conftest.py in the
 pytest workers (in-process ``run_cli``), tests/ddp_runner.py, and the console servers
 (tests/console_server.py) before they fork their commands. tests/test_hydra_testlib.py checks
 composed configs against hydra's own.
 """
 
 import copy
+import inspect
+import sys
 
 
 def quicker_compose():
-    """:func:`memoize_override_parsing` and :func:`live_config_store`."""
+    """:func:`memoize_override_parsing`, :func:`live_config_store` and :func:`one_frame_caller`."""
     memoize_override_parsing()
     live_config_store()
+    one_frame_caller()
 
 
 def memoize_override_parsing():
@@ -65,3 +74,51 @@ def live_config_store():
         assert store is ConfigStore.instance(), "a StructuredConfigSource of another ConfigStore"
 
     StructuredConfigSource.store = property(lambda self: ConfigStore.instance(), set_store)
+
+
+class _Frames:
+    """``inspect.stack(context)`` of the frame ``outer`` and those above it, each ``FrameInfo``
+    made when it is asked for (an index, a slice, in turn)."""
+
+    def __init__(self, outer, context):
+        self.frames, self.context = [], context
+        while outer is not None:
+            self.frames.append(outer)
+            outer = outer.f_back
+
+    def _info(self, frame):
+        return inspect.FrameInfo(frame, *inspect.getframeinfo(frame, self.context))
+
+    def __len__(self):
+        return len(self.frames)
+
+    def __getitem__(self, at):
+        if isinstance(at, slice):
+            return [self._info(frame) for frame in self.frames[at]]
+        return self._info(self.frames[at])
+
+    def __iter__(self):
+        return (self._info(frame) for frame in self.frames)
+
+
+class _OneFrameInspect:
+    """``inspect`` as hydra's ``_internal.utils`` sees it, with a ``stack`` that reads only the
+    frames asked for."""
+
+    stock = inspect
+
+    def __getattr__(self, name):
+        return getattr(inspect, name)
+
+    @staticmethod
+    def stack(context=1):
+        return _Frames(sys._getframe(1), context)
+
+
+def one_frame_caller():
+    """``inspect.stack()`` in ``hydra._internal.utils`` (its caller lookup, which takes the one
+    frame ``stack[depth]``) makes only the frame infos it is asked for. Idempotent."""
+    from hydra._internal import utils
+
+    if not isinstance(utils.inspect, _OneFrameInspect):
+        utils.inspect = _OneFrameInspect()

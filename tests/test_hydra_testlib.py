@@ -37,6 +37,9 @@ def test_a_quicker_compose_composes_hydras_config(mt_data, lm_data, monkeypatch)
     lm = _config("transformer_lm_pkm", lm_data)[0]
     monkeypatch.setattr(OverridesParser, "parse_rule", memoized.stock)  # hydra as it ships
     monkeypatch.delattr(StructuredConfigSource, "store")
+    from hydra._internal import utils
+
+    monkeypatch.setattr(utils, "inspect", utils.inspect.stock)
     assert isinstance(live_store, property) and not hasattr(StructuredConfigSource, "store")
     assert _config("transformer_pkm", mt_data)[0] == first
     assert _config("transformer_lm_pkm", lm_data)[0] == lm
@@ -67,3 +70,26 @@ def test_a_copied_repository_reads_the_one_config_store():
     assert structured and all(s.store is ConfigStore.instance() for s in structured)
     assert "store" not in vars(structured[0]) and copy.deepcopy(structured[0]).store is \
         ConfigStore.instance()
+
+
+def test_hydras_caller_lookup_reads_one_frame_and_finds_what_stock_finds(monkeypatch):
+    """hydra's initialize finds its caller's file and module as with inspect.stack(), reading
+    only the frame it uses; the other use of the stack in that module (is_under_debugger) sees
+    the same frames."""
+    import inspect
+
+    from hydra._internal import utils
+
+    quicker_compose()
+    read = []
+    info = inspect.getframeinfo
+    monkeypatch.setattr(inspect, "getframeinfo", lambda f, c=1: (read.append(f), info(f, c))[1])
+
+    def lookups():
+        return (utils.detect_calling_file_or_module_from_stack_frame(1),
+                utils.is_under_debugger(), len(utils.inspect.stack()))
+
+    quick, reads = lookups(), len(read)
+    assert quick[0] == (__file__, None) and reads <= 5  # (the stack is ~40 frames deep)
+    monkeypatch.setattr(utils, "inspect", utils.inspect.stock)  # hydra as it ships
+    assert lookups()[:2] == quick[:2] and len(read) - reads > 30
