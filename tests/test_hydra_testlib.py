@@ -27,7 +27,12 @@ def _config(arch, data):
 def test_a_quicker_compose_composes_hydras_config(mt_data, lm_data, monkeypatch):
     from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
 
-    quicker_compose()  # (conftest did: a second call changes nothing)
+    from hydra._internal import utils
+
+    # tests/conftest.py applied it in this worker
+    assert OverridesParser.parse_rule.memo is not None and isinstance(
+        vars(StructuredConfigSource)["store"], property) and utils.inspect.stock
+    quicker_compose()  # (a second call changes nothing)
     live_store = vars(StructuredConfigSource)["store"]
     memoized = OverridesParser.parse_rule
     first, strings = _config("transformer_pkm", mt_data)
@@ -37,8 +42,6 @@ def test_a_quicker_compose_composes_hydras_config(mt_data, lm_data, monkeypatch)
     lm = _config("transformer_lm_pkm", lm_data)[0]
     monkeypatch.setattr(OverridesParser, "parse_rule", memoized.stock)  # hydra as it ships
     monkeypatch.delattr(StructuredConfigSource, "store")
-    from hydra._internal import utils
-
     monkeypatch.setattr(utils, "inspect", utils.inspect.stock)
     assert isinstance(live_store, property) and not hasattr(StructuredConfigSource, "store")
     assert _config("transformer_pkm", mt_data)[0] == first
@@ -93,3 +96,18 @@ def test_hydras_caller_lookup_reads_one_frame_and_finds_what_stock_finds(monkeyp
     assert quick[0] == (__file__, None) and reads <= 5  # (the stack is ~40 frames deep)
     monkeypatch.setattr(utils, "inspect", utils.inspect.stock)  # hydra as it ships
     assert lookups()[:2] == quick[:2] and len(read) - reads > 30
+
+
+def test_a_console_servers_commands_compose_quicker():
+    """A console server that imported fairseq applies it before it forks its commands
+    (tests/console_server.py's first config)."""
+    import os
+
+    from console_server import SERVERS
+
+    code = ("from hydra._internal import utils\n"
+            "from hydra.core.override_parser.overrides_parser import OverridesParser\n"
+            "assert OverridesParser.parse_rule.memo and utils.inspect.stock\n")
+    status, _, err = SERVERS.run("-c", [code], env=dict(os.environ), cwd=os.getcwd(),
+                                 preload=("fairseq",), timeout=120)
+    assert status == 0, err[-2000:]

@@ -51,7 +51,8 @@ def test_the_interpreter_patches_the_language_once_a_launch(monkeypatch):
 
     assert isinstance(_kernel, interpreter.InterpretedFunction)  # the interpreter runs the tests
     before = dict(vars(tl))
-    patch_once_a_launch()  # (conftest did: a second call changes nothing)
+    assert interpreter._patch_lang.once_a_launch  # (tests/conftest.py applied it)
+    patch_once_a_launch()  # (a second call changes nothing)
     y, scans = _launch(monkeypatch)
     assert scans == 1  # the launch's own
     assert dict(vars(tl)) == before  # put back as it was
@@ -95,7 +96,8 @@ def _xor_and_sort(monkeypatch):
 def test_xor_sum_is_numpys_with_the_interpreters_result(monkeypatch):
     from triton.runtime import interpreter
 
-    numpy_xor_sum()  # (conftest did: a second call changes nothing)
+    assert interpreter.ReduceOps.apply_impl.numpy_xor_sum  # (tests/conftest.py applied it)
+    numpy_xor_sum()  # (a second call changes nothing)
     out, slow = _xor_and_sort(monkeypatch)
     assert slow == 0  # no reduction element by element
     stock = interpreter.ReduceOps.apply_impl.stock
