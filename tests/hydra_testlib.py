@@ -63,17 +63,23 @@ def memoize_override_parsing():
 
 def live_config_store():
     """``StructuredConfigSource.store`` is the ``ConfigStore`` singleton, read when used, not an
-    attribute a copy of the source copies. Idempotent."""
-    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
+    attribute a copy of the source copies. The class patched is the one hydra's sources registry
+    resolves: hydra's plugin scan (``Plugins.instance()``, run here first) executes its core
+    plugins' modules again and registers the classes of that run, not those of
+    ``sys.modules``. Idempotent."""
+    from hydra._internal.sources_registry import SourcesRegistry
     from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
 
-    if isinstance(vars(StructuredConfigSource).get("store"), property):
+    Plugins.instance()
+    source = SourcesRegistry.instance().resolve("structured")
+    if isinstance(vars(source).get("store"), property):
         return
 
     def set_store(self, store):
         assert store is ConfigStore.instance(), "a StructuredConfigSource of another ConfigStore"
 
-    StructuredConfigSource.store = property(lambda self: ConfigStore.instance(), set_store)
+    source.store = property(lambda self: ConfigStore.instance(), set_store)
 
 
 class _Frames:

@@ -25,15 +25,16 @@ def _config(arch, data):
 
 
 def test_a_quicker_compose_composes_hydras_config(mt_data, lm_data, monkeypatch):
-    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
-
     from hydra._internal import utils
+    from hydra._internal.sources_registry import SourcesRegistry
+
+    source = SourcesRegistry.instance().resolve("structured")  # (the class hydra uses)
 
     # tests/conftest.py applied it in this worker
     assert OverridesParser.parse_rule.memo is not None and isinstance(
-        vars(StructuredConfigSource)["store"], property) and utils.inspect.stock
+        vars(source)["store"], property) and utils.inspect.stock
     quicker_compose()  # (a second call changes nothing)
-    live_store = vars(StructuredConfigSource)["store"]
+    live_store = vars(source)["store"]
     memoized = OverridesParser.parse_rule
     first, strings = _config("transformer_pkm", mt_data)
     parsed = {key[0] for key in memoized.memo}
@@ -41,9 +42,9 @@ def test_a_quicker_compose_composes_hydras_config(mt_data, lm_data, monkeypatch)
     assert _config("transformer_pkm", mt_data)[0] == first  # (from the memo)
     lm = _config("transformer_lm_pkm", lm_data)[0]
     monkeypatch.setattr(OverridesParser, "parse_rule", memoized.stock)  # hydra as it ships
-    monkeypatch.delattr(StructuredConfigSource, "store")
+    monkeypatch.delattr(source, "store")
     monkeypatch.setattr(utils, "inspect", utils.inspect.stock)
-    assert isinstance(live_store, property) and not hasattr(StructuredConfigSource, "store")
+    assert isinstance(live_store, property) and not hasattr(source, "store")
     assert _config("transformer_pkm", mt_data)[0] == first
     assert _config("transformer_lm_pkm", lm_data)[0] == lm
 
@@ -106,8 +107,11 @@ def test_a_console_servers_commands_compose_quicker():
     from console_server import SERVERS
 
     code = ("from hydra._internal import utils\n"
+            "from hydra._internal.sources_registry import SourcesRegistry\n"
             "from hydra.core.override_parser.overrides_parser import OverridesParser\n"
-            "assert OverridesParser.parse_rule.memo and utils.inspect.stock\n")
+            "source = SourcesRegistry.instance().resolve('structured')\n"
+            "assert OverridesParser.parse_rule.memo and utils.inspect.stock\n"
+            "assert isinstance(vars(source)['store'], property)\n")
     status, _, err = SERVERS.run("-c", [code], env=dict(os.environ), cwd=os.getcwd(),
                                  preload=("fairseq",), timeout=120)
     assert status == 0, err[-2000:]
