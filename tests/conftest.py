@@ -331,21 +331,26 @@ def console_shims(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def _preprocess_python(tmp_path_factory):
+def python_through_servers(tmp_path_factory):
+    """``python_through_servers(*modules)``: the path of a ``python`` whose ``-m MODULE`` of
+    ``modules`` goes through that module's console server started in the repository
+    (tests/console_server.py, ``python_shim``): the same command in a process of its own,
+    without paying fairseq's imports each time; anything else it hands to this interpreter."""
     from console_server import SERVERS
 
-    folder = SERVERS.python_shim(str(tmp_path_factory.mktemp("pybin")), ["fairseq_cli.preprocess"],
-                                 cwd=str(ROOT))
-    return os.path.join(folder, "python")
+    def python(*modules):
+        folder = SERVERS.python_shim(str(tmp_path_factory.mktemp("pybin")), list(modules),
+                                     cwd=str(ROOT))
+        return os.path.join(folder, "python")
+
+    return python
 
 
 @pytest.fixture
-def preprocess_through_server(_preprocess_python, monkeypatch):
-    """For this test ``sys.executable`` is a ``python`` whose ``-m fairseq_cli.preprocess`` (what
-    the data scripts run: scripts/data/preplib.py) goes through that module's console server
-    (tests/console_server.py): the same command in a process of its own, without paying
-    fairseq's imports each time; anything else it hands to this interpreter."""
-    monkeypatch.setattr(sys, "executable", _preprocess_python)
+def preprocess_through_server(python_through_servers, monkeypatch):
+    """For this test ``sys.executable`` runs ``-m fairseq_cli.preprocess`` (what the data scripts
+    run: scripts/data/preplib.py) through its console server (``python_through_servers``)."""
+    monkeypatch.setattr(sys, "executable", python_through_servers("fairseq_cli.preprocess"))
 
 
 @pytest.fixture

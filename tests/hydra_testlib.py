@@ -16,7 +16,6 @@ a run.
 * :func:`live_config_store` has the structured-config source read the store itself instead of
   holding it, as hydra does since its pull request 2928 ("Use latest configstore singleton
   instead of storing it"; hydra 1.3.2 here): a copy of the repository no longer copies it.
-
 * :func:`one_frame_caller` has hydra's ``initialize`` (which finds its caller's file: a relative
   config path is relative to it) read the one frame it uses instead of every frame of the
   stack: ``inspect.stack()`` reads each frame's source line and looks up each frame's module,

@@ -17,7 +17,7 @@ from scripts import make_hydra_configs as make_configs
 from zoo_testlib import REPO, USER_DIR, quiet, run_cli, tiny_flags, train_flags
 
 
-def test_configs_agree_with_recipes(monkeypatch, tmp_path):
+def test_configs_agree_with_recipes(monkeypatch, python_through_servers):
     """Every config is what scripts/make_hydra_configs.py derives from its recipe's command."""
     # (run as it is run, from the repository root: the recipes' --user-dir fairseq_attnzoo is
     # relative; generate() writes nothing, and tests/conftest.py checks that)
@@ -25,8 +25,7 @@ def test_configs_agree_with_recipes(monkeypatch, tmp_path):
     # the recipes' `python` (generate() puts this interpreter's folder first on their PATH): a
     # shim whose `python -m fairseq_attnzoo.cli.archs --list` -- each recipe asks for the arch
     # list -- forks from a process that did its imports (tests/console_server.py)
-    shims = SERVERS.python_shim(str(tmp_path / "bin"), ["fairseq_attnzoo.cli.archs"], cwd=REPO)
-    monkeypatch.setattr(sys, "executable", os.path.join(shims, "python"))
+    monkeypatch.setattr(sys, "executable", python_through_servers("fairseq_attnzoo.cli.archs"))
     configs = make_configs.generate()
     families = {name: [p for p in configs if f"/{name}/" in p]
                 for name in ("wmt14_en_de", "enwik8", "pkm_lm")}

@@ -253,17 +253,10 @@ def _sh(script, *args, python=sys.executable, **env):
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
+def python(python_through_servers):
     """A ``python`` whose ``-m fairseq_attnzoo.cli.archs`` (train.sh asks it for the archs) runs
-    through that module's console server (tests/console_server.py): the command's own process,
-    without paying fairseq's imports each time."""
-    import os
-
-    from console_server import SERVERS
-
-    folder = SERVERS.python_shim(str(tmp_path_factory.mktemp("pybin")),
-                                 ["fairseq_attnzoo.cli.archs"], cwd=ROOT)
-    return os.path.join(folder, "python")
+    through that module's console server (conftest's ``python_through_servers``)."""
+    return python_through_servers("fairseq_attnzoo.cli.archs")
 
 
 @pytest.mark.parametrize("script", ["prepare.sh", "train.sh", "generate.sh"])
